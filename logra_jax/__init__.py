@@ -1,0 +1,12 @@
+"""logra-jax: memory-efficient RL post-training with low-rank gradient sketches."""
+
+from logra_jax.optim import DimensionNumbers
+from logra_jax.optim import factored_updates
+from logra_jax.optim import FactoredUpdate
+from logra_jax.optim import logra
+from logra_jax.optim import low_rank_moments
+from logra_jax.optim import optimizer_state_bytes
+from logra_jax.optim import project
+from logra_jax.optim import unproject
+
+__version__ = "0.1.0"

@@ -1,0 +1,559 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3) in Flax NNX.
+
+Layer weights are stacked along a leading layer axis `[L, ...]` and the blocks
+run under one `jax.lax.scan`. Linear weights are stored `[in, out]` (`x @ W`).
+Every `nnx.Param` carries logical axis names in its `out_sharding` metadata
+("layers", "embed", "heads", "kv_heads", "mlp", "vocab"); `hf_io.logical_to_mesh`
+turns them into mesh shardings.
+
+Shape letters: B batch, T query length, S cache length, D hidden, F MLP width,
+H query heads, K kv heads, G = H // K, h head dim, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.models.config import DecoderConfig
+from logra_jax.optim import DimensionNumbers
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# Logical axis names of every parameter, by path (the sharding hook).
+LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+  ("embed",): ("vocab", "embed"),
+  ("final_norm",): ("embed",),
+  ("lm_head",): ("embed", "vocab"),
+  ("layers", "attn_norm"): ("layers", "embed"),
+  ("layers", "q_proj"): ("layers", "embed", "heads"),
+  ("layers", "k_proj"): ("layers", "embed", "kv_heads"),
+  ("layers", "v_proj"): ("layers", "embed", "kv_heads"),
+  ("layers", "o_proj"): ("layers", "heads", "embed"),
+  ("layers", "q_bias"): ("layers", "heads"),
+  ("layers", "k_bias"): ("layers", "kv_heads"),
+  ("layers", "v_bias"): ("layers", "kv_heads"),
+  ("layers", "o_bias"): ("layers", "embed"),
+  ("layers", "q_norm"): ("layers", None),
+  ("layers", "k_norm"): ("layers", None),
+  ("layers", "mlp_norm"): ("layers", "embed"),
+  ("layers", "gate_proj"): ("layers", "embed", "mlp"),
+  ("layers", "up_proj"): ("layers", "embed", "mlp"),
+  ("layers", "down_proj"): ("layers", "mlp", "embed"),
+}
+
+
+def logical_to_mesh(logical_axes: tuple[str | None, ...],
+                    mesh: jax.sharding.Mesh,
+                    rules: dict[str, str | tuple[str, ...] | None] | None = None,
+                    ) -> jax.sharding.NamedSharding:
+  """Maps a parameter's logical axis names to a `NamedSharding` on `mesh`.
+
+  This is the single hook between model metadata and device layout: each
+  logical name ("layers", "embed", "heads", "kv_heads", "mlp", "vocab") is
+  looked up in `rules` (logical name -> mesh axis or None); names missing from
+  `rules` are replicated. The partition table itself lives in `parallel/`.
+
+  Args:
+    logical_axes: a parameter's `out_sharding` metadata.
+    mesh: the device mesh.
+    rules: logical-to-mesh axis table; default replicates everything.
+
+  Returns:
+    The sharding.
+
+  Example:
+    >>> mesh = jax.make_mesh((1,), ("fsdp",))
+    >>> logical_to_mesh(("embed", "mlp"), mesh, {"embed": "fsdp"}).spec
+    PartitionSpec('fsdp', None)
+  """
+  rules = rules or {}
+  spec = jax.sharding.PartitionSpec(
+      *(None if name is None else rules.get(name) for name in logical_axes))
+  return jax.sharding.NamedSharding(mesh, spec)
+
+
+def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Returns the shape of every parameter of `config`'s decoder, by path.
+
+  Args:
+    config: the decoder config.
+
+  Returns:
+    `{path: shape}`; optional parameters (biases, q/k norms, untied LM head)
+    appear only when the config enables them.
+
+  Example:
+    >>> param_shapes(DecoderConfig.tiny(vocab_size=10))[("layers", "q_proj")]
+    (2, 64, 64)
+  """
+  c = config
+  L, D, F, V, h = (c.num_layers, c.hidden_size, c.intermediate_size,
+                   c.vocab_size, c.head_dim)
+  Hh, Kh = c.num_heads * h, c.num_kv_heads * h
+  shapes = {
+    ("embed",): (V, D),
+    ("final_norm",): (D,),
+    ("layers", "attn_norm"): (L, D),
+    ("layers", "q_proj"): (L, D, Hh),
+    ("layers", "k_proj"): (L, D, Kh),
+    ("layers", "v_proj"): (L, D, Kh),
+    ("layers", "o_proj"): (L, Hh, D),
+    ("layers", "mlp_norm"): (L, D),
+    ("layers", "gate_proj"): (L, D, F),
+    ("layers", "up_proj"): (L, D, F),
+    ("layers", "down_proj"): (L, F, D),
+  }
+  if not c.tie_word_embeddings:
+    shapes[("lm_head",)] = (D, V)
+  if c.attention_bias:
+    shapes.update({("layers", "q_bias"): (L, Hh), ("layers", "k_bias"): (L, Kh),
+                   ("layers", "v_bias"): (L, Kh)})
+  if c.attention_out_bias:
+    shapes[("layers", "o_bias")] = (L, D)
+  if c.qk_norm:
+    shapes.update({("layers", "q_norm"): (L, h), ("layers", "k_norm"): (L, h)})
+  return shapes
+
+
+class KVCache(NamedTuple):
+  """Fixed-size key/value cache for incremental decoding (a pytree).
+
+  Attributes:
+    k: keys `[L, B, S, K, h]` (RoPE applied).
+    v: values `[L, B, S, K, h]`.
+    mask: `[B, S]` bool, True where a slot holds a real (non-pad) token.
+    index: int32 scalar, the next slot to write (shared by the batch, so
+      ragged prompts are left-padded).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  mask: jax.Array
+  index: jax.Array
+
+  @property
+  def max_length(self) -> int:
+    """S, the number of slots."""
+    return self.k.shape[2]
+
+
+def init_cache(config: DecoderConfig, batch_size: int, max_length: int,
+               dtype: Any = None) -> KVCache:
+  """Returns an empty cache of `max_length` slots.
+
+  Args:
+    config: the decoder config.
+    batch_size: B.
+    max_length: S, prompt plus generated tokens must fit.
+    dtype: cache dtype; defaults to the compute dtype.
+
+  Returns:
+    A zero `KVCache` with `index == 0` and no valid slot.
+
+  Example:
+    >>> cache = init_cache(DecoderConfig.tiny(), batch_size=2, max_length=8)
+    >>> cache.k.shape
+    (2, 2, 8, 2, 16)
+  """
+  shape = (config.num_layers, batch_size, max_length, config.num_kv_heads,
+           config.head_dim)
+  dtype = dtype or config.dtype
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 mask=jnp.zeros((batch_size, max_length), bool),
+                 index=jnp.zeros((), jnp.int32))
+
+
+def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
+  """Inverse RoPE frequencies `[h/2]` (float32), with linear/llama3 scaling.
+
+  Mirrors `transformers.modeling_rope_utils` so logits agree with HF.
+
+  Args:
+    config: the decoder config.
+
+  Returns:
+    The frequencies.
+
+  Example:
+    >>> rope_inv_freq(DecoderConfig.tiny()).shape
+    (8,)
+  """
+  h = config.head_dim
+  inv_freq = 1.0 / (np.float32(config.rope_theta) ** (
+      np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+  inv_freq = inv_freq.astype(np.float32)
+  s = config.rope_scaling
+  if s is None:
+    return inv_freq
+  if s.kind == "linear":
+    return (inv_freq / np.float32(s.factor)).astype(np.float32)
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * np.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis in float32, cast back, times `weight`."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _apply_rope(x_BxTxNxh: jax.Array, cos_BxTxr: jax.Array,
+                sin_BxTxr: jax.Array) -> jax.Array:
+  """Rotates halves (HF `rotate_half` convention); r = h / 2."""
+  x1, x2 = jnp.split(x_BxTxNxh.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos_BxTxr[:, :, None], sin_BxTxr[:, :, None]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxh.dtype)
+
+
+def _remat(fn, policy: str):
+  """Wraps the block function with the configured checkpoint policy."""
+  if policy == "none":
+    return fn
+  if policy == "block":
+    return jax.checkpoint(fn, prevent_cse=False)
+  return jax.checkpoint(
+      fn, prevent_cse=False,
+      policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
+           cos_BxTxr: jax.Array, sin_BxTxr: jax.Array, mask_BxTxS: jax.Array,
+           past_k_BxSxKxh: jax.Array | None, past_v_BxSxKxh: jax.Array | None):
+  """One pre-norm block; returns (x, new keys, new values).
+
+  The mask covers `[past; new]` keys: S = past length + T.
+  """
+  c = config
+  dt = x_BxTxD.dtype
+  B, T, _ = x_BxTxD.shape
+  H, K, h = c.num_heads, c.num_kv_heads, c.head_dim
+
+  def dense(x, name):
+    return jnp.dot(x, w[name].astype(dt))
+
+  hn_BxTxD = _rms_norm(x_BxTxD, w["attn_norm"], c.rms_norm_eps)
+  q = dense(hn_BxTxD, "q_proj")
+  k = dense(hn_BxTxD, "k_proj")
+  v = dense(hn_BxTxD, "v_proj")
+  if c.attention_bias:
+    q = q + w["q_bias"].astype(dt)
+    k = k + w["k_bias"].astype(dt)
+    v = v + w["v_bias"].astype(dt)
+  q_BxTxHxh = q.reshape(B, T, H, h)
+  k_BxTxKxh = k.reshape(B, T, K, h)
+  v_BxTxKxh = v.reshape(B, T, K, h)
+  if c.qk_norm:
+    q_BxTxHxh = _rms_norm(q_BxTxHxh, w["q_norm"], c.rms_norm_eps)
+    k_BxTxKxh = _rms_norm(k_BxTxKxh, w["k_norm"], c.rms_norm_eps)
+  q_BxTxHxh = _apply_rope(q_BxTxHxh, cos_BxTxr, sin_BxTxr)
+  k_BxTxKxh = _apply_rope(k_BxTxKxh, cos_BxTxr, sin_BxTxr)
+
+  keys_BxSxKxh, values_BxSxKxh = k_BxTxKxh, v_BxTxKxh
+  if past_k_BxSxKxh is not None:
+    keys_BxSxKxh = jnp.concatenate([past_k_BxSxKxh.astype(dt), k_BxTxKxh], 1)
+    values_BxSxKxh = jnp.concatenate([past_v_BxSxKxh.astype(dt), v_BxTxKxh], 1)
+  q_BxTxKxGxh = q_BxTxHxh.reshape(B, T, K, H // K, h)
+  scores_BxKxGxTxS = jnp.einsum(
+      "btkgh,bskh->bkgts", q_BxTxKxGxh, keys_BxSxKxh,
+      preferred_element_type=jnp.float32) * (h ** -0.5)
+  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
+                               _MASK_VALUE)
+  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+  attn_BxTxKxGxh = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS,
+                              values_BxSxKxh)
+  out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
+  if c.attention_out_bias:
+    out_BxTxD = out_BxTxD + w["o_bias"].astype(dt)
+  x_BxTxD = x_BxTxD + out_BxTxD
+
+  hn_BxTxD = _rms_norm(x_BxTxD, w["mlp_norm"], c.rms_norm_eps)
+  act_BxTxF = jax.nn.silu(dense(hn_BxTxD, "gate_proj")) * dense(hn_BxTxD,
+                                                               "up_proj")
+  x_BxTxD = x_BxTxD + dense(act_BxTxF, "down_proj")
+  return x_BxTxD, k_BxTxKxh, v_BxTxKxh
+
+
+def forward_hidden(
+    config: DecoderConfig,
+    weights: dict[str, Any],
+    input_ids_BxT: jax.Array,
+    *,
+    positions_BxT: jax.Array | None = None,
+    attention_mask_BxT: jax.Array | None = None,
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+  """Pure forward pass up to the final RMSNorm.
+
+  Args:
+    config: the decoder config.
+    weights: `{"embed", "final_norm", "layers": {...}, ["lm_head"]}` arrays,
+      as laid out by `Decoder`.
+    input_ids_BxT: int token ids.
+    positions_BxT: RoPE positions; default: running count of real tokens
+      (so left padding is handled), continuing after the cache's tokens.
+    attention_mask_BxT: 1 for real tokens, 0 for padding; default all ones.
+    cache: optional `KVCache`; the new keys/values are written at
+      `cache.index` (the caller keeps `index + T <= S`).
+
+  Returns:
+    `(hidden_BxTxD, new_cache)`; `new_cache` is None when `cache` is None.
+  """
+  c = config
+  dt = jnp.dtype(c.dtype)
+  B, T = input_ids_BxT.shape
+  if attention_mask_BxT is None:
+    attention_mask_BxT = jnp.ones((B, T), bool)
+  attention_mask_BxT = attention_mask_BxT.astype(bool)
+  if positions_BxT is None:
+    positions_BxT = jnp.cumsum(attention_mask_BxT, axis=1, dtype=jnp.int32) - 1
+    if cache is not None:
+      positions_BxT += jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
+    positions_BxT = jnp.maximum(positions_BxT, 0)
+  freqs_BxTxr = (positions_BxT.astype(jnp.float32)[..., None]
+                 * jnp.asarray(rope_inv_freq(c)))
+  cos_BxTxr, sin_BxTxr = jnp.cos(freqs_BxTxr), jnp.sin(freqs_BxTxr)
+
+  causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+  mask_BxTxS = causal_TxT[None] & attention_mask_BxT[:, None, :]
+  if cache is not None:
+    past_BxTxS = jnp.broadcast_to(cache.mask[:, None, :],
+                                  (B, T, cache.max_length))
+    mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
+
+  x_BxTxD = jnp.take(weights["embed"], input_ids_BxT, axis=0).astype(dt)
+
+  def body(x_BxTxD, layer):
+    w, past_k, past_v = layer
+    x_BxTxD, k_new, v_new = _block(c, x_BxTxD, w, cos_BxTxr, sin_BxTxr,
+                                   mask_BxTxS, past_k, past_v)
+    new_kv = None if cache is None else (k_new, v_new)
+    return x_BxTxD, new_kv
+
+  body = _remat(body, c.remat)
+  past = (cache.k, cache.v) if cache is not None else (None, None)
+  x_BxTxD, new_kv = jax.lax.scan(body, x_BxTxD, (weights["layers"], *past))
+  hidden_BxTxD = _rms_norm(x_BxTxD, weights["final_norm"], c.rms_norm_eps)
+  if cache is None:
+    return hidden_BxTxD, None
+  k_LxBxTxKxh, v_LxBxTxKxh = new_kv
+  at = (0, 0, cache.index, 0, 0)
+  new_cache = KVCache(
+      k=jax.lax.dynamic_update_slice(cache.k, k_LxBxTxKxh.astype(cache.k.dtype),
+                                     at),
+      v=jax.lax.dynamic_update_slice(cache.v, v_LxBxTxKxh.astype(cache.v.dtype),
+                                     at),
+      mask=jax.lax.dynamic_update_slice(cache.mask, attention_mask_BxT,
+                                        (0, cache.index)),
+      index=cache.index + T)
+  return hidden_BxTxD, new_cache
+
+
+def unembedding(config: DecoderConfig, weights: dict[str, Any]) -> jax.Array:
+  """The output projection `[D, V]` in compute dtype (tied or not)."""
+  w_DxV = (weights["embed"].T if config.tie_word_embeddings
+           else weights["lm_head"])
+  return w_DxV.astype(config.dtype)
+
+
+def project_logits(hidden_BxTxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  """`hidden @ W` accumulated and returned in float32."""
+  return jnp.einsum("btd,dv->btv", hidden_BxTxD, w_DxV,
+                    preferred_element_type=jnp.float32)
+
+
+class Decoder(nnx.Module):
+  """Causal LM decoder with stacked, scanned layers.
+
+  Parameters (all `nnx.Param`, with logical `out_sharding` metadata):
+  `embed [V, D]`, `final_norm [D]`, optional `lm_head [D, V]`, and under
+  `layers`: `attn_norm [L, D]`, `q_proj [L, D, H*h]`, `k_proj`/`v_proj
+  [L, D, K*h]`, `o_proj [L, H*h, D]`, optional biases and q/k norms,
+  `mlp_norm [L, D]`, `gate_proj`/`up_proj [L, D, F]`, `down_proj [L, F, D]`.
+
+  Example:
+    >>> model = Decoder(DecoderConfig.tiny(vocab_size=32), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 32)
+  """
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtype = jnp.dtype(config.param_dtype)
+    normal = jax.nn.initializers.normal(config.initializer_range)
+
+    def param(path: tuple[str, ...], shape: tuple[int, ...]) -> nnx.Param:
+      name = path[-1]
+      if name.endswith("_norm"):
+        value = jnp.ones(shape, dtype)
+      elif name.endswith("_bias"):
+        value = jnp.zeros(shape, dtype)
+      else:
+        value = normal(rngs.params(), shape, dtype)
+      return nnx.Param(value, out_sharding=LOGICAL_AXES[path],
+                       eager_sharding=False)
+
+    shapes = param_shapes(config)
+    self.embed = param(("embed",), shapes[("embed",)])
+    self.layers = nnx.Dict({path[1]: param(path, shape)
+                            for path, shape in shapes.items()
+                            if path[0] == "layers"})
+    self.final_norm = param(("final_norm",), shapes[("final_norm",)])
+    self.lm_head = (None if config.tie_word_embeddings
+                    else param(("lm_head",), shapes[("lm_head",)]))
+
+  def weights(self) -> dict[str, Any]:
+    """The raw parameter arrays as the dict `forward_hidden` takes."""
+    weights = {"embed": self.embed[...], "final_norm": self.final_norm[...],
+               "layers": {k: v[...] for k, v in self.layers.items()}}
+    if self.lm_head is not None:
+      weights["lm_head"] = self.lm_head[...]
+    return weights
+
+  def hidden_states(self, input_ids_BxT: jax.Array, *,
+                    positions: jax.Array | None = None,
+                    attention_mask: jax.Array | None = None,
+                    cache: KVCache | None = None):
+    """Final-norm hidden states `[B, T, D]` and the updated cache (or None)."""
+    return forward_hidden(self.config, self.weights(), input_ids_BxT,
+                          positions_BxT=positions,
+                          attention_mask_BxT=attention_mask, cache=cache)
+
+  def unembedding(self) -> jax.Array:
+    """The output projection `[D, V]` in compute dtype."""
+    return unembedding(self.config, self.weights())
+
+  def __call__(self, input_ids_BxT: jax.Array, *,
+               positions: jax.Array | None = None,
+               attention_mask: jax.Array | None = None,
+               cache: KVCache | None = None):
+    """Float32 logits `[B, T, V]`; with a cache, `(logits, new_cache)`.
+
+    Args:
+      input_ids_BxT: int32 token ids.
+      positions: optional RoPE positions `[B, T]` (see `forward_hidden`).
+      attention_mask: optional `[B, T]`, 1 for real tokens, 0 for padding
+        (left or right). Outputs at padded positions are meaningless.
+      cache: optional `KVCache` from `init_cache`; enables incremental
+        decoding (prefill a chunk, then one token at a time).
+
+    Returns:
+      `logits_BxTxV` if `cache` is None, else `(logits_BxTxV, new_cache)`.
+    """
+    hidden_BxTxD, new_cache = self.hidden_states(
+        input_ids_BxT, positions=positions, attention_mask=attention_mask,
+        cache=cache)
+    logits_BxTxV = project_logits(hidden_BxTxD, self.unembedding())
+    return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)
+
+
+def init_model(config: DecoderConfig, rngs: nnx.Rngs | int = 0) -> Decoder:
+  """Builds a randomly initialized decoder.
+
+  Args:
+    config: the decoder config.
+    rngs: `nnx.Rngs` or an int seed.
+
+  Returns:
+    The `Decoder`.
+
+  Example:
+    >>> model = init_model(DecoderConfig.tiny(vocab_size=64), rngs=0)
+    >>> model.embed.shape
+    (64, 64)
+  """
+  if isinstance(rngs, int):
+    rngs = nnx.Rngs(rngs)
+  return Decoder(config, rngs=rngs)
+
+
+def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
+  """Splits a model into `(graphdef, params)`; `params` is an `nnx.State` pytree.
+
+  Args:
+    model: the decoder.
+
+  Returns:
+    The static graph definition and the parameters, for `logits_fn`,
+    `token_logprobs`, the sampler and optax. `nnx.merge(graphdef, params)`
+    rebuilds the module.
+
+  Example:
+    >>> graphdef, params = split_model(init_model(DecoderConfig.tiny()))
+    >>> params["layers"]["q_proj"].shape
+    (2, 64, 64)
+  """
+  return nnx.split(model, nnx.Param)
+
+
+def logits_fn(graphdef: nnx.GraphDef, params: nnx.State,
+              input_ids_BxT: jax.Array, *,
+              positions: jax.Array | None = None,
+              attention_mask: jax.Array | None = None) -> jax.Array:
+  """Pure float32 logits `[B, T, V]`; usable under `jit`, `grad` and `jvp`.
+
+  Args:
+    graphdef: from `split_model`.
+    params: from `split_model` (or a tangent/update of the same structure).
+    input_ids_BxT: int32 token ids.
+    positions: optional RoPE positions `[B, T]`.
+    attention_mask: optional `[B, T]` padding mask.
+
+  Returns:
+    The logits.
+
+  Example:
+    >>> graphdef, params = split_model(init_model(DecoderConfig.tiny(), 0))
+    >>> ids = jnp.zeros((1, 4), jnp.int32)
+    >>> jax.jit(logits_fn, static_argnums=0)(graphdef, params, ids).shape
+    (1, 4, 256)
+  """
+  model = nnx.merge(graphdef, params)
+  return model(input_ids_BxT, positions=positions,
+               attention_mask=attention_mask)
+
+
+def matrix_dimension_numbers(params: nnx.State,
+                             include_embeddings: bool = False) -> nnx.State:
+  """Which axes of each parameter form the matrix, for LoGRA projection.
+
+  Args:
+    params: from `split_model`.
+    include_embeddings: also treat `embed [V, D]` and `lm_head [D, V]` as
+      matrices (reduction axis 0, output axis 1).
+
+  Returns:
+    A tree shaped like `params` with, at each `Param`, either None (vectors,
+    norms, biases; embeddings and LM head unless asked) or
+    `DimensionNumbers(reduction_axes=(1,), output_axes=(2,), batch_axes=(0,))`
+    for the stacked layer matrices `[L, in, out]`.
+
+  Example:
+    >>> _, params = split_model(init_model(DecoderConfig.tiny(), 0))
+    >>> matrix_dimension_numbers(params)["layers"]["q_proj"].batch_axes
+    (0,)
+  """
+  def spec(path, variable):
+    names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+    if names[0] == "layers" and variable.ndim == 3:
+      return DimensionNumbers(reduction_axes=(1,), output_axes=(2,),
+                              batch_axes=(0,))
+    if include_embeddings and names[0] in ("embed", "lm_head"):
+      return DimensionNumbers(reduction_axes=(0,), output_axes=(1,))
+    return None
+
+  return jax.tree_util.tree_map_with_path(
+      spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,96 @@
+"""The one-call LoGRA optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import optax
+
+from logra_jax.optim import transforms
+from logra_jax.optim.dimension_numbers import SpecTree
+
+
+def logra(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: int,
+    kind: str = "range",
+    refresh_every: int = 200,
+    power_iters: int = 1,
+    oversample: int = 8,
+    seed: int = 0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    scale: float = 1.0,
+    moment_policy: str = "transfer",
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
+    dimension_numbers: Optional[SpecTree] = None,
+    mask: Any = None,
+    keep_factors: bool = False,
+) -> optax.GradientTransformation:
+  r"""LoGRA: Adam on low-rank gradient sketches, with decoupled weight decay.
+
+  For each matrix weight with projector :math:`P` (see :func:`project`),
+
+  .. math::
+    S_t = P^\top G_t, \quad
+    N_t = \mathrm{Adam}(S_t), \quad
+    W_{t+1} = W_t - \eta_t \big(\alpha P N_t + \lambda W_t\big),
+
+  with Adam's moments held at the sketch shape (``O(r \min(m, n))``) and moved
+  into the new basis at each refresh (``moment_policy``). Vectors and any leaf
+  excluded by ``mask``/``dimension_numbers`` get plain AdamW. Weight decay is
+  applied in full parameter space.
+
+  Args:
+    learning_rate: :math:`\eta`, a float or an optax schedule.
+    rank: projection rank ``r``.
+    kind: projector kind, ``"range"``, ``"random"`` or ``"svd"``.
+    refresh_every: steps between projector refreshes.
+    power_iters: power iterations of the ``"range"`` projector.
+    oversample: oversampling of the ``"range"`` projector.
+    seed: seed of the random test matrices and projectors.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    scale: :math:`\alpha`, multiplies the unprojected low-rank updates.
+    moment_policy: ``"transfer"``, ``"keep"`` or ``"reset"``.
+    weight_decay: :math:`\lambda`.
+    weight_decay_mask: pytree of bools (or callable) selecting decayed leaves.
+    dimension_numbers: which axes form each matrix; see :func:`project`.
+    mask: pytree of bools (or callable); False keeps a leaf dense.
+    keep_factors: keep the factored updates in the state (see
+      :func:`unproject`).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
+    >>> params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
+    >>> loss = lambda p: jnp.sum((p["w"] @ jnp.ones(32) - 1.0) ** 2)
+    >>> tx = logra.logra(learning_rate=1e-2, rank=4)
+    >>> state = tx.init(params)
+    >>> grads = jax.grad(loss)(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(loss(params) < 64 * 31.0 ** 2)
+    True
+
+  References:
+    Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
+    Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024.
+  """
+  return optax.chain(
+      transforms.project(
+          rank=rank, kind=kind, refresh_every=refresh_every,
+          power_iters=power_iters, oversample=oversample, seed=seed,
+          dimension_numbers=dimension_numbers, mask=mask,
+          moment_policy=moment_policy),
+      transforms.low_rank_moments(
+          optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)),
+      transforms.unproject(scale=scale, keep_factors=keep_factors),
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )

@@ -1,0 +1,225 @@
+"""Which axes of a weight form the matrix that LoGRA projects.
+
+A weight of any rank is viewed as a batch of matrices ``[B, m, n]``: the
+``batch_axes`` enumerate independent matrices (a layer-stacked ``[L, m, n]``
+weight gets ``L`` projectors), the ``reduction_axes`` form the rows ``m`` (the
+layer's input dimension) and the ``output_axes`` the columns ``n``. The
+projector lives on the longer of the two sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Axes = Union[int, Sequence[int]]
+
+
+class DimensionNumbers(NamedTuple):
+  """Axes of a weight that form the projected matrix.
+
+  Attributes:
+    reduction_axes: axis or axes forming the rows (the input dimension).
+    output_axes: axis or axes forming the columns (the output dimension).
+    batch_axes: axes that index independent matrices (e.g. the layer axis of a
+      layer-stacked weight); every axis of the weight must be in exactly one of
+      the three groups.
+
+  Example:
+    >>> import logra_jax as logra
+    >>> # A layer-stacked attention weight [layers, embed, heads * head_dim].
+    >>> spec = logra.DimensionNumbers(
+    ...     reduction_axes=1, output_axes=2, batch_axes=0)
+  """
+
+  reduction_axes: Axes = 0
+  output_axes: Axes = 1
+  batch_axes: Axes = ()
+
+
+SpecTree = Union[DimensionNumbers, Any, Callable[[Any], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """Static description of how one parameter leaf is optimized.
+
+  A leaf with ``rank == 0`` is dense: it goes through the inner transform at
+  full size. Otherwise the weight is viewed as ``[batch, m, n]`` and projected
+  on its longer side with ``rank`` columns.
+  """
+
+  path: str
+  index: int
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  perm: tuple[int, ...] = ()
+  batch: int = 1
+  m: int = 0
+  n: int = 0
+  rank: int = 0
+
+  @property
+  def projected(self) -> bool:
+    return self.rank > 0
+
+  @property
+  def left(self) -> bool:
+    """Whether the projector acts on the rows (``m >= n``)."""
+    return self.m >= self.n
+
+  @property
+  def long(self) -> int:
+    return max(self.m, self.n)
+
+  @property
+  def short(self) -> int:
+    return min(self.m, self.n)
+
+  @property
+  def sketch_shape(self) -> tuple[int, int, int]:
+    """Shape of the low-rank coordinates ``[batch, rank, short]``."""
+    return (self.batch, self.rank, self.short)
+
+  @property
+  def projector_shape(self) -> tuple[int, int, int]:
+    """Shape of the projector ``[batch, long, rank]``."""
+    return (self.batch, self.long, self.rank)
+
+  def to_long_view(self, x: jax.Array) -> jax.Array:
+    """Reshapes a leaf to ``[batch, long, short]`` (transposed if wide)."""
+    x_BxMxN = jnp.transpose(x, self.perm).reshape(self.batch, self.m, self.n)
+    return x_BxMxN if self.left else jnp.swapaxes(x_BxMxN, 1, 2)
+
+  def from_long_view(self, x_BxLxS: jax.Array) -> jax.Array:
+    """Inverse of :meth:`to_long_view`."""
+    x_BxMxN = x_BxLxS if self.left else jnp.swapaxes(x_BxLxS, 1, 2)
+    permuted_shape = tuple(self.shape[a] for a in self.perm)
+    return jnp.transpose(x_BxMxN.reshape(permuted_shape), np.argsort(self.perm))
+
+  def to_matrix(self, x: jax.Array) -> jax.Array:
+    """Reshapes a leaf to ``[batch, m, n]`` without changing orientation."""
+    return jnp.transpose(x, self.perm).reshape(self.batch, self.m, self.n)
+
+
+def _as_axes(axes: Axes) -> tuple[int, ...]:
+  if isinstance(axes, (int, np.integer)):
+    return (int(axes),)
+  return tuple(int(a) for a in axes)
+
+
+def _is_spec_leaf(x) -> bool:
+  return x is None or isinstance(x, DimensionNumbers)
+
+
+def _spec_for_shape(path: str, shape: tuple[int, ...],
+                    spec: DimensionNumbers) -> tuple[tuple[int, ...], ...]:
+  """Normalizes ``spec`` against ``shape``; raises naming ``path`` if invalid."""
+  ndim = len(shape)
+  groups = []
+  for name in ("reduction_axes", "output_axes", "batch_axes"):
+    axes = _as_axes(getattr(spec, name))
+    for a in axes:
+      if not -ndim <= a < ndim:
+        raise ValueError(
+            f"dimension numbers for parameter {path!r} with shape {shape}: "
+            f"{name} contains axis {a}, out of range for a {ndim}-d weight "
+            f"(got {spec})")
+    groups.append(tuple(a % ndim for a in axes))
+  reduction, output, batch = groups
+  if not reduction or not output:
+    raise ValueError(
+        f"dimension numbers for parameter {path!r} with shape {shape}: "
+        f"reduction_axes and output_axes must be non-empty (got {spec})")
+  flat = reduction + output + batch
+  if len(set(flat)) != len(flat):
+    raise ValueError(
+        f"dimension numbers for parameter {path!r} with shape {shape}: "
+        f"axes overlap (got {spec})")
+  if sorted(flat) != list(range(ndim)):
+    missing = sorted(set(range(ndim)) - set(flat))
+    raise ValueError(
+        f"dimension numbers for parameter {path!r} with shape {shape}: "
+        f"axes {missing} are in no group; every axis must be a reduction, "
+        f"output or batch axis (got {spec})")
+  return reduction, output, batch
+
+
+def resolve_specs(params: Any, dimension_numbers: SpecTree | None,
+                  mask: Any | None) -> Any:
+  """Returns a pytree (matching ``params``) of ``DimensionNumbers`` or None.
+
+  ``dimension_numbers`` is None (every 2-d leaf is a matrix, other leaves are
+  dense), a single ``DimensionNumbers`` (applied to every leaf of rank >= 2),
+  a pytree of ``DimensionNumbers``/None matching ``params``, or a callable of
+  ``params`` returning such a pytree. ``mask`` (a pytree of bools or a
+  callable) turns projection off where it is False.
+  """
+  if dimension_numbers is None:
+    specs = jax.tree.map(
+        lambda p: DimensionNumbers() if jnp.ndim(p) == 2 else None, params)
+  elif isinstance(dimension_numbers, DimensionNumbers):
+    specs = jax.tree.map(
+        lambda p: dimension_numbers if jnp.ndim(p) >= 2 else None, params)
+  else:
+    specs = (dimension_numbers(params) if callable(dimension_numbers)
+             else dimension_numbers)
+    _check_same_structure("dimension_numbers", params, specs, _is_spec_leaf)
+  if mask is not None:
+    mask_tree = mask(params) if callable(mask) else mask
+    _check_same_structure("mask", params, mask_tree, lambda x: x is None)
+    specs = jax.tree.map(lambda s, keep: s if keep else None, specs,
+                         mask_tree, is_leaf=_is_spec_leaf)
+  return specs
+
+
+def _check_same_structure(name: str, params: Any, tree: Any, is_leaf) -> None:
+  params_paths = [jax.tree_util.keystr(k) for k, _ in
+                  jax.tree_util.tree_flatten_with_path(params)[0]]
+  tree_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  tree_paths = [jax.tree_util.keystr(k) for k, _ in tree_leaves]
+  if params_paths != tree_paths:
+    extra = sorted(set(tree_paths) - set(params_paths))
+    missing = sorted(set(params_paths) - set(tree_paths))
+    raise ValueError(
+        f"{name} does not match the parameters: missing entries for "
+        f"{missing[:5]}, entries for unknown parameters {extra[:5]}")
+
+
+def plan_leaves(params: Any, rank: int, dimension_numbers: SpecTree | None,
+                mask: Any | None) -> Any:
+  """Builds the static ``LeafPlan`` of every parameter leaf.
+
+  Raises:
+    ValueError: naming the parameter path, for dimension numbers that overlap,
+      miss axes or do not fit the weight, and for a rank larger than both
+      matrix dimensions.
+  """
+  specs = resolve_specs(params, dimension_numbers, mask)
+  specs_flat = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
+  params_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  plans = []
+  for index, ((key, p), spec) in enumerate(zip(params_with_path, specs_flat)):
+    path = jax.tree_util.keystr(key)
+    shape, dtype = tuple(jnp.shape(p)), np.dtype(jnp.result_type(p))
+    if spec is None:
+      plans.append(LeafPlan(path=path, index=index, shape=shape, dtype=dtype))
+      continue
+    reduction, output, batch = _spec_for_shape(path, shape, spec)
+    m = math.prod(shape[a] for a in reduction)
+    n = math.prod(shape[a] for a in output)
+    if rank > max(m, n):
+      raise ValueError(
+          f"rank={rank} is larger than both dimensions of parameter {path!r} "
+          f"viewed as a {m}x{n} matrix (shape {shape})")
+    plans.append(LeafPlan(
+        path=path, index=index, shape=shape, dtype=dtype,
+        perm=batch + reduction + output,
+        batch=math.prod(shape[a] for a in batch), m=m, n=n,
+        rank=min(rank, m, n)))
+  return jax.tree.unflatten(treedef, plans)

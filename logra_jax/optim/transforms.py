@@ -1,0 +1,665 @@
+"""The LoGRA chain: ``project`` -> ``low_rank_moments`` -> ``unproject``.
+
+Between the stages the updates travel as a pytree whose leaves are
+:class:`Sketched` nodes: the low-rank coordinates of each projected weight
+(``[batch, rank, short]``) together with the projector that produced them, or
+the float32 gradient itself for dense leaves. ``unproject`` turns them back into
+ordinary updates with the parameters' shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim import projectors as proj_lib
+from logra_jax.optim.dimension_numbers import LeafPlan, SpecTree, plan_leaves
+
+MOMENT_POLICIES = ("transfer", "keep", "reset")
+
+# `low_rank_moments.init` must allocate its moments at the low-rank shapes that
+# `project.init` chose. optax initializes the stages of a chain in order with
+# the same params, so `project.init` publishes its plan here and the next
+# `low_rank_moments.init` on the same params tree reads it.
+_LATEST_PLAN: contextvars.ContextVar = contextvars.ContextVar(
+    "logra_latest_projection_plan", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionConfig:
+  """Static settings of a ``project`` stage, carried with its updates."""
+
+  kind: str
+  refresh_every: int
+  power_iters: int
+  oversample: int
+  seed: int
+  moment_policy: str
+
+
+@jax.tree_util.register_pytree_node_class
+class Sketched:
+  """One leaf of the updates inside the LoGRA chain.
+
+  Attributes:
+    value: ``[batch, rank, short]`` low-rank coordinates for a projected leaf
+      (the sketch ``P^T G`` after ``project``, the inner transform's output
+      ``N`` after ``low_rank_moments``), or the full float32 array for a dense
+      leaf.
+    projector: ``[batch, long, rank]`` orthonormal projector of this step, or
+      None for dense leaves.
+    basis_change: ``[batch, rank, rank]`` matrix ``C = P_new^T P_old`` used to
+      carry moments across a refresh (None unless ``moment_policy='transfer'``).
+    refreshed: scalar bool, True on steps where the projector was recomputed.
+    plan: static ``LeafPlan`` (shapes, dtype, orientation).
+    config: static ``ProjectionConfig``.
+  """
+
+  def __init__(self, value, projector=None, basis_change=None, refreshed=None,
+               *, plan: LeafPlan, config: ProjectionConfig):
+    self.value = value
+    self.projector = projector
+    self.basis_change = basis_change
+    self.refreshed = refreshed
+    self.plan = plan
+    self.config = config
+
+  def tree_flatten(self):
+    children = (self.value, self.projector, self.basis_change, self.refreshed)
+    return children, (self.plan, self.config)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    plan, config = aux
+    return cls(*children, plan=plan, config=config)
+
+  def replace(self, **kwargs) -> "Sketched":
+    fields = dict(value=self.value, projector=self.projector,
+                  basis_change=self.basis_change, refreshed=self.refreshed)
+    fields.update(kwargs)
+    return Sketched(**fields, plan=self.plan, config=self.config)
+
+
+def _is_sketched(x) -> bool:
+  return isinstance(x, Sketched)
+
+
+class ProjectState(NamedTuple):
+  """State of :func:`project`.
+
+  Attributes:
+    count: number of updates taken.
+    projectors: per leaf, the ``[batch, long, rank]`` float32 projector of the
+      current window, or None (dense leaves, and ``kind='random'``, whose
+      projectors are regenerated from the seed instead of stored).
+  """
+
+  count: jax.Array
+  projectors: Any
+
+
+class LowRankMomentsState(NamedTuple):
+  """State of :func:`low_rank_moments`: the inner transform's state, whose
+  moments have the low-rank shapes ``[batch, rank, short]``."""
+
+  inner_state: optax.OptState
+
+
+class UnprojectState(NamedTuple):
+  """State of :func:`unproject`.
+
+  Attributes:
+    factors: with ``keep_factors=True``, per projected leaf a
+      :class:`LowRankFactor` holding the last update's coefficients (already
+      multiplied by ``scale``); otherwise None.
+  """
+
+  factors: Any
+
+
+@jax.tree_util.register_pytree_node_class
+class LowRankFactor:
+  """Coefficients ``N`` of the last update of one projected leaf.
+
+  The update of the leaf is ``from_long_view(P @ N)`` with the projector ``P``
+  of the same step; :func:`factored_updates` pairs the two.
+  """
+
+  def __init__(self, coefficients, *, plan: LeafPlan,
+               config: ProjectionConfig):
+    self.coefficients = coefficients
+    self.plan = plan
+    self.config = config
+
+  def tree_flatten(self):
+    return (self.coefficients,), (self.plan, self.config)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, plan=aux[0], config=aux[1])
+
+
+class FactoredUpdate(NamedTuple):
+  """The factored form ``U = from_long_view(projector @ coefficients)``.
+
+  Attributes:
+    projector: ``[batch, long, rank]`` float32, orthonormal columns.
+    coefficients: ``[batch, rank, short]`` float32.
+    plan: static ``LeafPlan`` describing the leaf's shape and orientation.
+  """
+
+  projector: jax.Array
+  coefficients: jax.Array
+  plan: LeafPlan
+
+  def dense(self) -> jax.Array:
+    """Materializes the update with the parameter's shape and dtype."""
+    u = self.plan.from_long_view(self.projector @ self.coefficients)
+    return u.astype(self.plan.dtype)
+
+
+def _check_rank(rank) -> None:
+  if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+    raise TypeError(f"rank must be a positive int, got {rank!r} "
+                    f"of type {type(rank).__name__}")
+  if rank < 1:
+    raise ValueError(f"rank must be a positive int, got {rank}")
+
+
+def check_projection_args(rank, kind, refresh_every, power_iters, oversample,
+                          moment_policy) -> None:
+  """Validates the hyperparameters of :func:`project` at construction time."""
+  _check_rank(rank)
+  if kind not in proj_lib.KINDS:
+    raise ValueError(f"kind must be one of {proj_lib.KINDS}, got {kind!r}")
+  if moment_policy not in MOMENT_POLICIES:
+    raise ValueError(
+        f"moment_policy must be one of {MOMENT_POLICIES}, got {moment_policy!r}")
+  for name, value, low in (("refresh_every", refresh_every, 1),
+                           ("power_iters", power_iters, 0),
+                           ("oversample", oversample, 0)):
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        or value < low):
+      raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def project(
+    rank: int,
+    kind: str = "range",
+    refresh_every: int = 200,
+    power_iters: int = 1,
+    oversample: int = 8,
+    seed: int = 0,
+    dimension_numbers: Optional[SpecTree] = None,
+    mask: Any = None,
+    moment_policy: str = "transfer",
+) -> optax.GradientTransformation:
+  r"""Projects gradients of matrix weights onto a rank-``r`` subspace.
+
+  For a weight viewed as ``G`` (``m x n``, ``m >= n``; the wide case is the
+  transpose) with an orthonormal projector ``P`` (``m x r``) on the longer
+  side, emits the sketch
+
+  .. math:: S = P^\top G \in \mathbb{R}^{r \times n},
+
+  so that the moments of the next stage live on the shorter side. ``P`` is
+  recomputed every ``refresh_every`` steps (and at step 0) with ``lax.cond``:
+
+  * ``"range"``: randomized range finder with ``power_iters`` power iterations
+    and ``oversample`` extra columns, float32 QR (Halko et al., 2011);
+  * ``"random"``: an orthonormalized Gaussian regenerated from
+    ``fold_in(seed, window)`` every step, never stored (Flora);
+  * ``"svd"``: the exact top-``r`` singular vectors (GaLore).
+
+  Must be followed by :func:`low_rank_moments` and :func:`unproject` in the
+  same ``optax.chain``; leaves that are not projected (vectors, and whatever
+  ``mask`` or ``dimension_numbers`` exclude) pass through as dense float32
+  gradients.
+
+  Args:
+    rank: projection rank ``r``; clipped to the shorter side of each matrix.
+    kind: ``"range"``, ``"random"`` or ``"svd"``.
+    refresh_every: steps between projector refreshes.
+    power_iters: power iterations of the range finder.
+    oversample: extra Gaussian columns of the range finder.
+    seed: seed of the Gaussian test matrices and random projectors.
+    dimension_numbers: None (2-d leaves are matrices), a
+      :class:`DimensionNumbers`, a pytree of them (None marks dense leaves) or
+      a callable of the params returning one.
+    mask: pytree of bools (or callable of the params); False keeps a leaf dense.
+    moment_policy: how :func:`low_rank_moments` treats its moments when the
+      basis changes: ``"transfer"`` (rotate them into the new basis, LDAdam),
+      ``"keep"`` (GaLore) or ``"reset"`` (zero them).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, logra_jax as logra
+    >>> params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
+    >>> tx = optax.chain(logra.project(rank=4), logra.low_rank_moments(),
+    ...                  logra.unproject(), optax.scale(-1e-3))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> updates["w"].shape
+    (64, 32)
+
+  References:
+    Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
+    Hao et al., `Flora <https://arxiv.org/abs/2402.03293>`_, 2024;
+    Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024;
+    Halko, Martinsson & Tropp, `Finding structure with randomness
+    <https://arxiv.org/abs/0909.4061>`_, 2011.
+  """
+  check_projection_args(rank, kind, refresh_every, power_iters, oversample,
+                        moment_policy)
+  config = ProjectionConfig(kind=kind, refresh_every=int(refresh_every),
+                            power_iters=int(power_iters),
+                            oversample=int(oversample), seed=int(seed),
+                            moment_policy=moment_policy)
+
+  def init_fn(params):
+    plans = plan_leaves(params, int(rank), dimension_numbers, mask)
+    _LATEST_PLAN.set((jax.tree.structure(params), plans, config))
+
+    def init_projector(plan):
+      if not plan.projected or kind == "random":
+        return None
+      return jnp.zeros(plan.projector_shape, jnp.float32)
+
+    return ProjectState(count=jnp.zeros([], jnp.int32),
+                        projectors=jax.tree.map(init_projector, plans))
+
+  def update_fn(updates, state, params=None):
+    # Plans come from the params when given, so that updates are cast back to
+    # the parameters' dtype even if gradients arrive in another one.
+    plans = plan_leaves(updates if params is None else params, int(rank),
+                        dimension_numbers, mask)
+    window = state.count // config.refresh_every
+    refresh = state.count % config.refresh_every == 0
+    flat_updates, treedef = jax.tree.flatten(updates)
+    flat_plans = treedef.flatten_up_to(plans)
+    flat_projectors = treedef.flatten_up_to(state.projectors)
+    sketches, projectors = [], []
+    for g, plan, p_old in zip(flat_updates, flat_plans, flat_projectors):
+      if not plan.projected:
+        sketches.append(Sketched(g.astype(jnp.float32), plan=plan,
+                                 config=config))
+        projectors.append(None)
+        continue
+      p_new, change = _refresh_projector(g, p_old, plan, config, window,
+                                         refresh)
+      g_BxLxS = plan.to_long_view(g).astype(jnp.float32)
+      s_BxRxS = jnp.swapaxes(p_new, 1, 2) @ g_BxLxS
+      sketches.append(Sketched(s_BxRxS, p_new, change, refresh, plan=plan,
+                               config=config))
+      projectors.append(None if kind == "random" else p_new)
+    new_state = ProjectState(
+        count=optax.safe_increment(state.count),
+        projectors=treedef.unflatten(projectors))
+    return treedef.unflatten(sketches), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _refresh_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
+                       window, refresh):
+  """Returns this step's projector and, for moment transfer, ``P_new^T P_old``.
+
+  Refresh runs under ``lax.cond`` so that non-refresh steps pay nothing for it.
+  """
+  transfer = config.moment_policy == "transfer"
+  eye = jnp.broadcast_to(jnp.eye(plan.rank, dtype=jnp.float32),
+                         (plan.batch, plan.rank, plan.rank))
+
+  def basis_change(p_new, p_prev):
+    return jnp.swapaxes(p_new, 1, 2) @ p_prev if transfer else None
+
+  if config.kind == "random":
+    def regenerate(w):
+      key = proj_lib.window_key(config.seed, plan.index, w)
+      return proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
+    p_new = regenerate(window)
+    if not transfer:
+      return p_new, None
+    change = jax.lax.cond(
+        refresh & (window > 0),
+        lambda: basis_change(p_new, regenerate(jnp.maximum(window - 1, 0))),
+        lambda: eye)
+    return p_new, change
+
+  def recompute():
+    if config.kind == "svd":
+      p_new = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+    else:
+      key = proj_lib.window_key(config.seed, plan.index, window)
+      p_new = proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
+                                       config.oversample, config.power_iters)
+    return p_new, basis_change(p_new, p_old)
+
+  def keep():
+    return p_old, eye if transfer else None
+
+  return jax.lax.cond(refresh, recompute, keep)
+
+
+def low_rank_moments(
+    inner: Optional[optax.GradientTransformation] = None,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> optax.GradientTransformationExtraArgs:
+  r"""Runs an optax transform on the low-rank sketches instead of gradients.
+
+  The inner transform (default ``optax.scale_by_adam()``) must not need
+  ``params``; its state is allocated at the sketch shapes
+  ``[batch, rank, short]`` (``O(r \min(m, n))`` per matrix) in float32, and at
+  full size for dense leaves.
+
+  When the projector of a leaf is refreshed, the moments follow the basis
+  according to the ``moment_policy`` of the preceding :func:`project`:
+
+  * ``"transfer"`` (LDAdam): with :math:`C = P_{new}^\top P_{old}` and the
+    bias-corrected moments :math:`\hat M, \hat V`,
+
+    .. math::
+      \hat M \leftarrow C \hat M, \qquad
+      \hat V \leftarrow \max\big(0, (C \circ C)(\hat V - \hat M^2)
+      + (C \hat M)^2\big),
+
+    applied to every optax state with ``mu``/``nu`` fields (Adam-like);
+    first moments without a second (``mu`` or ``trace``) rotate linearly and
+    lone second moments (``nu``) map through :math:`C \circ C`;
+  * ``"keep"``: moments stay as they are (GaLore);
+  * ``"reset"``: moments are set to zero; the inner step count is kept.
+
+  Args:
+    inner: the transform to run in the low-rank space.
+    betas: the ``(b1, b2)`` decay rates of ``inner``'s first and second
+      moments, used only by ``"transfer"`` to bias-correct before rotating.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra arguments are passed
+    on to ``inner``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, logra_jax as logra
+    >>> tx = optax.chain(logra.project(rank=2),
+    ...                  logra.low_rank_moments(optax.scale_by_lion()),
+    ...                  logra.unproject())
+    >>> state = tx.init({"w": jnp.ones((8, 4))})
+  """
+  inner = optax.with_extra_args_support(
+      optax.scale_by_adam(*betas) if inner is None else inner)
+  b1, b2 = betas
+
+  def init_fn(params):
+    latest = _LATEST_PLAN.get()
+    if latest is None or latest[0] != jax.tree.structure(params):
+      raise ValueError(
+          "low_rank_moments must follow logra.project in the same chain, e.g. "
+          "optax.chain(logra.project(rank), logra.low_rank_moments(), "
+          "logra.unproject()); no matching project stage was initialized on "
+          "these params")
+    _, plans, _ = latest
+
+    def proxy(plan):
+      shape = plan.sketch_shape if plan.projected else plan.shape
+      return jnp.zeros(shape, jnp.float32)
+
+    return LowRankMomentsState(inner.init(jax.tree.map(proxy, plans)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params
+    values = jax.tree.map(lambda s: s.value, updates, is_leaf=_is_sketched)
+    inner_state = _follow_basis(state.inner_state, updates,
+                                jax.tree.structure(values), b1, b2)
+    new_values, inner_state = inner.update(values, inner_state, None,
+                                           **extra_args)
+    new_updates = jax.tree.map(lambda s, v: s.replace(value=v), updates,
+                               new_values, is_leaf=_is_sketched)
+    return new_updates, LowRankMomentsState(inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _follow_basis(inner_state, sketches, values_treedef, b1, b2):
+  """Moves the moments in ``inner_state`` into each refreshed leaf's new basis."""
+  def matches(x):
+    return jax.tree.structure(x) == values_treedef
+
+  def per_leaf(fn, *trees):
+    return jax.tree.map(
+        lambda *args: _apply_on_refresh(fn, args[-1], *args[:-1]),
+        *trees, sketches, is_leaf=_is_sketched)
+
+  def walk(node):
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      fields = node._fields
+      mu = getattr(node, "mu", None) if "mu" in fields else None
+      nu = getattr(node, "nu", None) if "nu" in fields else None
+      if mu is not None and nu is not None and matches(mu) and matches(nu):
+        count = getattr(node, "count", None)
+        out = per_leaf(lambda s, m, v: _transfer_adam(s, m, v, count, b1, b2),
+                       mu, nu)
+        mu = jax.tree.map(lambda s, pair: pair[0], sketches, out,
+                          is_leaf=_is_sketched)
+        nu = jax.tree.map(lambda s, pair: pair[1], sketches, out,
+                          is_leaf=_is_sketched)
+        return node._replace(mu=mu, nu=nu)
+      replaced = {}
+      for name in ("mu", "trace"):
+        x = getattr(node, name, None) if name in fields else None
+        if x is not None and matches(x):
+          replaced[name] = per_leaf(_transfer_first, x)
+      if nu is not None and matches(nu):
+        replaced["nu"] = per_leaf(_transfer_second, nu)
+      if replaced:
+        return node._replace(**replaced)
+      return type(node)(*(walk(c) for c in node))
+    if isinstance(node, (tuple, list)):
+      return type(node)(walk(c) for c in node)
+    if isinstance(node, dict):
+      return {k: walk(v) for k, v in node.items()}
+    return node
+
+  return walk(inner_state)
+
+
+def _apply_on_refresh(fn, sketch: Sketched, *moments):
+  """Applies ``fn(sketch, *moments)`` on refresh steps of projected leaves."""
+  unpack = (lambda xs: xs[0]) if len(moments) == 1 else (lambda xs: xs)
+  policy = sketch.config.moment_policy
+  if not sketch.plan.projected or policy == "keep":
+    return unpack(moments)
+  if policy == "reset":
+    changed = lambda: unpack(tuple(jnp.zeros_like(m) for m in moments))
+  else:
+    changed = lambda: fn(sketch, *moments)
+  return jax.lax.cond(sketch.refreshed, changed, lambda: unpack(moments))
+
+
+def _transfer_first(sketch: Sketched, m):
+  return (sketch.basis_change @ m).astype(m.dtype)
+
+
+def _transfer_second(sketch: Sketched, v):
+  c = sketch.basis_change
+  return jnp.maximum((c * c) @ v, 0).astype(v.dtype)
+
+
+def _transfer_adam(sketch: Sketched, m, v, count, b1, b2):
+  """LDAdam's rule on bias-corrected moments (arXiv 2410.16103)."""
+  c = sketch.basis_change
+  if count is None:
+    c1 = c2 = jnp.ones([], jnp.float32)
+  else:
+    t = jnp.maximum(count, 1).astype(jnp.float32)
+    c1, c2 = 1 - b1**t, 1 - b2**t
+  m_hat, v_hat = m / c1, v / c2
+  m_new = c @ m_hat
+  v_new = jnp.maximum((c * c) @ (v_hat - m_hat**2) + m_new**2, 0)
+  return (m_new * c1).astype(m.dtype), (v_new * c2).astype(v.dtype)
+
+
+def unproject(scale: float = 1.0,
+              keep_factors: bool = False) -> optax.GradientTransformation:
+  r"""Maps low-rank updates back to the parameters' shapes and dtypes.
+
+  For a projected leaf with projector ``P`` and low-rank update ``N`` from
+  :func:`low_rank_moments`, the update is :math:`U = \alpha P N` (transposed
+  back for wide matrices); dense leaves pass through unscaled (as in GaLore).
+  Updates are cast to the parameters' dtype.
+
+  Args:
+    scale: :math:`\alpha`.
+    keep_factors: also keep ``alpha * N`` of the last step in the state, so
+      that the factored update ``(P, alpha N)`` is available from
+      :func:`factored_updates` (for low-rank policy sync and factored KL
+      prediction) at a cost of ``rank * short`` floats per matrix.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, logra_jax as logra
+    >>> tx = optax.chain(logra.project(rank=2), logra.low_rank_moments(),
+    ...                  logra.unproject(keep_factors=True))
+    >>> params = {"w": jnp.ones((8, 4))}
+    >>> updates, state = tx.update(params, tx.init(params))
+    >>> factored = logra.factored_updates(state)
+    >>> bool(jnp.allclose(factored["w"].dense(), updates["w"], atol=1e-6))
+    True
+  """
+
+  def init_fn(params):
+    if not keep_factors:
+      return UnprojectState(factors=None)
+    latest = _LATEST_PLAN.get()
+    if latest is None or latest[0] != jax.tree.structure(params):
+      raise ValueError("unproject must follow logra.project in the same chain")
+    _, plans, config = latest
+
+    def factor(plan):
+      if not plan.projected:
+        return None
+      return LowRankFactor(jnp.zeros(plan.sketch_shape, jnp.float32),
+                           plan=plan, config=config)
+
+    return UnprojectState(factors=jax.tree.map(factor, plans))
+
+  def update_fn(updates, state, params=None):
+    del params
+    for leaf in jax.tree.leaves(updates, is_leaf=_is_sketched):
+      if not _is_sketched(leaf):
+        raise TypeError(
+            "unproject expects the output of logra.low_rank_moments; got a "
+            f"leaf of type {type(leaf).__name__}")
+
+    def to_dense(s: Sketched):
+      if not s.plan.projected:
+        return s.value.astype(s.plan.dtype)
+      u = s.plan.from_long_view(s.projector @ s.value)
+      return (scale * u).astype(s.plan.dtype)
+
+    dense = jax.tree.map(to_dense, updates, is_leaf=_is_sketched)
+    if not keep_factors:
+      return dense, state
+
+    def factor(s: Sketched):
+      if not s.plan.projected:
+        return None
+      return LowRankFactor(scale * s.value, plan=s.plan, config=s.config)
+
+    return dense, UnprojectState(
+        factors=jax.tree.map(factor, updates, is_leaf=_is_sketched))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _find_states(state, cls) -> list:
+  found = []
+
+  def walk(node):
+    if isinstance(node, cls):
+      found.append(node)
+    elif isinstance(node, (tuple, list)):
+      for c in node:
+        walk(c)
+    elif isinstance(node, dict):
+      for c in node.values():
+        walk(c)
+
+  walk(state)
+  return found
+
+
+def factored_updates(opt_state: optax.OptState) -> Any:
+  """Returns the last step's projected updates in factored form.
+
+  Looks up the ``project`` and ``unproject(keep_factors=True)`` states inside
+  a (possibly nested) optax state and pairs each leaf's projector with its
+  coefficients, without any decomposition. Random projectors are regenerated
+  from their seed.
+
+  Args:
+    opt_state: the state of a chain containing ``project`` and
+      ``unproject(keep_factors=True)``, after at least one update.
+
+  Returns:
+    A pytree matching the parameters with a :class:`FactoredUpdate` at each
+    projected leaf and None at dense leaves.
+
+  Raises:
+    ValueError: if the state holds no such pair of stages.
+  """
+  projects = _find_states(opt_state, ProjectState)
+  unprojects = [s for s in _find_states(opt_state, UnprojectState)
+                if s.factors is not None]
+  if len(projects) != 1 or len(unprojects) != 1:
+    raise ValueError(
+        "factored_updates needs exactly one logra.project stage and one "
+        "logra.unproject(keep_factors=True) stage in the optimizer state; "
+        f"found {len(projects)} and {len(unprojects)}")
+  project_state, factors = projects[0], unprojects[0].factors
+  last_window = jnp.maximum(project_state.count - 1, 0)
+
+  def pair(factor, projector):
+    if factor is None:
+      return None
+    plan, config = factor.plan, factor.config
+    if config.kind == "random":
+      key = proj_lib.window_key(config.seed, plan.index,
+                                last_window // config.refresh_every)
+      projector = proj_lib.random_projector(key, plan.batch, plan.long,
+                                            plan.rank)
+    return FactoredUpdate(projector, factor.coefficients, plan)
+
+  is_leaf = lambda x: x is None or isinstance(x, LowRankFactor)
+  return jax.tree.map(pair, factors, project_state.projectors, is_leaf=is_leaf)
+
+
+def optimizer_state_bytes(state: Any) -> int:
+  """Total bytes of the arrays in an optimizer state (or its abstract shapes).
+
+  Works on concrete arrays and on ``jax.ShapeDtypeStruct`` trees from
+  ``jax.eval_shape(tx.init, params)``, so memory can be counted without
+  allocating it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
+    >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    >>> adam = jax.eval_shape(optax.adam(1e-3).init, params)
+    >>> logra.optimizer_state_bytes(adam) // 2**20
+    128
+  """
+  total = 0
+  for leaf in jax.tree.leaves(state):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      total += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+  return total

@@ -1,0 +1,462 @@
+"""RL math as pure functions: group advantages, the clipped policy loss, KL to a reference.
+
+Everything here is jit-friendly: shapes and configuration are static, values are traced.
+Shapes are spelled in the names: ``B`` sequences (``num_prompts * G`` completions grouped
+contiguously by prompt), ``T`` completion tokens, ``P`` prompt tokens, ``M`` micro-batches.
+
+The loss is returned as a ``(numerator, denominator, metrics)`` triple so that micro-batches
+can be summed and divided once at the end (:func:`finalize`); for every aggregation this gives
+exactly the full-batch loss and gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Metrics = dict[str, tuple[Array, Array]]
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+# ------------------------------------------------------------------------------------------
+# Advantages.
+# ------------------------------------------------------------------------------------------
+
+
+def _grouped(rewards_N: Array, num_generations: int) -> Array:
+  """Reshapes ``[num_prompts * G]`` rewards to ``[num_prompts, G]`` float32."""
+  if num_generations < 2:
+    raise ValueError(
+        f"group advantages need num_generations >= 2 completions per prompt, got "
+        f"{num_generations}: with one completion the group baseline equals the reward.")
+  if rewards_N.ndim != 1 or rewards_N.shape[0] % num_generations:
+    raise ValueError(
+        f"rewards must have shape [num_prompts * num_generations] grouped contiguously; got "
+        f"shape {rewards_N.shape} with num_generations={num_generations}.")
+  return jnp.reshape(rewards_N.astype(jnp.float32), (-1, num_generations))
+
+
+def grpo_advantages(rewards_N: Array, num_generations: int, eps: float = 1e-6) -> Array:
+  r"""GRPO advantages: rewards standardized within each prompt's group.
+
+  .. math::
+    A_i = \frac{R_i - \operatorname{mean}_g R}{\operatorname{std}_g R + \epsilon}
+
+  with the population standard deviation (``ddof=0``) of the group ``g`` holding ``i``.
+
+  Args:
+    rewards_N: rewards ``[num_prompts * num_generations]``, the ``G`` completions of a prompt
+      contiguous.
+    num_generations: completions per prompt ``G`` (at least 2).
+    eps: added to the standard deviation; a group of equal rewards gets advantage 0.
+
+  Returns:
+    Advantages ``[num_prompts * num_generations]`` in float32.
+
+  Example:
+    >>> grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3)
+    Array([ 1.4142..., -0.7071..., -0.7071...,  0.,  0.,  0.], dtype=float32)
+
+  References:
+    Shao et al., DeepSeekMath, 2024 (arXiv 2402.03300).
+  """
+  r_PxG = _grouped(rewards_N, num_generations)
+  mean_Px1 = r_PxG.mean(axis=1, keepdims=True)
+  std_Px1 = r_PxG.std(axis=1, keepdims=True)
+  return ((r_PxG - mean_Px1) / (std_Px1 + eps)).reshape(-1)
+
+
+def dr_grpo_advantages(rewards_N: Array, num_generations: int) -> Array:
+  r"""Dr.GRPO advantages: rewards minus the group mean, without dividing by the std.
+
+  .. math:: A_i = R_i - \operatorname{mean}_g R
+
+  Args:
+    rewards_N: rewards ``[num_prompts * num_generations]``, groups contiguous.
+    num_generations: completions per prompt ``G`` (at least 2).
+
+  Returns:
+    Advantages ``[num_prompts * num_generations]`` in float32.
+
+  Example:
+    >>> dr_grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3)
+    Array([ 0.6666..., -0.3333..., -0.3333...,  0.,  0.,  0.], dtype=float32)
+
+  References:
+    Liu et al., Understanding R1-Zero-Like Training, 2025 (arXiv 2503.20783).
+  """
+  r_PxG = _grouped(rewards_N, num_generations)
+  return (r_PxG - r_PxG.mean(axis=1, keepdims=True)).reshape(-1)
+
+
+def rloo_advantages(rewards_N: Array, num_generations: int) -> Array:
+  r"""RLOO advantages: each reward minus the mean of the other rewards in its group.
+
+  .. math::
+    A_i = R_i - \frac{1}{G - 1} \sum_{j \in g, j \ne i} R_j
+        = \frac{G}{G - 1} (R_i - \operatorname{mean}_g R)
+
+  Args:
+    rewards_N: rewards ``[num_prompts * num_generations]``, groups contiguous.
+    num_generations: completions per prompt ``G`` (at least 2).
+
+  Returns:
+    Advantages ``[num_prompts * num_generations]`` in float32.
+
+  Example:
+    >>> rloo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3)
+    Array([ 1. , -0.5, -0.5,  0. ,  0. ,  0. ], dtype=float32)
+
+  References:
+    Ahmadian et al., Back to Basics: REINFORCE style optimization, 2024 (arXiv 2402.14740).
+  """
+  r_PxG = _grouped(rewards_N, num_generations)
+  others_PxG = (r_PxG.sum(axis=1, keepdims=True) - r_PxG) / (num_generations - 1)
+  return (r_PxG - others_PxG).reshape(-1)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Array, int], Array]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+def compute_advantages(
+    rewards_N: Array, num_generations: int, estimator: AdvantageEstimator = "grpo") -> Array:
+  """Group advantages by estimator name (``"grpo"``, ``"dr_grpo"`` or ``"rloo"``).
+
+  Args:
+    rewards_N: rewards ``[num_prompts * num_generations]``, groups contiguous.
+    num_generations: completions per prompt (at least 2).
+    estimator: one of :data:`ADVANTAGE_ESTIMATORS`.
+
+  Returns:
+    Advantages ``[num_prompts * num_generations]`` in float32.
+
+  Example:
+    >>> compute_advantages(jnp.array([1., 0., 1., 1.]), 2, "rloo")
+    Array([1., -1., 0., 0.], dtype=float32)
+  """
+  if estimator not in ADVANTAGE_ESTIMATORS:
+    raise ValueError(
+        f"unknown advantage estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}.")
+  return ADVANTAGE_ESTIMATORS[estimator](rewards_N, num_generations)
+
+
+# ------------------------------------------------------------------------------------------
+# KL to the reference policy.
+# ------------------------------------------------------------------------------------------
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def kl_penalty(
+    logp_BxT: Array, ref_logp_BxT: Array, estimator: KLEstimator = "k3",
+    clamp: float = 10.0) -> Array:
+  r"""Per-token estimate of :math:`KL(\pi_\theta \| \pi_{ref})` from sampled tokens.
+
+  With the log-ratio :math:`\delta = \log \pi_{ref}(y) - \log \pi_\theta(y)` clamped to
+  ``[-clamp, clamp]`` (before any ``exp``), Schulman's estimators are
+
+  .. math::
+    k_1 = -\delta, \qquad k_2 = \tfrac12 \delta^2, \qquad k_3 = e^{\delta} - \delta - 1.
+
+  ``k1`` is unbiased but signed, ``k2`` and ``k3`` are non-negative; ``k3`` is unbiased with
+  low variance (the usual default). The clamp zeroes the gradient outside the range.
+
+  Args:
+    logp_BxT: log-probabilities of the sampled tokens under the policy.
+    ref_logp_BxT: log-probabilities of the same tokens under the reference policy.
+    estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+    clamp: bound on ``|delta|``; must be positive.
+
+  Returns:
+    Per-token KL estimates ``[B, T]`` in float32 (padding positions are not masked).
+
+  Example:
+    >>> kl_penalty(jnp.log(jnp.array([[0.5]])), jnp.log(jnp.array([[0.25]])), "k3")
+    Array([[0.1931...]], dtype=float32)
+
+  References:
+    J. Schulman, Approximating KL Divergence, 2020 (joschu.net/blog/kl-approx.html).
+  """
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: {list(KL_ESTIMATORS)}.")
+  delta_BxT = jnp.clip(
+      ref_logp_BxT.astype(jnp.float32) - logp_BxT.astype(jnp.float32), -clamp, clamp)
+  if estimator == "k1":
+    return -delta_BxT
+  if estimator == "k2":
+    return 0.5 * jnp.square(delta_BxT)
+  return jnp.exp(delta_BxT) - delta_BxT - 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# The clipped policy-gradient loss.
+# ------------------------------------------------------------------------------------------
+
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Hyperparameters of the clipped policy-gradient loss (hashable: a static jit argument).
+
+  Attributes:
+    eps_low: the ratio is clipped below at ``1 - eps_low``.
+    eps_high: the ratio is clipped above at ``1 + eps_high`` (DAPO "clip-higher": larger
+      than ``eps_low``, e.g. 0.28 vs 0.2).
+    beta: coefficient of the KL-to-reference penalty; 0 disables it and reference
+      log-probabilities are then not needed.
+    kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`).
+    kl_clamp: bound on the per-token log-ratio to the reference, before ``exp``.
+    aggregation: how per-token losses become one number, one of :data:`AGGREGATIONS`:
+      ``"token-mean"`` (sum over all valid tokens / their count), ``"seq-mean-token-mean"``
+      (GRPO: mean over sequences of per-sequence token means) or
+      ``"seq-mean-token-sum-norm"`` (Dr.GRPO: sum over tokens / (sequences * max_len)).
+    max_len: the constant token normalizer of ``"seq-mean-token-sum-norm"``: the same for
+      every micro-batch (typically the generation budget, max new tokens). Required by that
+      aggregation, ignored by the others.
+  """
+
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  beta: float = 0.0
+  kl_estimator: KLEstimator = "k3"
+  kl_clamp: float = 10.0
+  aggregation: Aggregation = "token-mean"
+  max_len: int | None = None
+
+  def __post_init__(self):
+    if self.eps_low < 0 or self.eps_high < 0:
+      raise ValueError(
+          f"clip ranges must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}.")
+    if self.eps_low >= 1:
+      raise ValueError(f"eps_low must be < 1 (ratio floor 1 - eps_low > 0), got {self.eps_low}.")
+    if self.beta < 0:
+      raise ValueError(f"beta (KL coefficient) must be >= 0, got {self.beta}.")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(
+          f"unknown kl_estimator {self.kl_estimator!r}; valid: {list(KL_ESTIMATORS)}.")
+    if self.kl_clamp <= 0:
+      raise ValueError(f"kl_clamp must be > 0, got {self.kl_clamp}.")
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {list(AGGREGATIONS)}.")
+    if self.aggregation == "seq-mean-token-sum-norm" and (
+        self.max_len is None or self.max_len < 1):
+      raise ValueError(
+          "aggregation 'seq-mean-token-sum-norm' needs max_len, the global constant token "
+          f"normalizer (e.g. the max new tokens of generation), got max_len={self.max_len}.")
+
+
+def loss_terms(
+    logp_BxT: Array,
+    mask_BxT: Array,
+    adv_B: Array,
+    old_logp_BxT: Array | None = None,
+    ref_logp_BxT: Array | None = None,
+    config: LossConfig = LossConfig(),
+) -> tuple[Array, Array, Metrics]:
+  r"""Clipped policy-gradient loss of one (micro-)batch as a (numerator, denominator) pair.
+
+  Per valid token, with ratio :math:`\rho = \exp(\log\pi_\theta - \log\pi_{old})` and the
+  sequence's advantage :math:`A`,
+
+  .. math::
+    \ell = -\min\big(\rho A,\ \operatorname{clip}(\rho, 1 - \epsilon_{low},
+           1 + \epsilon_{high}) A\big) + \beta\, \mathrm{KL}_k(\pi_\theta \| \pi_{ref}).
+
+  The aggregation gives ``numerator`` and ``denominator`` such that summing both over
+  micro-batches and calling :func:`finalize` once equals the full-batch loss exactly:
+
+  ===========================  ==========================  ===============================
+  aggregation                  numerator                   denominator
+  ===========================  ==========================  ===============================
+  ``token-mean``               :math:`\sum_{b,t} m\ell`    :math:`\sum_{b,t} m`
+  ``seq-mean-token-mean``      :math:`\sum_b \frac{\sum_t m\ell}{\sum_t m}`  sequences
+  ``seq-mean-token-sum-norm``  :math:`\sum_{b,t} m\ell`    sequences :math:`\times` max_len
+  ===========================  ==========================  ===============================
+
+  "Sequences" counts rows with at least one valid token, so all-padding rows (used to
+  keep shapes static) change nothing. The denominator carries no gradient; accumulate
+  gradients of the numerator and divide by the summed denominator.
+
+  Args:
+    logp_BxT: policy log-probabilities of the completion tokens (differentiated).
+    mask_BxT: 1 for completion tokens, 0 for padding (bool, int or float).
+    adv_B: one advantage per sequence.
+    old_logp_BxT: log-probabilities under the policy that sampled the data; ``None`` means
+      on-policy (``stop_gradient(logp_BxT)``, ratio 1).
+    ref_logp_BxT: reference-policy log-probabilities; needed when ``config.beta > 0``, may be
+      ``None`` otherwise. When given with ``beta == 0`` the KL is still reported.
+    config: a :class:`LossConfig`.
+
+  Returns:
+    ``(numerator, denominator, metrics)``: two float32 scalars and a dict mapping metric name
+    to a ``(sum, count)`` pair of scalars (``clip_fraction``, ``clip_low_fraction``,
+    ``clip_high_fraction``, ``ratio_mean``, ``pg_loss`` over tokens, and ``kl_ref`` when a
+    reference is given); see :func:`finalize_metrics`.
+
+  Example:
+    >>> logp = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.0]]))
+    >>> num, den, _ = loss_terms(logp, jnp.array([[1, 1], [1, 0]]), jnp.array([1., -1.]))
+    >>> finalize(num, den)   # on-policy: -(1 + 1 - 1) / 3
+    Array(-0.3333..., dtype=float32)
+
+  Raises:
+    ValueError: when ``config.beta > 0`` and ``ref_logp_BxT`` is None, or shapes disagree.
+  """
+  if logp_BxT.ndim != 2 or mask_BxT.shape != logp_BxT.shape or adv_B.shape != logp_BxT.shape[:1]:
+    raise ValueError(
+        f"expected logp [B, T], mask [B, T], adv [B]; got logp {logp_BxT.shape}, mask "
+        f"{mask_BxT.shape}, adv {adv_B.shape}.")
+  if config.beta > 0 and ref_logp_BxT is None:
+    raise ValueError(
+        f"beta={config.beta} > 0 needs ref_logp_BxT (reference log-probabilities); pass them "
+        "or set beta=0.")
+  logp_BxT = logp_BxT.astype(jnp.float32)
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
+  if old_logp_BxT is None:
+    old_logp_BxT = jax.lax.stop_gradient(logp_BxT)
+
+  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT.astype(jnp.float32))
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - config.eps_low, 1.0 + config.eps_high)
+  pg_loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
+  loss_BxT = pg_loss_BxT
+  kl_BxT = None
+  if ref_logp_BxT is not None:
+    kl_BxT = kl_penalty(logp_BxT, ref_logp_BxT, config.kl_estimator, config.kl_clamp)
+    if config.beta > 0:
+      loss_BxT = loss_BxT + config.beta * kl_BxT
+
+  tokens_B = mask_BxT.sum(axis=1)
+  token_sum_B = (loss_BxT * mask_BxT).sum(axis=1)
+  num_seqs = (tokens_B > 0).sum().astype(jnp.float32)
+  if config.aggregation == "token-mean":
+    numerator, denominator = token_sum_B.sum(), tokens_B.sum()
+  elif config.aggregation == "seq-mean-token-mean":
+    numerator = (token_sum_B / jnp.maximum(tokens_B, 1.0)).sum()
+    denominator = num_seqs
+  else:  # "seq-mean-token-sum-norm", checked by LossConfig.
+    numerator, denominator = token_sum_B.sum(), num_seqs * float(config.max_len)
+
+  # A token is clipped when the clip removes its gradient.
+  low_BxT = (ratio_BxT < 1.0 - config.eps_low) & (adv_Bx1 < 0)
+  high_BxT = (ratio_BxT > 1.0 + config.eps_high) & (adv_Bx1 > 0)
+  num_tokens = tokens_B.sum()
+  masked_sum = lambda x_BxT: (x_BxT.astype(jnp.float32) * mask_BxT).sum()
+  metrics = {
+      "clip_fraction": (masked_sum(low_BxT | high_BxT), num_tokens),
+      "clip_low_fraction": (masked_sum(low_BxT), num_tokens),
+      "clip_high_fraction": (masked_sum(high_BxT), num_tokens),
+      "ratio_mean": (masked_sum(ratio_BxT), num_tokens),
+      "pg_loss": (masked_sum(pg_loss_BxT), num_tokens),
+  }
+  if kl_BxT is not None:
+    metrics["kl_ref"] = (masked_sum(kl_BxT), num_tokens)
+  metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
+  return numerator, jax.lax.stop_gradient(denominator), metrics
+
+
+def finalize(numerator: Array, denominator: Array) -> Array:
+  """Divides an accumulated numerator by its denominator; 0 when the denominator is 0.
+
+  Args:
+    numerator: the summed numerators of :func:`loss_terms` over micro-batches.
+    denominator: the summed denominators.
+
+  Returns:
+    The scalar loss ``numerator / denominator`` (0 for an empty batch).
+
+  Example:
+    >>> finalize(jnp.float32(3.0), jnp.float32(4.0))
+    Array(0.75, dtype=float32)
+  """
+  safe_den = jnp.where(denominator > 0, denominator, 1.0)
+  return jnp.where(denominator > 0, numerator / safe_den, 0.0)
+
+
+def finalize_metrics(metrics: Metrics) -> dict[str, Array]:
+  """Turns accumulated ``(sum, count)`` metric pairs into means.
+
+  Args:
+    metrics: name -> ``(sum, count)``, e.g. from :func:`loss_terms` summed over micro-batches
+      with ``jax.tree.map(jnp.add, a, b)``.
+
+  Returns:
+    name -> ``sum / count`` (0 where the count is 0).
+
+  Example:
+    >>> finalize_metrics({"clip_fraction": (jnp.float32(1.), jnp.float32(4.))})
+    {'clip_fraction': Array(0.25, dtype=float32)}
+  """
+  return {name: finalize(total, count) for name, (total, count) in metrics.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# The learner's batch.
+# ------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass(kw_only=True)
+class RolloutBatch:
+  """One step's rollouts, ready for the learner (a pytree; ``num_generations`` is static).
+
+  Rows are completions, ``num_generations`` consecutive rows per prompt; prompts are
+  left-padded, completions right-padded. Fields are keyword-only.
+
+  Attributes:
+    prompt_tokens_BxP: int32 prompt token ids (each prompt repeated for its group).
+    prompt_mask_BxP: 1 on prompt tokens, 0 on left padding.
+    completion_tokens_BxT: int32 sampled token ids.
+    completion_mask_BxT: 1 on completion tokens up to and including the stop token.
+    old_logp_BxT: float32 log-probabilities of the sampled tokens under the sampling policy.
+    advantages_B: float32 per-completion advantages.
+    num_generations: completions per prompt (static).
+    ref_logp_BxT: float32 reference log-probabilities, or ``None`` when ``beta == 0``.
+  """
+
+  prompt_tokens_BxP: Array
+  prompt_mask_BxP: Array
+  completion_tokens_BxT: Array
+  completion_mask_BxT: Array
+  old_logp_BxT: Array
+  advantages_B: Array
+  num_generations: int = flax.struct.field(pytree_node=False)
+  ref_logp_BxT: Array | None = None
+
+  @property
+  def batch_size(self) -> int:
+    """Number of completions ``B``."""
+    return self.completion_tokens_BxT.shape[0]
+
+  def micro_batches(self, num_micro_batches: int) -> RolloutBatch:
+    """Reshapes every array's leading ``B`` to ``[M, B / M]`` for ``lax.scan``.
+
+    Args:
+      num_micro_batches: ``M``; must divide ``B``.
+
+    Returns:
+      A ``RolloutBatch`` whose arrays have a leading micro-batch axis (``[M, B/M, ...]``).
+
+    Example:
+      >>> mb = batch.micro_batches(4)   # batch.batch_size == 8
+      >>> mb.completion_tokens_BxT.shape[:2]
+      (4, 2)
+    """
+    if num_micro_batches < 1 or self.batch_size % num_micro_batches:
+      raise ValueError(
+          f"num_micro_batches={num_micro_batches} must be >= 1 and divide the batch size "
+          f"{self.batch_size}.")
+    return jax.tree.map(
+        lambda x: x.reshape((num_micro_batches, -1) + x.shape[1:]), self)

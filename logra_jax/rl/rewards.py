@@ -1,0 +1,370 @@
+"""Reward functions and a guarded evaluator that never lets a bad reward stop training.
+
+A reward function maps a batch to one float per completion::
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+where each keyword is a task column (``answer``, ``entry``, ...) as a list aligned with the
+prompts; functions take ``**columns`` and ignore the ones they do not use. Shipped:
+reasoning-gym verification (:func:`reasoning_gym_reward`), math-verify equivalence
+(:func:`math_verify_equivalence`), normalized exact match (:func:`exact_match`) and a regex
+format reward (:func:`format_reward`); :func:`combine_rewards` weights several into one.
+
+:func:`evaluate_rewards` runs them sample by sample off the main thread with a per-sample
+deadline: a sample whose reward raises, returns a non-number or runs past ``timeout_s`` gets 0
+and is counted, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import queue
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import math_verify
+import numpy as np
+import reasoning_gym
+
+RewardFn = Callable[..., list[float]]
+ScoreAnswer = Callable[[str | None, Mapping[str, Any]], float]
+
+
+def _check_columns(name: str, completions: Sequence[str], **columns: Sequence[Any]) -> None:
+  """Raises when a needed column is missing or misaligned with the completions."""
+  for column, values in columns.items():
+    if values is None:
+      raise ValueError(f"reward {name} needs the {column!r} column; pass {column}=[...].")
+    if len(values) != len(completions):
+      raise ValueError(
+          f"reward {name}: column {column!r} has {len(values)} values for "
+          f"{len(completions)} completions.")
+
+
+@functools.cache
+def _reasoning_gym_scorer(dataset_name: str) -> ScoreAnswer:
+  """The ``score_answer`` of a reasoning-gym dataset with default config (cached)."""
+  return reasoning_gym.get_score_answer_fn(dataset_name)
+
+
+def reasoning_gym_reward(score_answer: ScoreAnswer | None = None) -> RewardFn:
+  """Reward from a reasoning-gym verifier: ``score_answer(completion, entry)`` in [0, 1].
+
+  Args:
+    score_answer: the verifier of the configured generator (``Task.score_answer``); ``None``
+      looks it up per example from ``entry["metadata"]["source_dataset"]`` (default config),
+      which also serves mixed-task batches.
+
+  Returns:
+    A reward function reading the ``entry`` column (the generator's items).
+
+  Example:
+    >>> task = tiny_arithmetic_task(size=2)
+    >>> reward = reasoning_gym_reward(task.score_answer)
+    >>> reward(["4-1="], ["3"], entry=[task.examples[1]["entry"]])
+    [1.0]
+  """
+
+  def reasoning_gym_score(
+      prompts: Sequence[str], completions: Sequence[str], *,
+      entry: Sequence[Mapping[str, Any]] | None = None, **unused: Any) -> list[float]:
+    del prompts, unused
+    _check_columns("reasoning_gym_score", completions, entry=entry)
+    scores = []
+    for completion, item in zip(completions, entry):
+      score_fn = score_answer or _reasoning_gym_scorer(item["metadata"]["source_dataset"])
+      scores.append(float(score_fn(completion.strip(), item)))
+    return scores
+
+  return reasoning_gym_score
+
+
+def math_verify_equivalence(
+    prompts: Sequence[str], completions: Sequence[str], *,
+    answer: Sequence[str] | None = None, **unused: Any) -> list[float]:
+  r"""1.0 when math-verify finds the completion's answer equivalent to the reference.
+
+  Both sides go through ``math_verify.parse`` (LaTeX and plain expressions, e.g.
+  ``"\frac{84}{2}"`` equals ``"42"``) and ``math_verify.verify``. math-verify's own
+  signal-based timeouts are disabled (they only work on the main thread); run this through
+  :func:`evaluate_rewards`, whose deadline covers a hanging comparison.
+
+  Args:
+    prompts: unused.
+    completions: model outputs.
+    answer: reference answers (the ``answer`` column).
+    **unused: other columns, ignored.
+
+  Returns:
+    1.0 or 0.0 per completion.
+
+  Raises:
+    ValueError: when a reference answer cannot be parsed (a data problem).
+
+  Example:
+    >>> math_verify_equivalence(["q"], ["so it is $\\frac{84}{2}$"], answer=["42"])
+    [1.0]
+  """
+  del prompts, unused
+  _check_columns("math_verify_equivalence", completions, answer=answer)
+  scores = []
+  for completion, reference in zip(completions, answer):
+    gold = math_verify.parse(str(reference), parsing_timeout=None)
+    if not gold:
+      raise ValueError(f"math-verify cannot parse the reference answer {reference!r}.")
+    pred = math_verify.parse(completion, parsing_timeout=None)
+    scores.append(float(bool(pred) and math_verify.verify(gold, pred, timeout_seconds=None)))
+  return scores
+
+
+def _normalize(text: str) -> str:
+  """Collapses whitespace runs to one space and strips the ends."""
+  return " ".join(str(text).split())
+
+
+def exact_match(
+    prompts: Sequence[str], completions: Sequence[str], *,
+    answer: Sequence[str] | None = None, **unused: Any) -> list[float]:
+  """1.0 when the completion equals the reference answer up to whitespace.
+
+  Args:
+    prompts: unused.
+    completions: model outputs.
+    answer: reference answers (the ``answer`` column).
+    **unused: other columns, ignored.
+
+  Returns:
+    1.0 or 0.0 per completion.
+
+  Example:
+    >>> exact_match(["q", "q"], [" 12 ", "1 2"], answer=["12", "12"])
+    [1.0, 0.0]
+  """
+  del prompts, unused
+  _check_columns("exact_match", completions, answer=answer)
+  return [float(_normalize(c) == _normalize(a)) for c, a in zip(completions, answer)]
+
+
+def format_reward(pattern: str, *, flags: int = re.DOTALL, name: str = "format") -> RewardFn:
+  r"""Reward 1.0 for completions that fully match a regular expression, else 0.0.
+
+  Args:
+    pattern: the regex, matched with ``re.fullmatch`` against the stripped completion.
+    flags: ``re`` flags (``re.DOTALL`` by default so ``.`` spans lines).
+    name: the reward's name in metrics.
+
+  Returns:
+    A reward function using no column.
+
+  Example:
+    >>> format_reward(r"-?\d+")(["q", "q"], ["-12", "12 apples"])
+    [1.0, 0.0]
+  """
+  compiled = re.compile(pattern, flags)
+
+  def reward(prompts: Sequence[str], completions: Sequence[str], **unused: Any) -> list[float]:
+    del prompts, unused
+    return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+
+  reward.__name__ = name
+  return reward
+
+
+def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "combined") -> RewardFn:
+  r"""One reward function: the weighted sum :math:`R = \sum_k w_k R_k`.
+
+  To get per-function failure counts and metrics, pass the list to :func:`evaluate_rewards`
+  instead of combining first.
+
+  Args:
+    weighted: ``(reward_fn, weight)`` pairs.
+    name: the combined reward's name.
+
+  Returns:
+    A reward function passing every column to every part.
+
+  Example:
+    >>> r = combine_rewards([(exact_match, 1.0), (format_reward(r"\d+"), 0.1)])
+    >>> r(["q"], ["12"], answer=["12"])
+    [1.1]
+  """
+  if not weighted:
+    raise ValueError("combine_rewards needs at least one (reward_fn, weight) pair.")
+
+  def reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
+    total = np.zeros(len(completions), np.float64)
+    for fn, weight in weighted:
+      total += weight * np.asarray(fn(prompts, completions, **columns), np.float64)
+    return total.tolist()
+
+  reward.__name__ = name
+  return reward
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardReport:
+  """Rewards of one batch from :func:`evaluate_rewards`, with per-function health.
+
+  Attributes:
+    rewards: float32 ``[N]``, the weighted sum over functions (failed samples count 0).
+    per_function: name -> float32 ``[N]`` unweighted scores.
+    failures: name -> number of samples whose reward raised or returned a non-finite or
+      malformed value.
+    timeouts: name -> number of samples past the deadline.
+    first_errors: name -> description of the first failure or timeout (only names with
+      any), to make a misconfigured reward visible.
+  """
+
+  rewards: np.ndarray
+  per_function: dict[str, np.ndarray]
+  failures: dict[str, int]
+  timeouts: dict[str, int]
+  first_errors: dict[str, str]
+
+  def metrics(self) -> dict[str, float]:
+    """Flat metrics: ``reward/<name>`` means, ``reward_failures/<name>``, ``reward_timeouts/<name>``."""
+    out = {"reward/total": float(self.rewards.mean())}
+    for name, scores in self.per_function.items():
+      out[f"reward/{name}"] = float(scores.mean())
+      out[f"reward_failures/{name}"] = float(self.failures[name])
+      out[f"reward_timeouts/{name}"] = float(self.timeouts[name])
+    return out
+
+
+def _one_score(out: Any) -> float:
+  """The single finite float a reward returned for one sample, or a ValueError."""
+  if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != 1:
+    raise ValueError(f"expected a list of one float for one sample, got {out!r}")
+  value = float(out[0])
+  if not math.isfinite(value):
+    raise ValueError(f"non-finite reward {value}")
+  return value
+
+
+def _score_samples(
+    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]], start: int, results: queue.SimpleQueue,
+    cancelled: threading.Event) -> None:
+  """Worker: scores samples ``start, start+1, ...`` one at a time until done or cancelled."""
+  for i in range(start, len(completions)):
+    if cancelled.is_set():
+      return
+    try:
+      out = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
+      results.put((True, _one_score(out)))
+    except Exception as e:  # noqa: BLE001 -- any failure of user code scores 0.
+      results.put((False, f"{type(e).__name__}: {e}"))
+
+
+def _guarded_scores(
+    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]], timeout_s: float,
+) -> tuple[np.ndarray, int, int, str | None]:
+  """Scores every sample in a worker thread; a sample past the deadline abandons the worker.
+
+  The abandoned worker is told to stop and exits as soon as the hung call returns; a fresh
+  worker resumes at the next sample, so at most one live thread per hung call remains.
+  """
+  n = len(completions)
+  scores = np.zeros(n, np.float32)
+  failures = timeouts = 0
+  first_error = None
+  i = 0
+  while i < n:
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    cancelled = threading.Event()
+    threading.Thread(
+        target=_score_samples, args=(fn, prompts, completions, columns, i, results, cancelled),
+        name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    while i < n:
+      try:
+        ok, value = results.get(timeout=timeout_s)
+      except queue.Empty:
+        cancelled.set()
+        timeouts += 1
+        first_error = first_error or f"sample {i}: no result within {timeout_s} s"
+        i += 1
+        break
+      if ok:
+        scores[i] = value
+      else:
+        failures += 1
+        first_error = first_error or f"sample {i}: {value}"
+      i += 1
+  return scores, failures, timeouts, first_error
+
+
+def _names(fns: Sequence[RewardFn]) -> list[str]:
+  """Unique metric names from the functions' ``__name__`` (``_2``, ``_3`` on repeats)."""
+  names: list[str] = []
+  for fn in fns:
+    base = getattr(fn, "__name__", type(fn).__name__)
+    name, k = base, 1
+    while name in names:
+      k += 1
+      name = f"{base}_{k}"
+    names.append(name)
+  return names
+
+
+def evaluate_rewards(
+    fns: Sequence[tuple[RewardFn, float]],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    timeout_s: float = 10.0,
+) -> RewardReport:
+  """Weighted rewards of a batch, robust to reward functions that raise or hang.
+
+  Each function scores one sample per call in a worker thread. A sample whose call raises,
+  returns something other than one finite number, or takes longer than ``timeout_s`` scores
+  0 for that function and is counted in ``failures`` / ``timeouts``; nothing propagates. A
+  hung call cannot be interrupted: its daemon thread is abandoned and exits once the call
+  returns.
+
+  Args:
+    fns: ``(reward_fn, weight)`` pairs; metrics use each function's ``__name__``.
+    prompts: ``N`` prompts.
+    completions: ``N`` completions.
+    columns: column name -> ``N`` values (``answer``, ``entry``, ...), passed as keywords.
+    timeout_s: per-sample deadline for each function, in seconds.
+
+  Returns:
+    A :class:`RewardReport`.
+
+  Raises:
+    ValueError: when the inputs are misaligned or ``fns`` is empty (caller bugs, not
+      reward failures).
+
+  Example:
+    >>> report = evaluate_rewards([(exact_match, 1.0)], ["q"], ["12"], {"answer": ["12"]})
+    >>> report.rewards, report.failures
+    (array([1.], dtype=float32), {'exact_match': 0})
+  """
+  if not fns:
+    raise ValueError("evaluate_rewards needs at least one (reward_fn, weight) pair.")
+  if timeout_s <= 0:
+    raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+  columns = dict(columns or {})
+  if len(prompts) != len(completions):
+    raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions.")
+  for column, values in columns.items():
+    if len(values) != len(completions):
+      raise ValueError(
+          f"column {column!r} has {len(values)} values for {len(completions)} completions.")
+  total = np.zeros(len(completions), np.float32)
+  per_function, failures, timeouts, first_errors = {}, {}, {}, {}
+  for name, (fn, weight) in zip(_names([fn for fn, _ in fns]), fns):
+    scores, failed, timed_out, error = _guarded_scores(
+        fn, prompts, completions, columns, timeout_s)
+    per_function[name], failures[name], timeouts[name] = scores, failed, timed_out
+    if error is not None:
+      first_errors[name] = error
+    total += np.float32(weight) * scores
+  return RewardReport(rewards=total, per_function=per_function, failures=failures,
+                      timeouts=timeouts, first_errors=first_errors)
