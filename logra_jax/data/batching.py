@@ -55,8 +55,6 @@ def _pad_id(tokenizer: Tokenizer) -> int:
 
 def _check_lengths(ids: Sequence[Sequence[int]], max_len: int | None, what: str) -> int:
   """Returns the padded length: ``max_len``, or the longest sequence when it is None."""
-  if not ids:
-    raise ValueError(f"no {what} to encode: got an empty list.")
   longest = max(len(x) for x in ids)
   if max_len is None:
     return longest
@@ -84,9 +82,13 @@ def encode_prompts(
   Example:
     >>> from logra_jax.data.tokenizer import char_tokenizer
     >>> batch = encode_prompts(char_tokenizer(), ["1+2=", "13+5="], max_len=8)
-    >>> batch.tokens_BxP[0], batch.mask_BxP[0]
-    (array([0, 0, 0, 1, 5, 78, 6, 86], dtype=int32), array([0, 0, 0, 1, 1, 1, 1, 1], dtype=int32))
+    >>> batch.tokens_BxP[0]
+    array([ 0,  0,  0,  1,  5, 78,  6, 86], dtype=int32)
+    >>> batch.mask_BxP[0]
+    array([0, 0, 0, 1, 1, 1, 1, 1], dtype=int32)
   """
+  if not prompts:
+    raise ValueError("no prompts to encode: got an empty list.")
   ids = tokenizer(list(prompts))["input_ids"]
   length = _check_lengths(ids, max_len, "prompt")
   tokens_BxP = np.full((len(ids), length), _pad_id(tokenizer), np.int32)
@@ -113,6 +115,7 @@ def decode_completions(
     ``B`` strings.
 
   Example:
+    >>> from logra_jax.data.tokenizer import char_tokenizer
     >>> decode_completions(char_tokenizer(), np.array([[5, 6, 2, 7, 0], [7, 0, 0, 0, 0]]))
     ['12', '3']
   """
@@ -146,12 +149,17 @@ def encode_sft(
     An :class:`SFTBatch` of int32 arrays ``[B, T]``.
 
   Example:
+    >>> from logra_jax.data.tokenizer import char_tokenizer
     >>> b = encode_sft(char_tokenizer(), ["1+2="], ["3"])
-    >>> b.tokens_BxT, b.loss_mask_BxT
-    (array([[ 1,  5, 78,  6, 86,  7,  2]], dtype=int32), array([[0, 0, 0, 0, 0, 1, 1]], dtype=int32))
+    >>> b.tokens_BxT
+    array([[ 1,  5, 78,  6, 86,  7,  2]], dtype=int32)
+    >>> b.loss_mask_BxT
+    array([[0, 0, 0, 0, 0, 1, 1]], dtype=int32)
   """
   if len(prompts) != len(answers):
     raise ValueError(f"got {len(prompts)} prompts but {len(answers)} answers.")
+  if not prompts:
+    raise ValueError("no prompts to encode: got an empty list.")
   if tokenizer.eos_token_id is None:
     raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos token.")
   prompt_ids = tokenizer(list(prompts))["input_ids"]

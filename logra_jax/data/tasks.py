@@ -24,6 +24,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.parquet
 import reasoning_gym
 
 Example = dict[str, Any]
@@ -161,6 +162,14 @@ def reasoning_gym_task(
   return Task(name=name, examples=tuple(examples), score_answer=generator.score_answer)
 
 
+def _is_empty_file(path: str) -> bool:
+  """Whether a parquet file has no rows, or a JSON(L) file holds only whitespace or ``[]``."""
+  if path.lower().endswith(".parquet"):
+    return pyarrow.parquet.ParquetFile(path).metadata.num_rows == 0
+  with open(path, encoding="utf-8") as f:
+    return f.read(4096).strip() in ("", "[]")
+
+
 def file_task(
     data_files: str | os.PathLike | Sequence[str | os.PathLike],
     *,
@@ -206,13 +215,14 @@ def file_task(
   if missing_files:
     raise FileNotFoundError(f"data files not found: {missing_files}.")
   name = name or os.path.splitext(os.path.basename(paths[0]))[0]
-  try:
-    rows = datasets.load_dataset(
-        FILE_BUILDERS[extensions.pop()], data_files=paths, split="train")
-  except StopIteration:  # The json builder's way of saying the file has no rows.
-    raise ValueError(f"task {name!r}: data files {paths} hold no rows (empty dataset).") from None
+  # `datasets` fails obscurely on files without rows, so leave them out and check first.
+  empty_error = ValueError(f"task {name!r}: data files {paths} hold no rows (empty dataset).")
+  nonempty = [p for p in paths if not _is_empty_file(p)]
+  if not nonempty:
+    raise empty_error
+  rows = datasets.load_dataset(FILE_BUILDERS[extensions.pop()], data_files=nonempty, split="train")
   if len(rows) == 0:
-    raise ValueError(f"task {name!r}: data files {paths} hold no rows (empty dataset).")
+    raise empty_error
   for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
     if column not in rows.column_names:
       raise ValueError(

@@ -43,7 +43,7 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> transformers.PreTrainedT
     [1, 5, 6, 78, 11, 86]
     >>> tok.decode([5, 6, 2], skip_special_tokens=True)
     '12'
-    >>> tok.save_pretrained("/tmp/tiny_tok")   # then AutoTokenizer.from_pretrained(...)
+    >>> paths = tok.save_pretrained("/tmp/tiny_tok")  # AutoTokenizer.from_pretrained loads it
   """
   if len(set(alphabet)) != len(alphabet):
     duplicates = sorted({c for c in alphabet if alphabet.count(c) > 1})

@@ -82,6 +82,8 @@ def logra(
     Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
     Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024.
   """
+  decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
+           else [optax.add_decayed_weights(weight_decay, weight_decay_mask)])
   return optax.chain(
       transforms.project(
           rank=rank, kind=kind, refresh_every=refresh_every,
@@ -91,6 +93,6 @@ def logra(
       transforms.low_rank_moments(
           optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)),
       transforms.unproject(scale=scale, keep_factors=keep_factors),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      *decay,
       optax.scale_by_learning_rate(learning_rate),
   )

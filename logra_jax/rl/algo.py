@@ -12,7 +12,8 @@ exactly the full-batch loss and gradients.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import flax.struct
 import jax
@@ -62,8 +63,8 @@ def grpo_advantages(rewards_N: Array, num_generations: int, eps: float = 1e-6) -
     Advantages ``[num_prompts * num_generations]`` in float32.
 
   Example:
-    >>> grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3)
-    Array([ 1.4142..., -0.7071..., -0.7071...,  0.,  0.,  0.], dtype=float32)
+    >>> grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3).round(4)
+    Array([ 1.4142, -0.7071, -0.7071,  0.    ,  0.    ,  0.    ], dtype=float32)
 
   References:
     Shao et al., DeepSeekMath, 2024 (arXiv 2402.03300).
@@ -87,8 +88,8 @@ def dr_grpo_advantages(rewards_N: Array, num_generations: int) -> Array:
     Advantages ``[num_prompts * num_generations]`` in float32.
 
   Example:
-    >>> dr_grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3)
-    Array([ 0.6666..., -0.3333..., -0.3333...,  0.,  0.,  0.], dtype=float32)
+    >>> dr_grpo_advantages(jnp.array([1., 0., 0., 1., 1., 1.]), num_generations=3).round(4)
+    Array([ 0.6667, -0.3333, -0.3333,  0.    ,  0.    ,  0.    ], dtype=float32)
 
   References:
     Liu et al., Understanding R1-Zero-Like Training, 2025 (arXiv 2503.20783).
@@ -144,7 +145,7 @@ def compute_advantages(
 
   Example:
     >>> compute_advantages(jnp.array([1., 0., 1., 1.]), 2, "rloo")
-    Array([1., -1., 0., 0.], dtype=float32)
+    Array([ 1., -1.,  0.,  0.], dtype=float32)
   """
   if estimator not in ADVANTAGE_ESTIMATORS:
     raise ValueError(
@@ -184,7 +185,7 @@ def kl_penalty(
 
   Example:
     >>> kl_penalty(jnp.log(jnp.array([[0.5]])), jnp.log(jnp.array([[0.25]])), "k3")
-    Array([[0.1931...]], dtype=float32)
+    Array([[0.19314718]], dtype=float32)
 
   References:
     J. Schulman, Approximating KL Divergence, 2020 (joschu.net/blog/kl-approx.html).
@@ -278,13 +279,11 @@ def loss_terms(
   The aggregation gives ``numerator`` and ``denominator`` such that summing both over
   micro-batches and calling :func:`finalize` once equals the full-batch loss exactly:
 
-  ===========================  ==========================  ===============================
-  aggregation                  numerator                   denominator
-  ===========================  ==========================  ===============================
-  ``token-mean``               :math:`\sum_{b,t} m\ell`    :math:`\sum_{b,t} m`
-  ``seq-mean-token-mean``      :math:`\sum_b \frac{\sum_t m\ell}{\sum_t m}`  sequences
-  ``seq-mean-token-sum-norm``  :math:`\sum_{b,t} m\ell`    sequences :math:`\times` max_len
-  ===========================  ==========================  ===============================
+  * ``token-mean``: :math:`\sum_{b,t} m_{bt} \ell_{bt}` over :math:`\sum_{b,t} m_{bt}`;
+  * ``seq-mean-token-mean``: :math:`\sum_b \big(\sum_t m_{bt} \ell_{bt} / \sum_t m_{bt}\big)`
+    over the number of sequences;
+  * ``seq-mean-token-sum-norm``: :math:`\sum_{b,t} m_{bt} \ell_{bt}` over the number of
+    sequences times ``config.max_len``.
 
   "Sequences" counts rows with at least one valid token, so all-padding rows (used to
   keep shapes static) change nothing. The denominator carries no gradient; accumulate
@@ -292,7 +291,8 @@ def loss_terms(
 
   Args:
     logp_BxT: policy log-probabilities of the completion tokens (differentiated).
-    mask_BxT: 1 for completion tokens, 0 for padding (bool, int or float).
+    mask_BxT: 1 for completion tokens, 0 for padding (bool, int or float); values of the
+      other inputs at padding are ignored, even if infinite or NaN.
     adv_B: one advantage per sequence.
     old_logp_BxT: log-probabilities under the policy that sampled the data; ``None`` means
       on-policy (``stop_gradient(logp_BxT)``, ratio 1).
@@ -309,8 +309,8 @@ def loss_terms(
   Example:
     >>> logp = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.0]]))
     >>> num, den, _ = loss_terms(logp, jnp.array([[1, 1], [1, 0]]), jnp.array([1., -1.]))
-    >>> finalize(num, den)   # on-policy: -(1 + 1 - 1) / 3
-    Array(-0.3333..., dtype=float32)
+    >>> finalize(num, den)   # on-policy, padding ignored: -(1 + 1 - 1) / 3
+    Array(-0.33333334, dtype=float32)
 
   Raises:
     ValueError: when ``config.beta > 0`` and ``ref_logp_BxT`` is None, or shapes disagree.
@@ -323,19 +323,22 @@ def loss_terms(
     raise ValueError(
         f"beta={config.beta} > 0 needs ref_logp_BxT (reference log-probabilities); pass them "
         "or set beta=0.")
-  logp_BxT = logp_BxT.astype(jnp.float32)
-  mask_BxT = mask_BxT.astype(jnp.float32)
+  # Padding may hold anything (-inf, NaN): zero it before any arithmetic, so neither the
+  # sums nor the gradients see it.
+  valid_BxT = mask_BxT.astype(bool)
+  clean = lambda x_BxT: jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
+  logp_BxT = clean(logp_BxT)
+  old_logp_BxT = jax.lax.stop_gradient(logp_BxT) if old_logp_BxT is None else clean(old_logp_BxT)
+  mask_BxT = valid_BxT.astype(jnp.float32)
   adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
-  if old_logp_BxT is None:
-    old_logp_BxT = jax.lax.stop_gradient(logp_BxT)
 
-  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT.astype(jnp.float32))
+  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
   clipped_BxT = jnp.clip(ratio_BxT, 1.0 - config.eps_low, 1.0 + config.eps_high)
   pg_loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
   loss_BxT = pg_loss_BxT
   kl_BxT = None
   if ref_logp_BxT is not None:
-    kl_BxT = kl_penalty(logp_BxT, ref_logp_BxT, config.kl_estimator, config.kl_clamp)
+    kl_BxT = kl_penalty(logp_BxT, clean(ref_logp_BxT), config.kl_estimator, config.kl_clamp)
     if config.beta > 0:
       loss_BxT = loss_BxT + config.beta * kl_BxT
 
@@ -450,9 +453,12 @@ class RolloutBatch:
       A ``RolloutBatch`` whose arrays have a leading micro-batch axis (``[M, B/M, ...]``).
 
     Example:
-      >>> mb = batch.micro_batches(4)   # batch.batch_size == 8
-      >>> mb.completion_tokens_BxT.shape[:2]
-      (4, 2)
+      >>> z = jnp.zeros((8, 5))
+      >>> batch = RolloutBatch(
+      ...     prompt_tokens_BxP=z, prompt_mask_BxP=z, completion_tokens_BxT=z,
+      ...     completion_mask_BxT=z, old_logp_BxT=z, advantages_B=z[:, 0], num_generations=2)
+      >>> batch.micro_batches(4).completion_tokens_BxT.shape
+      (4, 2, 5)
     """
     if num_micro_batches < 1 or self.batch_size % num_micro_batches:
       raise ValueError(

@@ -63,6 +63,7 @@ def reasoning_gym_reward(score_answer: ScoreAnswer | None = None) -> RewardFn:
     A reward function reading the ``entry`` column (the generator's items).
 
   Example:
+    >>> from logra_jax.data.tasks import tiny_arithmetic_task
     >>> task = tiny_arithmetic_task(size=2)
     >>> reward = reasoning_gym_reward(task.score_answer)
     >>> reward(["4-1="], ["3"], entry=[task.examples[1]["entry"]])
@@ -226,7 +227,7 @@ class RewardReport:
   first_errors: dict[str, str]
 
   def metrics(self) -> dict[str, float]:
-    """Flat metrics: ``reward/<name>`` means, ``reward_failures/<name>``, ``reward_timeouts/<name>``."""
+    """Flat metrics: ``reward/<name>`` means and ``reward_{failures,timeouts}/<name>`` counts."""
     out = {"reward/total": float(self.rewards.mean())}
     for name, scores in self.per_function.items():
       out[f"reward/{name}"] = float(scores.mean())

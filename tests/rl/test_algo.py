@@ -137,6 +137,23 @@ def test_on_policy_default_old_logp():
       jax.grad(loss)(LOGP), [[-0.2, -0.2, -0.2], [0.4, 0.4, 0.0]], rtol=1e-6)
 
 
+def test_padding_values_are_ignored():
+  # -inf / NaN at the masked position change neither the loss nor any gradient.
+  config = algo.LossConfig(**CLIP, beta=0.1)
+  ref = LOGP - 0.3
+
+  def loss(lp, old, rf):
+    return algo.finalize(*algo.loss_terms(lp, MASK, ADV, old, rf, config)[:2])
+
+  garbage = lambda x, v: x.at[1, 2].set(v)
+  clean_loss, clean_grad = jax.value_and_grad(loss)(LOGP, OLD, ref)
+  dirty_loss, dirty_grad = jax.value_and_grad(loss)(
+      garbage(LOGP, -jnp.inf), garbage(OLD, jnp.nan), garbage(ref, jnp.inf))
+  np.testing.assert_allclose(dirty_loss, clean_loss, rtol=1e-6)
+  np.testing.assert_allclose(dirty_grad, clean_grad, rtol=1e-6)
+  assert dirty_grad[1, 2] == 0.0
+
+
 def test_kl_term_added_with_beta():
   ref = LOGP - jnp.log(2.0)  # delta = -ln 2 on every token: k3 = ln 2 - 1/2.
   config = algo.LossConfig(**CLIP, beta=0.1)
@@ -148,6 +165,13 @@ def test_kl_term_added_with_beta():
   num0, _, metrics0 = algo.loss_terms(LOGP, MASK, ADV, OLD, ref, algo.LossConfig(**CLIP))
   np.testing.assert_allclose(num0, 1.8, rtol=1e-5)
   assert "kl_ref" in metrics0
+
+
+def test_loss_terms_jit_with_static_config():
+  config = algo.LossConfig(**CLIP, aggregation="seq-mean-token-mean")
+  jitted = jax.jit(algo.loss_terms, static_argnames="config")
+  num, den, _ = jitted(LOGP, MASK, ADV, OLD, None, config=config)
+  np.testing.assert_allclose(algo.finalize(num, den), (-2.8 / 3 + 4.6 / 2) / 2, rtol=1e-5)
 
 
 def test_loss_config_errors():

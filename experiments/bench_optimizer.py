@@ -1,0 +1,160 @@
+"""Update time and optimizer-state memory: optax.adam, optax.contrib.galore, LoGRA.
+
+For a GPT-2-small-shaped and a 1B-shaped (TinyLlama-1.1B) parameter tree, prints
+a markdown table of
+
+* optimizer-state bytes, counted on abstract shapes (`jax.eval_shape`) for the
+  full trees, so nothing is allocated;
+* the median time of a jitted `update` + `apply_updates` step, for refresh
+  steps (projector recomputed) and non-refresh steps separately, on real
+  arrays; for the 1B tree on its first `--layers-1b` transformer blocks (all
+  blocks have the same shapes, so per-block time scales linearly);
+
+each as a ratio to `optax.adam` measured in the same run. Embeddings and the
+LM head stay dense for GaLore and LoGRA alike; every transformer-block matrix
+is projected at the same rank.
+
+Run: python experiments/bench_optimizer.py [--rank 64] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import optax.contrib
+
+import logra_jax as logra
+
+GPT2_SMALL = dict(vocab=50257, positions=1024, d=768, heads_dim=768,
+                  kv_dim=768, mlp=3072, layers=12, gated=False)
+LLAMA_1B = dict(vocab=32000, positions=0, d=2048, heads_dim=2048, kv_dim=256,
+                mlp=5632, layers=22, gated=True)
+
+
+def param_shapes(cfg: dict, layers: int | None = None) -> dict:
+  """Per-layer 2-d leaves of a decoder, as `jax.ShapeDtypeStruct`s."""
+  d, f32 = cfg["d"], jnp.float32
+  tree = {"embed": jax.ShapeDtypeStruct((cfg["vocab"], d), f32),
+          "final_norm": jax.ShapeDtypeStruct((d,), f32)}
+  if cfg["positions"]:
+    tree["positions"] = jax.ShapeDtypeStruct((cfg["positions"], d), f32)
+  if cfg["gated"]:
+    tree["lm_head"] = jax.ShapeDtypeStruct((d, cfg["vocab"]), f32)
+  for i in range(cfg["layers"] if layers is None else layers):
+    block = {
+        "q": (d, cfg["heads_dim"]), "k": (d, cfg["kv_dim"]),
+        "v": (d, cfg["kv_dim"]), "o": (cfg["heads_dim"], d),
+        "up": (d, cfg["mlp"]), "down": (cfg["mlp"], d),
+        "norm1": (d,), "norm2": (d,)}
+    if cfg["gated"]:
+      block["gate"] = (d, cfg["mlp"])
+    tree[f"block{i:02d}"] = {k: jax.ShapeDtypeStruct(s, f32)
+                             for k, s in block.items()}
+  return tree
+
+
+def block_dimension_numbers(params):
+  """Block matrices are projected; embeddings, head and vectors stay dense."""
+  def spec(path, p):
+    in_block = str(path[0].key).startswith("block")
+    return optax.contrib.GaLoreDimensionNumbers() if (
+        in_block and len(p.shape) == 2) else None
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def optimizers(rank: int, refresh_every: int, params) -> dict:
+  galore_dims = block_dimension_numbers(params)
+  logra_dims = jax.tree.map(
+      lambda s: None if s is None else logra.DimensionNumbers(), galore_dims,
+      is_leaf=lambda x: x is None or isinstance(
+          x, optax.contrib.GaLoreDimensionNumbers))
+  lr = 1e-3
+  out = {"optax.adam": optax.adam(lr),
+         "optax.contrib.galore": optax.contrib.galore(
+             lr, rank=rank, update_proj_gap=refresh_every,
+             weight_dimension_numbers=galore_dims)}
+  for kind in ("random", "range", "svd"):
+    out[f"logra ({kind})"] = logra.logra(
+        lr, rank=rank, kind=kind, refresh_every=refresh_every,
+        dimension_numbers=logra_dims)
+  return out
+
+
+def state_bytes(tx, shapes) -> int:
+  return logra.optimizer_state_bytes(jax.eval_shape(tx.init, shapes))
+
+
+def time_steps(tx, shapes, repeats: int) -> float:
+  """Median seconds of a jitted update + apply step over `repeats` calls."""
+  key = jax.random.key(0)
+  leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(key, len(leaves))
+  params = treedef.unflatten([0.02 * jax.random.normal(k, s.shape)
+                              for k, s in zip(keys, leaves)])
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.sin(p * 977.0), params)
+  state = tx.init(params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  start = time.perf_counter()
+  params, state = jax.block_until_ready(step(params, state, grads))  # compile
+  print(f"  compiled + first step in {time.perf_counter() - start:.1f}s",
+        file=sys.stderr, flush=True)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, state = jax.block_until_ready(step(params, state, grads))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rank", type=int, default=64)
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--refresh-repeats", type=int, default=20,
+                      help="repeats of refresh steps (SVD refreshes are slow)")
+  parser.add_argument("--layers-1b", type=int, default=1,
+                      help="transformer blocks of the 1B tree to time")
+  args = parser.parse_args()
+  print(f"JAX {jax.__version__} on {jax.devices()[0].platform}, "
+        f"{jax.device_count()} device(s); rank {args.rank}\n")
+  print("| tree | optimizer | state MiB | state / adam | non-refresh ms "
+        "| / adam | refresh ms | / adam |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|")
+  for tree_name, cfg, timed_layers in (
+      ("GPT-2 small", GPT2_SMALL, None),
+      (f"1B (time: {args.layers_1b} of 22 blocks)", LLAMA_1B, args.layers_1b)):
+    full = param_shapes(cfg)
+    timed = param_shapes(cfg, timed_layers)
+    rows = {}
+    for name, tx in optimizers(args.rank, 10**9, full).items():
+      rows[name] = [state_bytes(tx, full)]
+    never = optimizers(args.rank, 10**9, timed)   # refresh only at step 0
+    always = optimizers(args.rank, 1, timed)      # refresh on every step
+    for name in rows:
+      print(f"{tree_name}: {name}", file=sys.stderr, flush=True)
+      rows[name].append(time_steps(never[name], timed, args.repeats))
+      refresh_repeats = 0 if name == "optax.adam" else args.refresh_repeats
+      rows[name].append(time_steps(always[name], timed, refresh_repeats)
+                        if refresh_repeats else rows[name][1])
+    adam_bytes, adam_step, _ = rows["optax.adam"]
+    for name, (nbytes, step, refresh) in rows.items():
+      print(f"| {tree_name} | {name} | {nbytes / 2**20:,.1f} | "
+            f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
+            f"{step / adam_step:.2f} | {1e3 * refresh:,.1f} | "
+            f"{refresh / adam_step:.2f} |")
+
+
+if __name__ == "__main__":
+  main()

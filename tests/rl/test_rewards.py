@@ -1,0 +1,149 @@
+"""Tests for logra_jax.rl.rewards: shipped rewards and the guarded evaluator."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from logra_jax.data import tasks
+from logra_jax.rl import rewards
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return tasks.tiny_arithmetic_task(size=40, seed=0)
+
+
+def _columns(examples):
+  return {"answer": [e["answer"] for e in examples], "entry": [e["entry"] for e in examples]}
+
+
+def test_reasoning_gym_reward_uses_score_answer(tiny):
+  examples = tiny.examples[:4]
+  prompts = [e["prompt"] for e in examples]
+  correct = [e["answer"] for e in examples]
+  wrong = [str(int(a) + 1) for a in correct]
+  for reward in (rewards.reasoning_gym_reward(tiny.score_answer), rewards.reasoning_gym_reward()):
+    assert reward(prompts, correct, **_columns(examples)) == [1.0] * 4
+    assert reward(prompts, [f" {a} " for a in correct], **_columns(examples)) == [1.0] * 4
+    assert all(s < 1.0 for s in reward(prompts, wrong, **_columns(examples)))
+  # chain_sum's verifier gives partial credit when the answer is a substring: "1" + "16".
+  answer = examples[0]["answer"]
+  partial = rewards.reasoning_gym_reward(tiny.score_answer)(
+      prompts[:1], ["1" + answer], entry=[examples[0]["entry"]])
+  assert partial == [pytest.approx(len(answer) / (len(answer) + 1))]
+
+
+def test_reasoning_gym_reward_needs_entry_column():
+  with pytest.raises(ValueError, match="needs the 'entry' column"):
+    rewards.reasoning_gym_reward()(["p"], ["1"], answer=["1"])
+
+
+def test_math_verify_equivalence():
+  completions = ["The answer is $\\frac{84}{2}$.", "41", "no idea"]
+  assert rewards.math_verify_equivalence(["q"] * 3, completions, answer=["42"] * 3) == [
+      1.0, 0.0, 0.0]
+  with pytest.raises(ValueError, match="cannot parse the reference"):
+    rewards.math_verify_equivalence(["q"], ["1"], answer=[""])
+
+
+def test_math_verify_off_main_thread_through_evaluator():
+  report = rewards.evaluate_rewards(
+      [(rewards.math_verify_equivalence, 1.0)], ["q", "q"], ["$2^{10}$", "1000"],
+      {"answer": ["1024", "1024"]}, timeout_s=30)
+  np.testing.assert_array_equal(report.rewards, [1.0, 0.0])
+  assert report.failures == {"math_verify_equivalence": 0}
+
+
+def test_exact_match_and_format():
+  assert rewards.exact_match(["q"] * 3, ["  1 2 ", "12", "1  2"], answer=["1 2"] * 3) == [
+      1.0, 0.0, 1.0]
+  fmt = rewards.format_reward(r"<answer>.*</answer>", name="tags")
+  assert fmt.__name__ == "tags"
+  assert fmt(["q"] * 3, ["<answer>4\n2</answer>", " <answer>1</answer> ", "4 <answer>1</answer>"]
+             ) == [1.0, 1.0, 0.0]
+
+
+def test_combine_rewards():
+  combined = rewards.combine_rewards(
+      [(rewards.exact_match, 1.0), (rewards.format_reward(r"-?\d+"), 0.5)])
+  got = combined(["q"] * 3, ["12", "13", "x"], answer=["12", "12", "12"])
+  np.testing.assert_allclose(got, [1.5, 0.5, 0.0])
+  with pytest.raises(ValueError, match="at least one"):
+    rewards.combine_rewards([])
+
+
+def _raise_on_seven(prompts, completions, **unused):
+  del prompts, unused
+  if completions[0] == "7":
+    raise RuntimeError("bad sample")
+  return [1.0]
+
+
+def _sleep_on_seven(prompts, completions, **unused):
+  del prompts, unused
+  if completions[0] == "7":
+    time.sleep(0.6)
+  return [0.5]
+
+
+def _nan_reward(prompts, completions, **unused):
+  del prompts, unused
+  return [float("nan")] if completions[0] == "7" else [2.0]
+
+
+def test_evaluator_isolates_raising_hanging_and_nan_rewards():
+  threads_before = threading.active_count()
+  completions = ["1", "7", "3", "7"]
+  start = time.perf_counter()
+  report = rewards.evaluate_rewards(
+      [(_raise_on_seven, 1.0), (_sleep_on_seven, 2.0), (_nan_reward, 0.5),
+       (rewards.exact_match, 1.0)],
+      ["p"] * 4, completions, {"answer": ["1", "2", "3", "7"]}, timeout_s=0.15)
+  elapsed = time.perf_counter() - start
+  assert elapsed < 1.0  # two timeouts of 0.15 s, not two sleeps of 0.6 s.
+  np.testing.assert_array_equal(report.per_function["_raise_on_seven"], [1, 0, 1, 0])
+  np.testing.assert_array_equal(report.per_function["_sleep_on_seven"], [0.5, 0, 0.5, 0])
+  np.testing.assert_array_equal(report.per_function["_nan_reward"], [2, 0, 2, 0])
+  np.testing.assert_array_equal(report.per_function["exact_match"], [1, 0, 1, 1])
+  # 1 + 2 * 0.5 + 0.5 * 2 + 1 on the good samples; only exact match on the last.
+  np.testing.assert_allclose(report.rewards, [4.0, 0.0, 4.0, 1.0])
+  assert report.failures == {
+      "_raise_on_seven": 2, "_sleep_on_seven": 0, "_nan_reward": 2, "exact_match": 0}
+  assert report.timeouts == {
+      "_raise_on_seven": 0, "_sleep_on_seven": 2, "_nan_reward": 0, "exact_match": 0}
+  assert "RuntimeError: bad sample" in report.first_errors["_raise_on_seven"]
+  assert "sample 1" in report.first_errors["_sleep_on_seven"]
+  assert "non-finite" in report.first_errors["_nan_reward"]
+  assert "exact_match" not in report.first_errors
+  metrics = report.metrics()
+  assert metrics["reward_timeouts/_sleep_on_seven"] == 2.0
+  assert metrics["reward/total"] == pytest.approx(9.0 / 4)
+  # Abandoned workers exit once their sleep ends: no thread outlives the hung calls.
+  deadline = time.monotonic() + 3.0
+  while threading.active_count() > threads_before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert threading.active_count() == threads_before
+
+
+def test_evaluator_counts_malformed_output_and_missing_column():
+  def two_values(prompts, completions, **unused):
+    return [1.0, 1.0]
+
+  report = rewards.evaluate_rewards(
+      [(two_values, 1.0), (rewards.reasoning_gym_reward(), 1.0)], ["p"], ["1"], {})
+  assert report.failures == {"two_values": 1, "reasoning_gym_score": 1}
+  assert "list of one float" in report.first_errors["two_values"]
+  assert "needs the 'entry' column" in report.first_errors["reasoning_gym_score"]
+
+
+def test_evaluator_input_errors_and_names():
+  with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
+    rewards.evaluate_rewards([(rewards.exact_match, 1.0)], ["p", "p"], ["1", "2"],
+                             {"answer": ["1"]})
+  with pytest.raises(ValueError, match="at least one"):
+    rewards.evaluate_rewards([], ["p"], ["1"])
+  report = rewards.evaluate_rewards(
+      [(rewards.exact_match, 1.0), (rewards.exact_match, 1.0)], ["p"], ["1"], {"answer": ["1"]})
+  assert list(report.per_function) == ["exact_match", "exact_match_2"]
