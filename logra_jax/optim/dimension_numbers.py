@@ -151,44 +151,51 @@ def _spec_for_shape(path: str, shape: tuple[int, ...],
 
 
 def resolve_specs(params: Any, dimension_numbers: SpecTree | None,
-                  mask: Any | None) -> Any:
-  """Returns a pytree (matching ``params``) of ``DimensionNumbers`` or None.
+                  mask: Any | None) -> list[DimensionNumbers | None]:
+  """Returns one ``DimensionNumbers`` (or None: dense) per leaf of ``params``.
 
   ``dimension_numbers`` is None (every 2-d leaf is a matrix, other leaves are
   dense), a single ``DimensionNumbers`` (applied to every leaf of rank >= 2),
-  a pytree of ``DimensionNumbers``/None matching ``params``, or a callable of
-  ``params`` returning such a pytree. ``mask`` (a pytree of bools or a
-  callable) turns projection off where it is False.
+  a pytree of ``DimensionNumbers``/None whose structure is a prefix of
+  ``params`` (e.g. one entry per ``nnx.Param``), or a callable of ``params``
+  returning such a pytree. ``mask`` (a pytree prefix of bools, or a callable)
+  turns projection off where it is False.
   """
+  leaves = jax.tree.leaves(params)
   if dimension_numbers is None:
-    specs = jax.tree.map(
-        lambda p: DimensionNumbers() if jnp.ndim(p) == 2 else None, params)
+    specs = [DimensionNumbers() if jnp.ndim(p) == 2 else None for p in leaves]
   elif isinstance(dimension_numbers, DimensionNumbers):
-    specs = jax.tree.map(
-        lambda p: dimension_numbers if jnp.ndim(p) >= 2 else None, params)
+    specs = [dimension_numbers if jnp.ndim(p) >= 2 else None for p in leaves]
   else:
-    specs = (dimension_numbers(params) if callable(dimension_numbers)
-             else dimension_numbers)
-    _check_same_structure("dimension_numbers", params, specs, _is_spec_leaf)
+    tree = (dimension_numbers(params) if callable(dimension_numbers)
+            else dimension_numbers)
+    specs = _broadcast_prefix("dimension_numbers", tree, params, _is_spec_leaf)
   if mask is not None:
     mask_tree = mask(params) if callable(mask) else mask
-    _check_same_structure("mask", params, mask_tree, lambda x: x is None)
-    specs = jax.tree.map(lambda s, keep: s if keep else None, specs,
-                         mask_tree, is_leaf=_is_spec_leaf)
+    keep = _broadcast_prefix("mask", mask_tree, params, lambda x: x is None)
+    specs = [s if k else None for s, k in zip(specs, keep)]
   return specs
 
 
-def _check_same_structure(name: str, params: Any, tree: Any, is_leaf) -> None:
-  params_paths = [jax.tree_util.keystr(k) for k, _ in
-                  jax.tree_util.tree_flatten_with_path(params)[0]]
-  tree_leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-  tree_paths = [jax.tree_util.keystr(k) for k, _ in tree_leaves]
-  if params_paths != tree_paths:
-    extra = sorted(set(tree_paths) - set(params_paths))
-    missing = sorted(set(params_paths) - set(tree_paths))
+def _broadcast_prefix(name: str, tree: Any, params: Any, is_leaf) -> list:
+  """Repeats each leaf of ``tree`` over the params leaves below it."""
+  tree_leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+  try:
+    subtrees = treedef.flatten_up_to(params)
+  except (ValueError, TypeError):
+    params_paths = {jax.tree_util.keystr(k) for k, _ in
+                    jax.tree_util.tree_flatten_with_path(params)[0]}
+    tree_paths = {jax.tree_util.keystr(k) for k, _ in
+                  jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+    missing = sorted(p for p in params_paths
+                     if not any(p.startswith(t) for t in tree_paths))
+    extra = sorted(t for t in tree_paths
+                   if not any(p.startswith(t) for p in params_paths))
     raise ValueError(
         f"{name} does not match the parameters: missing entries for "
-        f"{missing[:5]}, entries for unknown parameters {extra[:5]}")
+        f"{missing[:5]}, entries for unknown parameters {extra[:5]}") from None
+  return [leaf for leaf, sub in zip(tree_leaves, subtrees)
+          for _ in jax.tree.leaves(sub)]
 
 
 def plan_leaves(params: Any, rank: int, dimension_numbers: SpecTree | None,
@@ -200,8 +207,7 @@ def plan_leaves(params: Any, rank: int, dimension_numbers: SpecTree | None,
       miss axes or do not fit the weight, and for a rank larger than both
       matrix dimensions.
   """
-  specs = resolve_specs(params, dimension_numbers, mask)
-  specs_flat = jax.tree.leaves(specs, is_leaf=_is_spec_leaf)
+  specs_flat = resolve_specs(params, dimension_numbers, mask)
   params_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   plans = []
   for index, ((key, p), spec) in enumerate(zip(params_with_path, specs_flat)):

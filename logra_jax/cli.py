@@ -1,0 +1,72 @@
+"""Command line: ``logra train`` and ``logra eval``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from logra_jax.configs import train as train_config
+
+
+def _train(args: argparse.Namespace) -> int:
+  from logra_jax.rl import trainer
+  config = train_config.apply_overrides(
+      train_config.get_preset(args.preset), args.set)
+  out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+  trainer.train(config, out, progress=not args.no_progress)
+  print(f"outputs in {out}")
+  return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+  from logra_jax.rl import trainer
+  config = train_config.apply_overrides(
+      train_config.get_preset(args.preset), args.set)
+  task = trainer.load_task(config)
+  _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
+  policy = trainer.Policy.load(args.policy)
+  result = trainer.evaluate(policy, policy.params, eval_examples,
+                            trainer.task_rewards(task),
+                            config.rollout.max_new_tokens)
+  print(json.dumps({"policy": args.policy, "task": task.name,
+                    "examples": len(eval_examples), **result}))
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="logra", description="LoGRA: memory-efficient RL post-training.")
+  commands = parser.add_subparsers(dest="command", required=True)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--preset", default="tiny",
+                      help=f"named config: {sorted(train_config.PRESETS)}")
+  common.add_argument("--set", action="append", default=[],
+                      metavar="KEY=VALUE",
+                      help="override a config field, e.g. optimizer.rank=8")
+  train = commands.add_parser("train", parents=[common],
+                              help="run RL post-training")
+  train.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
+  train.add_argument("--no-progress", action="store_true",
+                     help="no progress bar")
+  train.set_defaults(run=_train)
+  evaluate = commands.add_parser("eval", parents=[common],
+                                 help="held-out accuracy of a policy folder")
+  evaluate.add_argument("--policy", required=True,
+                        help="Hugging Face folder of the policy")
+  evaluate.set_defaults(run=_eval)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except ValueError as error:
+    print(f"logra {args.command}: error: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,307 @@
+"""Typed, frozen configuration of an RL run, with named presets.
+
+A run is a :class:`TrainConfig` made of small sections. Presets are plain
+values in :data:`PRESETS`; command-line overrides are ``section.field=value``
+strings applied by :func:`apply_overrides`, which parses each value with the
+type of the field it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Optional
+
+from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
+
+OPTIMIZERS = ("logra", "adam", "galore")
+
+
+def _positive(section: str, **values: float) -> None:
+  for name, value in values.items():
+    if value <= 0:
+      raise ValueError(f"{section}.{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """Where prompts, answers and the verifier come from.
+
+  Attributes:
+    name: ``"tiny"`` (short arithmetic from reasoning-gym's ``chain_sum``), a
+      reasoning-gym dataset name, or a local ``.jsonl``/``.parquet`` path.
+    size: examples generated (reasoning-gym tasks).
+    eval_size: held-out examples; disjoint from training prompts.
+    seed: generation and split seed.
+    prompt_column: prompt column of a data file.
+    answer_column: answer column of a data file.
+    template: prompt template of a data file (``{prompt}`` and other columns).
+    answer_after: marker before the final answer in a data file (``"#### "``).
+  """
+
+  name: str = "tiny"
+  size: int = 2000
+  eval_size: int = 200
+  seed: int = 0
+  prompt_column: str = "question"
+  answer_column: str = "answer"
+  template: str = "{prompt}"
+  answer_after: Optional[str] = None
+
+  def __post_init__(self):
+    _positive("task", size=self.size, eval_size=self.eval_size)
+    if self.eval_size >= self.size:
+      raise ValueError(f"task.eval_size={self.eval_size} must be smaller than "
+                       f"task.size={self.size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """The policy: an HF folder, or a tiny decoder warm-started on the task.
+
+  Attributes:
+    path: local Hugging Face folder (config.json, safetensors, tokenizer);
+      empty for the tiny warm-started decoder described by the fields below.
+    dtype: parameter dtype, ``"float32"`` or ``"bfloat16"``.
+    hidden_size: tiny decoder width.
+    num_layers: tiny decoder depth.
+    num_heads: tiny decoder attention heads.
+    num_kv_heads: tiny decoder key/value heads.
+    intermediate_size: tiny decoder MLP width.
+    warm_start_steps: supervised steps on the task's worked answers.
+    warm_start_batch: supervised batch size.
+    warm_start_lr: supervised learning rate (Adam).
+    cache_dir: where warm-started policies are kept and reused.
+  """
+
+  path: str = ""
+  dtype: str = "float32"
+  hidden_size: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  intermediate_size: int = 384
+  warm_start_steps: int = 400
+  warm_start_batch: int = 64
+  warm_start_lr: float = 3e-3
+  cache_dir: str = "~/.cache/logra_jax/warm_start"
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"policy.dtype must be 'float32' or 'bfloat16', got "
+                       f"{self.dtype!r}")
+    _positive("policy", hidden_size=self.hidden_size,
+              num_layers=self.num_layers, num_heads=self.num_heads,
+              num_kv_heads=self.num_kv_heads,
+              intermediate_size=self.intermediate_size,
+              warm_start_batch=self.warm_start_batch,
+              warm_start_lr=self.warm_start_lr)
+    if self.warm_start_steps < 0:
+      raise ValueError("policy.warm_start_steps must be >= 0, got "
+                       f"{self.warm_start_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Sampling of completions.
+
+  Attributes:
+    prompts_per_step: prompts sampled per learner step.
+    num_generations: completions per prompt (the GRPO group size, >= 2).
+    max_new_tokens: generation budget per completion.
+    temperature: sampling temperature (> 0 for RL rollouts).
+    top_p: nucleus mass in (0, 1].
+    top_k: 0 disables.
+  """
+
+  prompts_per_step: int = 32
+  num_generations: int = 8
+  max_new_tokens: int = 6
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    _positive("rollout", prompts_per_step=self.prompts_per_step,
+              max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+    if self.num_generations < 2:
+      raise ValueError("rollout.num_generations must be >= 2 for group "
+                       f"advantages, got {self.num_generations}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer of the policy.
+
+  Attributes:
+    name: ``"logra"`` (default), ``"adam"`` (dense baseline) or ``"galore"``
+      (``optax.contrib.galore``).
+    learning_rate: peak learning rate (constant after warmup).
+    warmup_steps: linear warmup.
+    rank: projection rank (logra, galore).
+    kind: projector kind of logra: ``"range"``, ``"random"`` or ``"svd"``.
+    refresh_every: steps between projector refreshes (logra, galore).
+    moment_policy: logra's moments on refresh.
+    weight_decay: decoupled weight decay.
+    max_grad_norm: global gradient-norm clip; 0 disables.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+  """
+
+  name: str = "logra"
+  learning_rate: float = 2e-3
+  warmup_steps: int = 0
+  rank: int = 16
+  kind: str = "range"
+  refresh_every: int = 50
+  moment_policy: str = "transfer"
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.99
+
+  def __post_init__(self):
+    if self.name not in OPTIMIZERS:
+      raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got "
+                       f"{self.name!r}")
+    _positive("optimizer", learning_rate=self.learning_rate, rank=self.rank,
+              refresh_every=self.refresh_every)
+    if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+      raise ValueError("optimizer.max_grad_norm, weight_decay and warmup_steps "
+                       "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """A whole RL run.
+
+  Attributes:
+    task: data and verifier.
+    policy: model and warm start.
+    rollout: sampling.
+    optimizer: optimizer.
+    loss: the clipped policy-gradient loss.
+    advantage: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"``.
+    steps: learner steps (one rollout batch each).
+    num_iterations: optimizer updates per rollout batch (inner epochs).
+    micro_batches: gradient accumulation chunks per update.
+    eval_every: steps between held-out evaluations (0: only before/after).
+    seed: seed of sampling and batching.
+  """
+
+  task: TaskConfig = TaskConfig()
+  policy: PolicyConfig = PolicyConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  loss: LossConfig = LossConfig()
+  advantage: str = "grpo"
+  steps: int = 60
+  num_iterations: int = 1
+  micro_batches: int = 1
+  eval_every: int = 20
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.advantage not in ADVANTAGE_ESTIMATORS:
+      raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
+                       f"{self.advantage!r}")
+    _positive("train", steps=self.steps, num_iterations=self.num_iterations,
+              micro_batches=self.micro_batches)
+    batch = self.rollout.prompts_per_step * self.rollout.num_generations
+    if batch % self.micro_batches:
+      raise ValueError(
+          f"micro_batches={self.micro_batches} must divide the rollout batch "
+          f"of prompts_per_step * num_generations = {batch} completions")
+    if self.eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # The embedded default: a ~1M-parameter decoder warm-started on short
+    # arithmetic, then GRPO with LoGRA on CPU in a few minutes.
+    "tiny": TrainConfig(),
+    # The same loop in seconds, for tests and smoke runs.
+    "smoke": TrainConfig(
+        task=TaskConfig(size=200, eval_size=16),
+        policy=PolicyConfig(hidden_size=32, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=64,
+                            warm_start_steps=20, warm_start_batch=16),
+        rollout=RolloutConfig(prompts_per_step=4, num_generations=4,
+                              max_new_tokens=4),
+        optimizer=OptimizerConfig(rank=4, refresh_every=2),
+        steps=3, eval_every=0),
+}
+
+
+def get_preset(name: str) -> TrainConfig:
+  """The preset called ``name``; the error lists the valid names."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; valid presets: "
+                     f"{sorted(PRESETS)}")
+  return PRESETS[name]
+
+
+def _parse(value: str, annotation: Any, key: str) -> Any:
+  hint = annotation
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if value.lower() in ("none", "null", ""):
+      return None
+    hint = args[0]
+  elif origin is typing.Literal:
+    hint = str
+  try:
+    if hint is bool:
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(value)
+      return value.lower() in ("true", "1")
+    if hint in (int, float, str):
+      return hint(value)
+  except ValueError:
+    raise ValueError(f"--set {key}={value}: expected a {hint.__name__}") from None
+  raise ValueError(f"--set {key}: cannot parse a value of type {hint}")
+
+
+def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
+  """Applies ``section.field=value`` (or ``field=value``) overrides.
+
+  Example:
+    >>> cfg = apply_overrides(get_preset("tiny"), ["optimizer.rank=8", "steps=5"])
+    >>> cfg.optimizer.rank, cfg.steps
+    (8, 5)
+  """
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"override {item!r} must look like section.field=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    config = _replace_path(config, parts, value.strip(), key)
+  return config
+
+
+def _replace_path(node: Any, parts: list[str], value: str, key: str) -> Any:
+  fields = {f.name: f for f in dataclasses.fields(node)}
+  name = parts[0]
+  if name not in fields:
+    raise ValueError(f"--set {key}: {type(node).__name__} has no field "
+                     f"{name!r}; valid: {sorted(fields)}")
+  current = getattr(node, name)
+  if len(parts) == 1:
+    if dataclasses.is_dataclass(current):
+      raise ValueError(f"--set {key}: {name!r} is a section; set one of its "
+                       f"fields, e.g. {name}.{dataclasses.fields(current)[0].name}")
+    hints = typing.get_type_hints(type(node))
+    return dataclasses.replace(node, **{name: _parse(value, hints[name], key)})
+  if not dataclasses.is_dataclass(current):
+    raise ValueError(f"--set {key}: {name!r} is not a section")
+  return dataclasses.replace(
+      node, **{name: _replace_path(current, parts[1:], value, key)})
+
+
+def to_dict(config: TrainConfig) -> dict[str, Any]:
+  """The config as nested plain dicts (for JSON)."""
+  return dataclasses.asdict(config)

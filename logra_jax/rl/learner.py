@@ -1,0 +1,144 @@
+"""The GRPO-family learner: rollout -> rewards -> advantages -> update.
+
+Host code orchestrates one step at a time; all tensor work of a step runs in
+two compiled programs built once per run: the sampler (from
+`logra_jax.models`) and :func:`make_train_step`, which computes the loss over
+micro-batches, applies the optimizer and measures the realized KL of the
+applied update, all inside one ``jax.jit`` with donated params and state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+
+import logra_jax as logra
+from logra_jax import models
+from logra_jax.configs.train import OptimizerConfig, TrainConfig
+from logra_jax.data import tasks as tasks_lib
+from logra_jax.data.batching import decode_completions
+from logra_jax.rl import algo
+from logra_jax.rl import rewards as rewards_lib
+
+
+def make_optimizer(config: OptimizerConfig,
+                   params: nnx.State) -> optax.GradientTransformation:
+  """The policy optimizer named by ``config``, with global-norm clipping.
+
+  Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
+  LoGRA. ``optax.contrib.galore`` has no batch axes, so under ``"galore"`` a
+  stacked weight is projected as one ``[L*m, n]`` matrix. Embeddings, the LM
+  head and vectors stay dense (AdamW) in both.
+  """
+  schedule = (optax.linear_schedule(0.0, config.learning_rate,
+                                    config.warmup_steps)
+              if config.warmup_steps else config.learning_rate)
+  dims = models.matrix_dimension_numbers(params)
+  if config.name == "logra":
+    core = logra.logra(
+        schedule, rank=config.rank, kind=config.kind,
+        refresh_every=config.refresh_every, b1=config.b1, b2=config.b2,
+        moment_policy=config.moment_policy, weight_decay=config.weight_decay,
+        dimension_numbers=dims)
+  elif config.name == "adam":
+    core = optax.adamw(schedule, b1=config.b1, b2=config.b2,
+                       weight_decay=config.weight_decay)
+  else:
+    galore_dims = jax.tree.map(
+        lambda d: None if d is None else optax.contrib.GaLoreDimensionNumbers(
+            reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
+            output_axis=d.output_axes),
+        dims, is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers))
+    core = optax.contrib.galore(
+        schedule, rank=config.rank, update_proj_gap=config.refresh_every,
+        base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2),
+        weight_decay=config.weight_decay, weight_dimension_numbers=galore_dims)
+  if config.max_grad_norm:
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
+  return core
+
+
+def dense_adam_state_bytes(params: Any) -> int:
+  """Bytes dense Adam would hold for ``params``: float32 first and second
+  moments of every parameter (plus its step count)."""
+  f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32),
+                     params)
+  return logra.optimizer_state_bytes(jax.eval_shape(optax.adam(1.0).init, f32))
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    config: TrainConfig) -> Callable:
+  """Builds the jitted update ``(params, opt_state, batch) -> (params,
+  opt_state, metrics)``.
+
+  The loss is accumulated over ``config.micro_batches`` chunks with
+  ``lax.scan`` as (numerator, denominator) pairs, so the gradient equals the
+  full-batch gradient for every aggregation. Metrics include the gradient
+  norm, the entropy of the policy and ``kl/realized``: the mean over the
+  batch's tokens of ``log pi_old - log pi_new`` between the params before and
+  after this update.
+  """
+  temperature = config.rollout.temperature
+
+  def logprobs(params, batch, with_entropy=False):
+    return models.token_logprobs(
+        graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT, batch.completion_mask_BxT,
+        temperature=temperature, return_entropy=with_entropy)
+
+  def micro_loss(params, micro):
+    logp_BxT, entropy_BxT = logprobs(params, micro, with_entropy=True)
+    num, den, metrics = algo.loss_terms(
+        logp_BxT, micro.completion_mask_BxT, micro.advantages_B,
+        micro.old_logp_BxT, micro.ref_logp_BxT, config.loss)
+    mask_BxT = micro.completion_mask_BxT.astype(jnp.float32)
+    metrics["entropy"] = (jnp.sum(jax.lax.stop_gradient(entropy_BxT)
+                                  * mask_BxT), mask_BxT.sum())
+    return num, (den, metrics, jax.lax.stop_gradient(logp_BxT))
+
+  def train_step(params, opt_state, batch: algo.RolloutBatch):
+    micro = batch.micro_batches(config.micro_batches)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(carry, mb):
+      (num, (den, metrics, logp)), grads = grad_fn(params, mb)
+      carry = jax.tree.map(jnp.add, carry, (grads, num, den, metrics))
+      return carry, logp
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    (_, (_, metrics_shape, _)), _ = jax.eval_shape(grad_fn, params, first)
+    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                      tree)
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros([], jnp.float32),
+            jnp.zeros([], jnp.float32), zeros(metrics_shape))
+    (grad_sum, num, den, metrics), logp_before = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
+    logp_before_BxT = logp_before.reshape(mask_BxT.shape)
+    logp_after_BxT = logprobs(new_params, batch)
+    tokens = jnp.maximum(mask_BxT.sum(), 1.0)
+    log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
+    out = algo.finalize_metrics(metrics)
+    out.update({
+        "loss": algo.finalize(num, den),
+        "grad_norm": optax.global_norm(grads),
+        "update_norm": optax.global_norm(updates),
+        "kl/realized": log_ratio_BxT.sum() / tokens,
+        "kl/realized_k3": jnp.sum((jnp.expm1(-log_ratio_BxT) + log_ratio_BxT)
+                                  * mask_BxT) / tokens,
+    })
+    return new_params, opt_state, out
+
+  return jax.jit(train_step, donate_argnums=(0, 1))

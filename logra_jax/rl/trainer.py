@@ -1,0 +1,265 @@
+"""The RL run: policy, data, rollouts, learner steps, evaluation and reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+import logra_jax as logra
+from logra_jax import models
+from logra_jax.configs.train import TrainConfig, to_dict
+from logra_jax.data import tasks as tasks_lib
+from logra_jax.data.batching import decode_completions
+from logra_jax.rl import algo
+from logra_jax.rl import learner as learner_lib
+from logra_jax.rl import rewards as rewards_lib
+from logra_jax.rl.warm_start import warm_start
+
+Log = Callable[[str], None]
+
+
+def load_task(config: TrainConfig) -> tasks_lib.Task:
+  """The task of a run, from its name and options."""
+  task = config.task
+  if task.name == "tiny" or task.name == tasks_lib.TINY_TASK:
+    return tasks_lib.tiny_arithmetic_task(size=task.size, seed=task.seed)
+  if task.name.lower().endswith(tuple(tasks_lib.FILE_BUILDERS)):
+    return tasks_lib.file_task(
+        task.name, prompt_column=task.prompt_column,
+        answer_column=task.answer_column, template=task.template,
+        answer_after=task.answer_after)
+  return tasks_lib.reasoning_gym_task(task.name, size=task.size,
+                                      seed=task.seed)
+
+
+def task_rewards(task: tasks_lib.Task) -> list[tuple[Callable, float]]:
+  """The verifier of a task as weighted reward functions: reasoning-gym's own
+  ``score_answer`` when the task has one, else math-verify equivalence."""
+  if task.score_answer is not None:
+    return [(rewards_lib.reasoning_gym_reward(task.score_answer), 1.0)]
+  return [(rewards_lib.math_verify_equivalence, 1.0)]
+
+
+def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
+  keys = [k for k in examples[0] if k != "prompt"]
+  return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
+
+
+@dataclasses.dataclass
+class Policy:
+  """A policy on the host side: weights, tokenizer and a compiled sampler."""
+
+  graphdef: Any
+  params: Any
+  tokenizer: Any
+  sampler: models.Sampler
+  folder: pathlib.Path
+
+  @classmethod
+  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32) -> "Policy":
+    folder = pathlib.Path(folder)
+    model = models.load_pretrained(folder, dtype=dtype)
+    tokenizer = models.load_tokenizer(folder)
+    graphdef, params = models.split_model(model)
+    return cls(graphdef, params, tokenizer,
+               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0),
+               folder)
+
+  def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+    return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+  def decode(self, tokens) -> list[str]:
+    return decode_completions(self.tokenizer, np.asarray(tokens),
+                              stop_ids=[self.tokenizer.eos_token_id])
+
+
+def evaluate(policy: Policy, params, examples: Sequence[dict],
+             rewards: list[tuple[Callable, float]], max_new_tokens: int,
+             batch_size: int = 256) -> dict[str, float]:
+  """Greedy held-out accuracy (fraction of completions the verifier scores
+  1.0) and mean score."""
+  scores = []
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start:start + batch_size])
+    prompts = [e["prompt"] for e in chunk]
+    out = policy.sampler.sample(params, policy.encode(prompts),
+                                jax.random.key(0),
+                                max_new_tokens=max_new_tokens, temperature=0.0)
+    report = rewards_lib.evaluate_rewards(rewards, prompts,
+                                          policy.decode(out.tokens),
+                                          _columns(chunk, 1))
+    scores.append(report.rewards)
+  scores = np.concatenate(scores)
+  return {"accuracy": float(np.mean(scores >= 1.0)),
+          "score": float(np.mean(scores))}
+
+
+def rollout(policy: Policy, params, examples: Sequence[dict],
+            config: TrainConfig, rewards: list[tuple[Callable, float]],
+            key: jax.Array) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """Samples ``num_generations`` completions per prompt, scores them and
+  computes group advantages."""
+  group = config.rollout.num_generations
+  prompts = [e["prompt"] for e in examples for _ in range(group)]
+  out = policy.sampler.sample(
+      params, policy.encode(prompts), key,
+      max_new_tokens=config.rollout.max_new_tokens,
+      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k)
+  report = rewards_lib.evaluate_rewards(rewards, prompts,
+                                        policy.decode(out.tokens),
+                                        _columns(examples, group))
+  rewards_N = jnp.asarray(report.rewards, jnp.float32)
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
+      completion_tokens_BxT=out.tokens, completion_mask_BxT=out.mask,
+      old_logp_BxT=out.logprobs,
+      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
+      num_generations=group)
+  metrics = report.metrics()
+  metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
+  metrics["completion_length"] = float(np.mean(np.asarray(out.lengths)))
+  return batch, metrics
+
+
+def train(config: TrainConfig, out_dir: str | pathlib.Path,
+          progress: bool = True, log: Log = print) -> dict[str, Any]:
+  """Runs RL as configured; writes metrics, a plot and ``summary.json``.
+
+  Args:
+    config: the run.
+    out_dir: output folder (created): ``config.json``, ``metrics.jsonl``,
+      ``curves.png``, ``summary.json``.
+    progress: show a progress bar.
+    log: where text lines go.
+
+  Returns:
+    The summary: held-out accuracy before and after, optimizer-state bytes
+    of the run's optimizer and of dense Adam, wall time and more.
+  """
+  start_time = time.perf_counter()
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  task = load_task(config)
+  train_examples, eval_examples = task.split(config.task.eval_size,
+                                             seed=config.task.seed)
+  folder = (pathlib.Path(config.policy.path) if config.policy.path
+            else warm_start(config.policy, train_examples, seed=config.seed,
+                            log=log))
+  policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype))
+  rewards = task_rewards(task)
+  max_new = config.rollout.max_new_tokens
+
+  params = policy.params
+  tx = learner_lib.make_optimizer(config.optimizer, params)
+  opt_state = tx.init(params)
+  train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
+  summary: dict[str, Any] = {
+      "optimizer": config.optimizer.name,
+      "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
+      "dense_adam_state_bytes": learner_lib.dense_adam_state_bytes(params),
+      "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+  }
+  before = evaluate(policy, params, eval_examples, rewards, max_new)
+  summary["eval_accuracy_before"] = before["accuracy"]
+  log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
+      f"({len(eval_examples)} prompts)")
+
+  batches = tasks_lib.prompt_batches(train_examples,
+                                     config.rollout.prompts_per_step,
+                                     seed=config.seed)
+  key = jax.random.key(config.seed)
+  history: list[dict[str, float]] = []
+  bar = tqdm.tqdm(range(config.steps), desc="RL", disable=not progress,
+                  dynamic_ncols=True)
+  interrupted = False
+  with open(out / "metrics.jsonl", "w") as metrics_file:
+    try:
+      for step in bar:
+        step_start = time.perf_counter()
+        key, rollout_key = jax.random.split(key)
+        batch, metrics = rollout(policy, params, next(batches), config,
+                                 rewards, rollout_key)
+        rollout_seconds = time.perf_counter() - step_start
+        for _ in range(config.num_iterations):
+          params, opt_state, step_metrics = train_step(params, opt_state,
+                                                       batch)
+        metrics.update({k: float(v) for k, v in step_metrics.items()})
+        if not math.isfinite(metrics["loss"]):
+          raise FloatingPointError(
+              f"step {step}: non-finite loss {metrics['loss']}")
+        metrics["step"] = step + 1
+        metrics["time/rollout_s"] = rollout_seconds
+        metrics["time/step_s"] = time.perf_counter() - step_start
+        if config.eval_every and (step + 1) % config.eval_every == 0 and (
+            step + 1) < config.steps:
+          metrics["accuracy/eval"] = evaluate(policy, params, eval_examples,
+                                              rewards, max_new)["accuracy"]
+        history.append(metrics)
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        bar.set_postfix(reward=f"{metrics['reward/total']:.3f}",
+                        acc=f"{metrics['accuracy/train']:.2f}",
+                        kl=f"{metrics['kl/realized']:.1e}")
+    except KeyboardInterrupt:
+      interrupted = True
+      log(f"interrupted after {len(history)} steps; writing results so far")
+  after = evaluate(policy, params, eval_examples, rewards, max_new)
+  summary.update({
+      "eval_accuracy_after": after["accuracy"],
+      "eval_score_before": before["score"],
+      "eval_score_after": after["score"],
+      "steps": len(history),
+      "interrupted": interrupted,
+      "wall_seconds": time.perf_counter() - start_time,
+      "policy_folder": str(folder),
+  })
+  if history:
+    history[-1]["accuracy/eval"] = after["accuracy"]
+    plot_curves(history, out / "curves.png", before["accuracy"])
+  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  log(f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+      f"in {len(history)} steps, {summary['wall_seconds']:.0f}s; optimizer "
+      f"state {summary['optimizer_state_bytes'] / 2**20:.2f} MiB "
+      f"({config.optimizer.name}) vs dense Adam "
+      f"{summary['dense_adam_state_bytes'] / 2**20:.2f} MiB")
+  return summary
+
+
+def plot_curves(history: list[dict[str, float]], path: pathlib.Path,
+                accuracy_before: float) -> None:
+  """Reward/accuracy, realized KL and step time against the step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  steps = [h["step"] for h in history]
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  axes[0].plot(steps, [h["reward/total"] for h in history], label="reward")
+  axes[0].plot(steps, [h["accuracy/train"] for h in history],
+               label="train accuracy", alpha=0.7)
+  evals = [(0, accuracy_before)] + [(h["step"], h["accuracy/eval"])
+                                    for h in history if "accuracy/eval" in h]
+  axes[0].plot(*zip(*evals), "o-", label="held-out accuracy")
+  axes[0].set_title("reward and accuracy")
+  axes[0].legend()
+  axes[1].plot(steps, [max(h["kl/realized"], 1e-12) for h in history])
+  axes[1].set_yscale("log")
+  axes[1].set_title("realized KL per step")
+  axes[2].plot(steps, [h["time/step_s"] for h in history])
+  axes[2].set_title("step time (s)")
+  for ax in axes:
+    ax.set_xlabel("step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
