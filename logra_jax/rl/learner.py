@@ -53,11 +53,15 @@ def make_optimizer(config: OptimizerConfig,
     core = optax.adamw(schedule, b1=config.b1, b2=config.b2,
                        weight_decay=config.weight_decay)
   else:
+    def galore_spec(d, param):
+      spec = None if d is None else optax.contrib.GaLoreDimensionNumbers(
+          reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
+          output_axis=d.output_axes)
+      return jax.tree.map(lambda _: spec, param)  # one entry per array
+
     galore_dims = jax.tree.map(
-        lambda d: None if d is None else optax.contrib.GaLoreDimensionNumbers(
-            reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
-            output_axis=d.output_axes),
-        dims, is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers))
+        galore_spec, dims, params,
+        is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers))
     core = optax.contrib.galore(
         schedule, rank=config.rank, update_proj_gap=config.refresh_every,
         base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2),

@@ -1,0 +1,138 @@
+"""The learner: log-prob consistency, micro-batching, a short run, config errors."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from logra_jax import configs
+from logra_jax import models
+from logra_jax.cli import main as cli_main
+from logra_jax.configs import train as train_config
+from logra_jax.data.tokenizer import char_tokenizer
+from logra_jax.rl import learner, trainer
+
+SMOKE = configs.get_preset("smoke")
+
+
+@pytest.fixture(scope="module")
+def policy_folder(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("policy") / "tiny"
+  tokenizer = char_tokenizer()
+  config = models.DecoderConfig.tiny(
+      vocab_size=len(tokenizer), max_position_embeddings=64,
+      eos_token_ids=(tokenizer.eos_token_id,),
+      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+  models.save_pretrained(models.init_model(config, rngs=0), folder)
+  tokenizer.save_pretrained(folder)
+  return folder
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(policy_folder):
+  policy = trainer.Policy.load(policy_folder)
+  task = trainer.load_task(SMOKE)
+  batch, metrics = trainer.rollout(
+      policy, policy.params, list(task.examples[:4]), SMOKE,
+      trainer.task_rewards(task), jax.random.key(1))
+  return policy, batch, metrics
+
+
+def test_recomputed_old_logprobs_equal_the_samplers(rollout_batch):
+  policy, batch, _ = rollout_batch
+  logp = models.token_logprobs(
+      policy.graphdef, policy.params, batch.prompt_tokens_BxP,
+      batch.prompt_mask_BxP, batch.completion_tokens_BxT,
+      batch.completion_mask_BxT, temperature=SMOKE.rollout.temperature)
+  np.testing.assert_allclose(logp, batch.old_logp_BxT, atol=1e-5)
+
+
+def test_micro_batched_step_equals_full_batch(rollout_batch):
+  policy, batch, _ = rollout_batch
+  # Non-trivial advantages, so that the gradient is not zero.
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  tx = optax.sgd(1.0)  # params move by exactly the gradient
+  results = []
+  for micro in (1, 4):
+    config = dataclasses.replace(SMOKE, micro_batches=micro)
+    params = jax.tree.map(jnp.copy, policy.params)
+    step = learner.make_train_step(policy.graphdef, tx, config)
+    results.append(step(params, tx.init(params), batch))
+  (p1, _, m1), (p4, _, m4) = results
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  for name in ("loss", "grad_norm", "kl/realized", "clip_fraction",
+               "entropy"):
+    np.testing.assert_allclose(m1[name], m4[name], rtol=1e-4, atol=1e-6)
+  assert float(m1["grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "logra", "galore"])
+def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  config = dataclasses.replace(
+      SMOKE, optimizer=dataclasses.replace(SMOKE.optimizer, name=optimizer))
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  params = jax.tree.map(jnp.copy, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, config)
+  new_params, _, metrics = step(params, tx.init(params), batch)
+  assert all(np.isfinite(float(v)) for v in metrics.values())
+  assert float(metrics["update_norm"]) > 0
+  assert float(metrics["kl/realized_k3"]) > 0
+
+
+def test_logra_state_is_smaller_than_dense_adam(policy_folder):
+  policy = trainer.Policy.load(policy_folder)
+  config = dataclasses.replace(SMOKE.optimizer, rank=2)
+  state = learner.make_optimizer(config, policy.params).init(policy.params)
+  from logra_jax import optimizer_state_bytes
+  assert optimizer_state_bytes(state) < learner.dense_adam_state_bytes(
+      policy.params)
+
+
+def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
+  config = train_config.apply_overrides(
+      SMOKE, [f"policy.path={policy_folder}", "steps=2"])
+  summary = trainer.train(config, tmp_path, progress=False, log=lambda s: None)
+  written = json.loads((tmp_path / "summary.json").read_text())
+  for key in ("eval_accuracy_before", "eval_accuracy_after",
+              "optimizer_state_bytes", "dense_adam_state_bytes",
+              "wall_seconds"):
+    assert key in written
+  assert 0.0 <= written["eval_accuracy_after"] <= 1.0
+  assert written["optimizer_state_bytes"] < written["dense_adam_state_bytes"]
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == 2 == summary["steps"]
+  assert (tmp_path / "curves.png").stat().st_size > 0
+  assert {"reward/total", "kl/realized", "loss"} <= set(json.loads(lines[0]))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.num_generations=1"], "num_generations must be >= 2"),
+    (["micro_batches=3"], "must divide the rollout batch"),
+    (["optimizer.name=sgd"], "optimizer.name must be one of"),
+    (["optimizer.rnak=4"], "has no field 'rnak'"),
+    (["steps=abc"], "expected a int"),
+    (["advantage=ppo"], "advantage must be one of"),
+])
+def test_bad_config_is_rejected_before_compiling(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    train_config.apply_overrides(SMOKE, overrides)
+
+
+def test_unknown_preset_lists_valid_ones(capsys):
+  assert cli_main(["train", "--preset", "huge"]) == 2
+  assert "valid presets: ['smoke', 'tiny']" in capsys.readouterr().err
+
+
+def test_unknown_task_is_a_clear_error(capsys):
+  assert cli_main(["eval", "--policy", "x", "--set",
+                   "task.name=no_such_task"]) == 2
+  assert "no_such_task" in capsys.readouterr().err
