@@ -38,19 +38,27 @@ class TaskConfig:
     answer_column: answer column of a data file.
     template: prompt template of a data file (``{prompt}`` and other columns).
     answer_after: marker before the final answer in a data file (``"#### "``).
+    terms: terms per expression of the tiny task.
+    max_digits: digits per term of the tiny task (each term has 1 to
+      ``max_digits``).
   """
 
   name: str = "tiny"
-  size: int = 2000
+  size: int = 20000
   eval_size: int = 200
   seed: int = 0
   prompt_column: str = "question"
   answer_column: str = "answer"
   template: str = "{prompt}"
   answer_after: Optional[str] = None
+  terms: int = 3
+  max_digits: int = 1
 
   def __post_init__(self):
     _positive("task", size=self.size, eval_size=self.eval_size)
+    if self.terms < 2 or self.max_digits < 1:
+      raise ValueError(f"task.terms must be >= 2 and task.max_digits >= 1, "
+                       f"got {self.terms} and {self.max_digits}")
     if self.eval_size >= self.size:
       raise ValueError(f"task.eval_size={self.eval_size} must be smaller than "
                        f"task.size={self.size}")
@@ -72,6 +80,8 @@ class PolicyConfig:
     warm_start_steps: supervised steps on the task's worked answers.
     warm_start_batch: supervised batch size.
     warm_start_lr: supervised learning rate (Adam).
+    warm_start_examples: training examples the warm start sees (the first
+      ones of the training split); RL draws from the whole split.
     cache_dir: where warm-started policies are kept and reused.
   """
 
@@ -82,9 +92,10 @@ class PolicyConfig:
   num_heads: int = 4
   num_kv_heads: int = 2
   intermediate_size: int = 384
-  warm_start_steps: int = 400
+  warm_start_steps: int = 250
   warm_start_batch: int = 64
   warm_start_lr: float = 3e-3
+  warm_start_examples: int = 1000
   cache_dir: str = "~/.cache/logra_jax/warm_start"
 
   def __post_init__(self):
@@ -96,7 +107,8 @@ class PolicyConfig:
               num_kv_heads=self.num_kv_heads,
               intermediate_size=self.intermediate_size,
               warm_start_batch=self.warm_start_batch,
-              warm_start_lr=self.warm_start_lr)
+              warm_start_lr=self.warm_start_lr,
+              warm_start_examples=self.warm_start_examples)
     if self.warm_start_steps < 0:
       raise ValueError("policy.warm_start_steps must be >= 0, got "
                        f"{self.warm_start_steps}")
@@ -115,7 +127,7 @@ class RolloutConfig:
     top_k: 0 disables.
   """
 
-  prompts_per_step: int = 32
+  prompts_per_step: int = 64
   num_generations: int = 8
   max_new_tokens: int = 6
   temperature: float = 1.0
@@ -152,9 +164,9 @@ class OptimizerConfig:
   """
 
   name: str = "logra"
-  learning_rate: float = 2e-3
-  warmup_steps: int = 0
-  rank: int = 16
+  learning_rate: float = 3e-4
+  warmup_steps: int = 10
+  rank: int = 32
   kind: str = "range"
   refresh_every: int = 50
   moment_policy: str = "transfer"
@@ -198,10 +210,10 @@ class TrainConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   loss: LossConfig = LossConfig()
   advantage: str = "grpo"
-  steps: int = 60
+  steps: int = 200
   num_iterations: int = 1
   micro_batches: int = 1
-  eval_every: int = 20
+  eval_every: int = 25
   seed: int = 0
 
   def __post_init__(self):

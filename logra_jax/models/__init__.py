@@ -13,3 +13,9 @@ from logra_jax.models.decoder import split_model
 from logra_jax.models.hf_io import load_pretrained
 from logra_jax.models.hf_io import load_tokenizer
 from logra_jax.models.hf_io import save_pretrained
+from logra_jax.models.logprobs import token_logprobs
+from logra_jax.models.sampling import pad_prompts
+from logra_jax.models.sampling import SampleOutput
+from logra_jax.models.sampling import Sampler
+from logra_jax.models.sampling import sample_token
+from logra_jax.models.sampling import SamplingParams

@@ -78,7 +78,8 @@ class DecoderConfig:
     pad_token_id: recorded for export.
     initializer_range: std of the normal init of matrices and embeddings.
     remat: activation checkpointing of each block: "none", "block" (save only
-      block inputs) or "dots_saveable" (save matmul outputs).
+      block inputs) or "dots_saveable" (save the outputs of matmuls without
+      batch dimensions, i.e. the weight projections; recompute attention).
     dtype: compute dtype ("float32" or "bfloat16"); logits are always float32.
     param_dtype: storage dtype of parameters.
 

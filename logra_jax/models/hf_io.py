@@ -123,7 +123,12 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
       missing.
 
   Example:
-    >>> model = load_pretrained("/path/to/Qwen2.5-0.5B", dtype=jnp.bfloat16)
+    >>> import pathlib, tempfile
+    >>> from logra_jax.models import DecoderConfig, init_model
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny"
+    >>> save_pretrained(init_model(DecoderConfig.tiny(vocab_size=32)), path)
+    >>> load_pretrained(path, dtype=jnp.bfloat16).embed.dtype
+    dtype(bfloat16)
   """
   import transformers  # Heavy import, only needed here.
 
@@ -162,7 +167,8 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         t = handles[files[name]].get_tensor(name)
         parts.append(t.T if transpose else t)
       host = (np.stack(parts) if p[0] == "layers" else parts[0]).astype(
-          np_dtype)
+          np_dtype, copy=False)
+      del parts
       if mesh is None:
         value = jax.device_put(host)
       else:
@@ -196,7 +202,12 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
     ValueError: `max_shard_bytes < 1` or a config HF cannot express.
 
   Example:
-    >>> save_pretrained(init_model(DecoderConfig.tiny()), "/tmp/tiny")
+    >>> import pathlib, tempfile
+    >>> from logra_jax.models import DecoderConfig, init_model
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny"
+    >>> save_pretrained(init_model(DecoderConfig.tiny()), path)
+    >>> sorted(p.name for p in path.iterdir())
+    ['config.json', 'model.safetensors']
   """
   if max_shard_bytes < 1:
     raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}.")
@@ -269,7 +280,7 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     A `transformers` tokenizer.
 
   Example:
-    >>> tok = load_tokenizer("/path/to/Qwen2.5-0.5B")
+    >>> tok = load_tokenizer("/path/to/Qwen2.5-0.5B")  # doctest: +SKIP
   """
   import transformers  # Heavy import, only needed here.
 

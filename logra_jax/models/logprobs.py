@@ -9,9 +9,12 @@ import jax.numpy as jnp
 from logra_jax.models.decoder import project_logits
 
 
-def completion_logits_scale(temperature: float) -> float:
+def completion_logits_scale(temperature: float | jax.Array
+                            ) -> float | jax.Array:
   """The divisor applied to logits: `temperature`, or 1 for greedy (0)."""
-  return 1.0 if temperature == 0 else float(temperature)
+  if isinstance(temperature, (int, float)):
+    return 1.0 if temperature == 0 else float(temperature)
+  return jnp.where(temperature == 0, 1.0, temperature)
 
 
 def token_logprobs(
@@ -22,7 +25,7 @@ def token_logprobs(
     completion_ids_BxN: jax.Array,
     completion_mask_BxN: jax.Array | None = None,
     *,
-    temperature: float = 1.0,
+    temperature: float | jax.Array = 1.0,
     chunk_size: int = 128,
     return_entropy: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -44,7 +47,8 @@ def token_logprobs(
     prompt_mask_BxP: 1 for real prompt tokens.
     completion_ids_BxN: completion tokens.
     completion_mask_BxN: 1 for real completion tokens; default all ones.
-    temperature: sampling temperature (>= 0).
+    temperature: sampling temperature (>= 0); may be a traced scalar, so one
+      compiled function serves every temperature.
     chunk_size: completion positions per chunk.
     return_entropy: also return the per-token entropy of the distribution.
 
@@ -53,18 +57,22 @@ def token_logprobs(
     `entropy_BxN` if `return_entropy`.
 
   Example:
+    >>> from logra_jax.models import DecoderConfig, init_model, split_model
     >>> graphdef, params = split_model(init_model(DecoderConfig.tiny(), 0))
     >>> prompt, completion = jnp.ones((2, 3), jnp.int32), jnp.ones((2, 4),
     ...                                                            jnp.int32)
     >>> token_logprobs(graphdef, params, prompt, prompt > 0, completion).shape
     (2, 4)
   """
-  if temperature < 0:
+  if isinstance(temperature, (int, float)) and temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}.")
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
   B, P = prompt_ids_BxP.shape
   N = completion_ids_BxN.shape[1]
+  if P < 1:
+    raise ValueError("token_logprobs needs at least one prompt position (the "
+                     "first completion token is predicted from it).")
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
   model = nnx.merge(graphdef, params)

@@ -31,7 +31,9 @@ def load_task(config: TrainConfig) -> tasks_lib.Task:
   """The task of a run, from its name and options."""
   task = config.task
   if task.name == "tiny" or task.name == tasks_lib.TINY_TASK:
-    return tasks_lib.tiny_arithmetic_task(size=task.size, seed=task.seed)
+    return tasks_lib.tiny_arithmetic_task(
+        size=task.size, seed=task.seed, min_terms=task.terms,
+        max_terms=task.terms, max_digits=task.max_digits)
   if task.name.lower().endswith(tuple(tasks_lib.FILE_BUILDERS)):
     return tasks_lib.file_task(
         task.name, prompt_column=task.prompt_column,
@@ -154,8 +156,10 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
   folder = (pathlib.Path(config.policy.path) if config.policy.path
-            else warm_start(config.policy, train_examples, seed=config.seed,
-                            log=log))
+            else warm_start(
+                config.policy,
+                train_examples[:config.policy.warm_start_examples],
+                seed=config.task.seed, log=log))
   policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype))
   rewards = task_rewards(task)
   max_new = config.rollout.max_new_tokens
