@@ -243,7 +243,7 @@ PRESETS: dict[str, TrainConfig] = {
                             warm_start_steps=20, warm_start_batch=16),
         rollout=RolloutConfig(prompts_per_step=4, num_generations=4,
                               max_new_tokens=4),
-        optimizer=OptimizerConfig(rank=4, refresh_every=2),
+        optimizer=OptimizerConfig(rank=4, refresh_every=2, warmup_steps=0),
         steps=3, eval_every=0),
 }
 
