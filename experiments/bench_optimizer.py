@@ -124,6 +124,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--refresh-repeats", type=int, default=20,
                       help="repeats of refresh steps (SVD refreshes are slow)")
+  parser.add_argument("--trees", nargs="+", default=["gpt2", "1b"],
+                      choices=["gpt2", "1b"])
   parser.add_argument("--layers-1b", type=int, default=1,
                       help="transformer blocks of the 1B tree to time")
   args = parser.parse_args()
@@ -132,9 +134,10 @@ def main() -> None:
   print("| tree | optimizer | state MiB | state / adam | non-refresh ms "
         "| / adam | refresh ms | / adam |")
   print("|---|---|---:|---:|---:|---:|---:|---:|")
-  for tree_name, cfg, timed_layers in (
-      ("GPT-2 small", GPT2_SMALL, None),
-      (f"1B (time: {args.layers_1b} of 22 blocks)", LLAMA_1B, args.layers_1b)):
+  trees = {"gpt2": ("GPT-2 small", GPT2_SMALL, None),
+           "1b": (f"1B (time: {args.layers_1b} of 22 blocks)", LLAMA_1B,
+                  args.layers_1b)}
+  for tree_name, cfg, timed_layers in (trees[t] for t in args.trees):
     full = param_shapes(cfg)
     timed = param_shapes(cfg, timed_layers)
     rows = {}

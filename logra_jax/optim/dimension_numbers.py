@@ -96,11 +96,25 @@ class LeafPlan:
     x_BxMxN = jnp.transpose(x, self.perm).reshape(self.batch, self.m, self.n)
     return x_BxMxN if self.left else jnp.swapaxes(x_BxMxN, 1, 2)
 
-  def from_long_view(self, x_BxLxS: jax.Array) -> jax.Array:
-    """Inverse of :meth:`to_long_view`."""
-    x_BxMxN = x_BxLxS if self.left else jnp.swapaxes(x_BxLxS, 1, 2)
+  def sketch(self, p_BxLxR: jax.Array, x: jax.Array) -> jax.Array:
+    """``P^T G`` (or ``P^T G^T`` for wide matrices) as ``[batch, rank, short]``.
+
+    Contracts in the weight's own orientation, so no transpose of the full
+    matrix is materialized.
+    """
+    g_BxMxN = self.to_matrix(x).astype(jnp.float32)
+    if self.left:
+      return jnp.einsum("bmr,bmn->brn", p_BxLxR, g_BxMxN)
+    return jnp.einsum("bnr,bmn->brm", p_BxLxR, g_BxMxN)
+
+  def expand(self, p_BxLxR: jax.Array, n_BxRxS: jax.Array) -> jax.Array:
+    """``P N`` back in the leaf's shape (the inverse map of :meth:`sketch`)."""
+    if self.left:
+      u_BxMxN = jnp.einsum("bmr,brn->bmn", p_BxLxR, n_BxRxS)
+    else:
+      u_BxMxN = jnp.einsum("brm,bnr->bmn", n_BxRxS, p_BxLxR)
     permuted_shape = tuple(self.shape[a] for a in self.perm)
-    return jnp.transpose(x_BxMxN.reshape(permuted_shape), np.argsort(self.perm))
+    return jnp.transpose(u_BxMxN.reshape(permuted_shape), np.argsort(self.perm))
 
   def to_matrix(self, x: jax.Array) -> jax.Array:
     """Reshapes a leaf to ``[batch, m, n]`` without changing orientation."""

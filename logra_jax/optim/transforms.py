@@ -127,7 +127,7 @@ class UnprojectState(NamedTuple):
 class LowRankFactor:
   """Coefficients ``N`` of the last update of one projected leaf.
 
-  The update of the leaf is ``from_long_view(P @ N)`` with the projector ``P``
+  The update of the leaf is ``P @ N`` (in the leaf's shape) with the projector ``P``
   of the same step; :func:`factored_updates` pairs the two.
   """
 
@@ -146,7 +146,7 @@ class LowRankFactor:
 
 
 class FactoredUpdate(NamedTuple):
-  """The factored form ``U = from_long_view(projector @ coefficients)``.
+  """The factored form of an update: ``U = projector @ coefficients``.
 
   Attributes:
     projector: ``[batch, long, rank]`` float32, orthonormal columns.
@@ -160,8 +160,8 @@ class FactoredUpdate(NamedTuple):
 
   def dense(self) -> jax.Array:
     """Materializes the update with the parameter's shape and dtype."""
-    u = self.plan.from_long_view(self.projector @ self.coefficients)
-    return u.astype(self.plan.dtype)
+    return self.plan.expand(self.projector, self.coefficients).astype(
+        self.plan.dtype)
 
 
 def _check_rank(rank) -> None:
@@ -295,8 +295,7 @@ def project(
         continue
       p_new, change = _refresh_projector(g, p_old, plan, config, window,
                                          refresh)
-      g_BxLxS = plan.to_long_view(g).astype(jnp.float32)
-      s_BxRxS = jnp.swapaxes(p_new, 1, 2) @ g_BxLxS
+      s_BxRxS = plan.sketch(p_new, g)
       sketches.append(Sketched(s_BxRxS, p_new, change, refresh, plan=plan,
                                config=config))
       projectors.append(None if kind == "random" else p_new)
@@ -564,8 +563,7 @@ def unproject(scale: float = 1.0,
     def to_dense(s: Sketched):
       if not s.plan.projected:
         return s.value.astype(s.plan.dtype)
-      u = s.plan.from_long_view(s.projector @ s.value)
-      return (scale * u).astype(s.plan.dtype)
+      return (scale * s.plan.expand(s.projector, s.value)).astype(s.plan.dtype)
 
     dense = jax.tree.map(to_dense, updates, is_leaf=_is_sketched)
     if not keep_factors:
