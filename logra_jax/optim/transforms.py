@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp

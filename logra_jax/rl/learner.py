@@ -9,25 +9,18 @@ applied update, all inside one ``jax.jit`` with donated params and state.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import optax.contrib
 
 import logra_jax as logra
 from logra_jax import models
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
-from logra_jax.data import tasks as tasks_lib
-from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
-from logra_jax.rl import rewards as rewards_lib
 
 
 def make_optimizer(config: OptimizerConfig,

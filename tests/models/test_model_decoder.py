@@ -1,13 +1,11 @@
 """Decoder parity with PyTorch `transformers`, cache, masks, pure functions."""
 
-import dataclasses
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from logra_jax import models

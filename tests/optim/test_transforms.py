@@ -1,6 +1,5 @@
 """The LoGRA chain against optax's own transforms and hand-derived values."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
