@@ -210,7 +210,7 @@ class TrainConfig:
   optimizer: OptimizerConfig = OptimizerConfig()
   loss: LossConfig = LossConfig()
   advantage: str = "grpo"
-  steps: int = 200
+  steps: int = 260
   num_iterations: int = 1
   micro_batches: int = 1
   eval_every: int = 25
