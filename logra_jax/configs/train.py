@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 
+from logra_jax.optim.kl_control import KL_MODES
+
 OPTIMIZERS = ("logra", "adam", "galore")
 
 
@@ -161,6 +163,11 @@ class OptimizerConfig:
     max_grad_norm: global gradient-norm clip; 0 disables.
     b1: Adam's first-moment decay.
     b2: Adam's second-moment decay.
+    target_kl: predicted-KL target per step (any optimizer); None disables
+      KL step control.
+    kl_mode: ``"clamp"`` (only shrink steps) or ``"target"``.
+    kl_subsample: sequences of the batch the KL is predicted on; None uses
+      all.
   """
 
   name: str = "logra"
@@ -174,6 +181,9 @@ class OptimizerConfig:
   max_grad_norm: float = 1.0
   b1: float = 0.9
   b2: float = 0.99
+  target_kl: Optional[float] = None
+  kl_mode: str = "clamp"
+  kl_subsample: Optional[int] = None
 
   def __post_init__(self):
     if self.name not in OPTIMIZERS:
@@ -184,6 +194,13 @@ class OptimizerConfig:
     if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
       raise ValueError("optimizer.max_grad_norm, weight_decay and warmup_steps "
                        "must be >= 0")
+    if self.target_kl is not None:
+      _positive("optimizer", target_kl=self.target_kl)
+    if self.kl_mode not in KL_MODES:
+      raise ValueError(f"optimizer.kl_mode must be one of {KL_MODES}, got "
+                       f"{self.kl_mode!r}")
+    if self.kl_subsample is not None:
+      _positive("optimizer", kl_subsample=self.kl_subsample)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +244,10 @@ class TrainConfig:
       raise ValueError(
           f"micro_batches={self.micro_batches} must divide the rollout batch "
           f"of prompts_per_step * num_generations = {batch} completions")
+    if (self.optimizer.kl_subsample or 0) > batch:
+      raise ValueError(
+          f"optimizer.kl_subsample={self.optimizer.kl_subsample} exceeds the "
+          f"rollout batch of {batch} completions")
     if self.eval_every < 0:
       raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
 

@@ -17,6 +17,39 @@ def completion_logits_scale(temperature: float | jax.Array
   return jnp.where(temperature == 0, 1.0, temperature)
 
 
+def completion_hidden_states(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompt_ids_BxP: jax.Array,
+    prompt_mask_BxP: jax.Array,
+    completion_ids_BxN: jax.Array,
+    completion_mask_BxN: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Final hidden states that predict each completion token, and the unembedding.
+
+  One forward pass over `[prompt; completion]`; position `P - 1 + t` predicts
+  completion token `t`, so `hidden_BxNxD @ w_DxV` are the logits of the
+  completion tokens (before any temperature).
+
+  Returns:
+    `(hidden_BxNxD, w_DxV)` in the compute dtype.
+  """
+  B, P = prompt_ids_BxP.shape
+  N = completion_ids_BxN.shape[1]
+  if P < 1:
+    raise ValueError("completion log-probs need at least one prompt position (the "
+                     "first completion token is predicted from it).")
+  if completion_mask_BxN is None:
+    completion_mask_BxN = jnp.ones((B, N), bool)
+  model = nnx.merge(graphdef, params)
+  ids_BxT = jnp.concatenate([prompt_ids_BxP, completion_ids_BxN], axis=1)
+  mask_BxT = jnp.concatenate([prompt_mask_BxP.astype(bool),
+                              completion_mask_BxN.astype(bool)], axis=1)
+  hidden_BxTxD, _ = model.hidden_states(ids_BxT.astype(jnp.int32),
+                                        attention_mask=mask_BxT)
+  return hidden_BxTxD[:, P - 1:P + N - 1], model.unembedding()
+
+
 def token_logprobs(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -68,22 +101,12 @@ def token_logprobs(
     raise ValueError(f"temperature must be >= 0, got {temperature}.")
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-  B, P = prompt_ids_BxP.shape
-  N = completion_ids_BxN.shape[1]
-  if P < 1:
-    raise ValueError("token_logprobs needs at least one prompt position (the "
-                     "first completion token is predicted from it).")
+  B, N = completion_ids_BxN.shape
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
-  model = nnx.merge(graphdef, params)
-  ids_BxT = jnp.concatenate([prompt_ids_BxP, completion_ids_BxN], axis=1)
-  mask_BxT = jnp.concatenate([prompt_mask_BxP.astype(bool),
-                              completion_mask_BxN.astype(bool)], axis=1)
-  hidden_BxTxD, _ = model.hidden_states(ids_BxT.astype(jnp.int32),
-                                        attention_mask=mask_BxT)
-  # Position P - 1 + t predicts completion token t.
-  hidden_BxNxD = hidden_BxTxD[:, P - 1:P + N - 1]
-  w_DxV = model.unembedding()
+  hidden_BxNxD, w_DxV = completion_hidden_states(
+      graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxN,
+      completion_mask_BxN)
   scale = completion_logits_scale(temperature)
 
   C = min(chunk_size, N)

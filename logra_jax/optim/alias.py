@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import optax
 
+from logra_jax.optim import kl_control
 from logra_jax.optim import transforms
 from logra_jax.optim.dimension_numbers import SpecTree
 
@@ -28,7 +29,9 @@ def logra(
     dimension_numbers: Optional[SpecTree] = None,
     mask: Any = None,
     keep_factors: bool = False,
-) -> optax.GradientTransformation:
+    target_kl: Optional[float] = None,
+    kl_mode: str = "clamp",
+) -> optax.GradientTransformationExtraArgs:
   r"""LoGRA: Adam on low-rank gradient sketches, with decoupled weight decay.
 
   For each matrix weight with projector :math:`P` (see :func:`project`),
@@ -41,7 +44,9 @@ def logra(
   with Adam's moments held at the sketch shape (``O(r \min(m, n))``) and moved
   into the new basis at each refresh (``moment_policy``). Vectors and any leaf
   excluded by ``mask``/``dimension_numbers`` get plain AdamW. Weight decay is
-  applied in full parameter space.
+  applied in full parameter space. With ``target_kl``, the final step
+  (learning rate and weight decay included) goes through
+  :func:`scale_by_predicted_kl`, and ``update`` takes a ``kl_predictor``.
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule.
@@ -62,9 +67,12 @@ def logra(
     mask: pytree of bools (or callable); False keeps a leaf dense.
     keep_factors: keep the factored updates in the state (see
       :func:`unproject`).
+    target_kl: if set, the predicted-KL target of each step (see
+      :func:`scale_by_predicted_kl`); None disables KL control.
+    kl_mode: ``"clamp"`` or ``"target"``, with ``target_kl``.
 
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformationExtraArgs``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
@@ -82,6 +90,8 @@ def logra(
     Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
     Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024.
   """
+  kl = ([] if target_kl is None
+        else [kl_control.scale_by_predicted_kl(target_kl, mode=kl_mode)])
   decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
            else [optax.add_decayed_weights(weight_decay, weight_decay_mask)])
   return optax.chain(
@@ -95,4 +105,5 @@ def logra(
       transforms.unproject(scale=scale, keep_factors=keep_factors),
       *decay,
       optax.scale_by_learning_rate(learning_rate),
+      *kl,
   )

@@ -20,6 +20,7 @@ import optax.contrib
 import logra_jax as logra
 from logra_jax import models
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
+from logra_jax.models.logprobs import completion_logits_scale
 from logra_jax.rl import algo
 
 
@@ -30,7 +31,9 @@ def make_optimizer(config: OptimizerConfig,
   Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
   LoGRA. ``optax.contrib.galore`` has no batch axes, so under ``"galore"`` a
   stacked weight is projected as one ``[L*m, n]`` matrix. Embeddings, the LM
-  head and vectors stay dense (AdamW) in both.
+  head and vectors stay dense (AdamW) in both. With ``config.target_kl``,
+  every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
+  Adam with KL control is available as an ablation).
   """
   schedule = (optax.linear_schedule(0.0, config.learning_rate,
                                     config.warmup_steps)
@@ -41,7 +44,8 @@ def make_optimizer(config: OptimizerConfig,
         schedule, rank=config.rank, kind=config.kind,
         refresh_every=config.refresh_every, b1=config.b1, b2=config.b2,
         moment_policy=config.moment_policy, weight_decay=config.weight_decay,
-        dimension_numbers=dims)
+        dimension_numbers=dims, target_kl=config.target_kl,
+        kl_mode=config.kl_mode)
   elif config.name == "adam":
     core = optax.adamw(schedule, b1=config.b1, b2=config.b2,
                        weight_decay=config.weight_decay)
@@ -59,6 +63,9 @@ def make_optimizer(config: OptimizerConfig,
         schedule, rank=config.rank, update_proj_gap=config.refresh_every,
         base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2),
         weight_decay=config.weight_decay, weight_dimension_numbers=galore_dims)
+  if config.target_kl is not None and config.name != "logra":
+    core = optax.chain(core, logra.scale_by_predicted_kl(
+        config.target_kl, mode=config.kl_mode))
   if config.max_grad_norm:
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
   return core
@@ -82,15 +89,33 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   full-batch gradient for every aggregation. Metrics include the gradient
   norm, the entropy of the policy and ``kl/realized``: the mean over the
   batch's tokens of ``log pi_old - log pi_new`` between the params before and
-  after this update.
+  after this update. With ``config.optimizer.target_kl``, a KL predictor is
+  built on the same batch (or ``kl_subsample`` of its sequences) and handed to
+  the optimizer; then ``kl/predicted`` is the predicted KL of the applied
+  (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
+  dropped so far for an invalid prediction.
   """
   temperature = config.rollout.temperature
+  kl_control = config.optimizer.target_kl is not None
 
   def logprobs(params, batch, with_entropy=False):
     return models.token_logprobs(
         graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
         batch.completion_tokens_BxT, batch.completion_mask_BxT,
         temperature=temperature, return_entropy=with_entropy)
+
+  def kl_predictor(params, batch: algo.RolloutBatch):
+    scale = completion_logits_scale(temperature)
+
+    def features(params, batch):
+      hidden_BxTxD, w_DxV = models.completion_hidden_states(
+          graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
+          batch.completion_tokens_BxT, batch.completion_mask_BxT)
+      return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
+
+    return logra.make_kl_predictor(
+        features, params, batch, token_mask=batch.completion_mask_BxT,
+        subsample=config.optimizer.kl_subsample)
 
   def micro_loss(params, micro):
     logp_BxT, entropy_BxT = logprobs(params, micro, with_entropy=True)
@@ -119,7 +144,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             jnp.zeros([], jnp.float32), zeros(metrics_shape))
     (grad_sum, num, den, metrics), logp_before = jax.lax.scan(body, init, micro)
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     new_params = optax.apply_updates(params, updates)
 
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
@@ -136,6 +162,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         "kl/realized_k3": jnp.sum((jnp.expm1(-log_ratio_BxT) + log_ratio_BxT)
                                   * mask_BxT) / tokens,
     })
+    if kl_control:
+      kl_state = logra.predicted_kl_state(opt_state)
+      applied = jnp.square(kl_state.scale) * kl_state.predicted_kl
+      out.update({"kl/predicted": jnp.where(kl_state.scale > 0, applied, 0.0),
+                  "kl/scale": kl_state.scale,
+                  "kl/skipped": kl_state.skipped_steps})
     return new_params, opt_state, out
 
   return jax.jit(train_step, donate_argnums=(0, 1))

@@ -140,7 +140,8 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   Args:
     config: the run.
     out_dir: output folder (created): ``config.json``, ``metrics.jsonl``,
-      ``curves.png``, ``summary.json``.
+      ``curves.png``, ``summary.json`` and, when ``tensorboardX`` is
+      installed, TensorBoard events under ``tensorboard/``.
     progress: show a progress bar.
     log: where text lines go.
 
@@ -187,6 +188,7 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   bar = tqdm.tqdm(range(config.steps), desc="RL", disable=not progress,
                   dynamic_ncols=True)
   interrupted = False
+  tensorboard = _tensorboard_writer(out / "tensorboard")
   with open(out / "metrics.jsonl", "w") as metrics_file:
     try:
       for step in bar:
@@ -205,6 +207,7 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
         metrics["step"] = step + 1
         metrics["time/rollout_s"] = rollout_seconds
         metrics["time/step_s"] = time.perf_counter() - step_start
+        metrics["time/train_s"] = metrics["time/step_s"] - rollout_seconds
         if config.eval_every and (step + 1) % config.eval_every == 0 and (
             step + 1) < config.steps:
           metrics["accuracy/eval"] = evaluate(policy, params, eval_examples,
@@ -212,12 +215,21 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
         history.append(metrics)
         metrics_file.write(json.dumps(metrics) + "\n")
         metrics_file.flush()
-        bar.set_postfix(reward=f"{metrics['reward/total']:.3f}",
-                        acc=f"{metrics['accuracy/train']:.2f}",
-                        kl=f"{metrics['kl/realized']:.1e}")
+        if tensorboard is not None:
+          for name, value in metrics.items():
+            tensorboard.add_scalar(name, value, step + 1)
+        postfix = {"reward": f"{metrics['reward/total']:.3f}",
+                   "acc": f"{metrics['accuracy/train']:.2f}",
+                   "kl": f"{metrics['kl/realized']:.1e}"}
+        if "kl/predicted" in metrics:
+          postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
+        bar.set_postfix(postfix)
     except KeyboardInterrupt:
       interrupted = True
       log(f"interrupted after {len(history)} steps; writing results so far")
+    finally:
+      if tensorboard is not None:
+        tensorboard.close()
   after = evaluate(policy, params, eval_examples, rewards, max_new)
   summary.update({
       "eval_accuracy_after": after["accuracy"],
@@ -240,6 +252,15 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   return summary
 
 
+def _tensorboard_writer(folder: pathlib.Path):
+  """A TensorBoard event writer if ``tensorboardX`` is installed, else None."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    return None
+  return SummaryWriter(str(folder))
+
+
 def plot_curves(history: list[dict[str, float]], path: pathlib.Path,
                 accuracy_before: float) -> None:
   """Reward/accuracy, realized KL and step time against the step."""
@@ -257,9 +278,14 @@ def plot_curves(history: list[dict[str, float]], path: pathlib.Path,
   axes[0].plot(*zip(*evals), "o-", label="held-out accuracy")
   axes[0].set_title("reward and accuracy")
   axes[0].legend()
-  axes[1].plot(steps, [h["kl/realized_k3"] for h in history])
+  axes[1].plot(steps, [h["kl/realized_k3"] for h in history],
+               label="realized (k3)")
+  if "kl/predicted" in history[0]:
+    axes[1].plot(steps, [h["kl/predicted"] for h in history],
+                 label="predicted", alpha=0.7)
+    axes[1].legend()
   axes[1].set_yscale("log")
-  axes[1].set_title("realized KL per step (k3, >= 0)")
+  axes[1].set_title("KL per step")
   axes[2].plot(steps, [h["time/step_s"] for h in history])
   axes[2].set_title("step time (s)")
   for ax in axes:

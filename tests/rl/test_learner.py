@@ -88,6 +88,26 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   assert float(metrics["kl/realized_k3"]) > 0
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "logra"])
+def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  config = train_config.apply_overrides(SMOKE, [
+      f"optimizer.name={optimizer}", "optimizer.learning_rate=0.1",
+      "optimizer.target_kl=1e-5", "optimizer.kl_subsample=8"])
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  params = jax.tree.map(jnp.copy, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, config)
+  _, _, metrics = step(params, tx.init(params), batch)
+  assert 0 < float(metrics["kl/scale"]) < 1
+  np.testing.assert_allclose(float(metrics["kl/predicted"]), 1e-5, rtol=1e-3)
+  assert int(metrics["kl/skipped"]) == 0
+  # The realized KL of the scaled step is of the predicted size (a sampled
+  # estimate on 16 completions, so only its order of magnitude is checked).
+  assert 1e-6 < float(metrics["kl/realized_k3"]) < 1e-4
+
+
 def test_logra_state_is_smaller_than_dense_adam(policy_folder):
   policy = trainer.Policy.load(policy_folder)
   config = dataclasses.replace(SMOKE.optimizer, rank=2)
@@ -112,6 +132,7 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   assert len(lines) == 2 == summary["steps"]
   assert (tmp_path / "curves.png").stat().st_size > 0
   assert {"reward/total", "kl/realized", "loss"} <= set(json.loads(lines[0]))
+  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -121,6 +142,9 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
     (["optimizer.rnak=4"], "has no field 'rnak'"),
     (["steps=abc"], "expected a int"),
     (["advantage=ppo"], "advantage must be one of"),
+    (["optimizer.target_kl=0"], "target_kl must be > 0"),
+    (["optimizer.kl_mode=exact"], "kl_mode must be one of"),
+    (["optimizer.kl_subsample=99"], "exceeds the rollout batch"),
 ])
 def test_bad_config_is_rejected_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
