@@ -133,6 +133,17 @@ def rollout(policy: Policy, params, examples: Sequence[dict],
   return batch, metrics
 
 
+def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
+                  log: Log = print) -> pathlib.Path:
+  """The HF folder RL starts from: ``policy.path``, or the (cached)
+  warm-started policy trained on ``train_examples``' worked answers."""
+  if config.policy.path:
+    return pathlib.Path(config.policy.path)
+  return warm_start(config.policy,
+                    train_examples[:config.policy.warm_start_examples],
+                    seed=config.task.seed, log=log)
+
+
 def train(config: TrainConfig, out_dir: str | pathlib.Path,
           progress: bool = True, log: Log = print) -> dict[str, Any]:
   """Runs RL as configured; writes metrics, a plot and ``summary.json``.
@@ -156,11 +167,7 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   task = load_task(config)
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
-  folder = (pathlib.Path(config.policy.path) if config.policy.path
-            else warm_start(
-                config.policy,
-                train_examples[:config.policy.warm_start_examples],
-                seed=config.task.seed, log=log))
+  folder = policy_folder(config, train_examples, log)
   policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype))
   rewards = task_rewards(task)
   max_new = config.rollout.max_new_tokens
