@@ -1,4 +1,4 @@
-"""Command line: ``logra train`` and ``logra eval``."""
+"""Command line: ``logra train``, ``logra eval`` and ``logra memory``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ def _eval(args: argparse.Namespace) -> int:
   return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+  from logra_jax import memory
+  from logra_jax import parallel
+  report = memory.plan_memory(
+      args.model, mesh=parallel.MeshConfig.parse(args.mesh),
+      optimizer=args.optimizer, rank=args.rank, seq_len=args.seq,
+      micro_batch=args.micro_batch, remat=args.remat,
+      rollout_seqs=args.rollout_seqs, rollout_tokens=args.rollout_tokens,
+      device_memory_gib=args.device_memory_gib)
+  print(json.dumps(report.to_dict()) if args.json else report.summary())
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="logra", description="LoGRA: memory-efficient RL post-training.")
@@ -56,6 +69,29 @@ def build_parser() -> argparse.ArgumentParser:
   evaluate.add_argument("--policy", required=True,
                         help="Hugging Face folder of the policy")
   evaluate.set_defaults(run=_eval)
+  plan = commands.add_parser(
+      "memory", help="per-device memory of a train step, without allocating")
+  plan.add_argument("--model", default="qwen2.5-7b",
+                    help="preset name or path to a Hugging Face config.json")
+  plan.add_argument("--mesh", default="fsdp=8",
+                    help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2")
+  plan.add_argument("--optimizer", choices=["adam", "logra"], default="logra")
+  plan.add_argument("--rank", type=int, default=64)
+  plan.add_argument("--seq", type=int, default=4096,
+                    help="tokens per sequence")
+  plan.add_argument("--micro-batch", type=int, default=1,
+                    help="sequences per data-parallel device")
+  plan.add_argument("--remat", choices=["full", "dots", "none"],
+                    default="full")
+  plan.add_argument("--rollout-seqs", type=int, default=0,
+                    help="sequences of a colocated rollout's KV cache")
+  plan.add_argument("--rollout-tokens", type=int, default=0,
+                    help="tokens per rollout sequence")
+  plan.add_argument("--device-memory-gib", type=float, default=None,
+                    help="check the total against this much device memory")
+  plan.add_argument("--json", action="store_true",
+                    help="print one JSON object (bytes per device)")
+  plan.set_defaults(run=_memory)
   return parser
 
 

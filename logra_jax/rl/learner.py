@@ -80,7 +80,8 @@ def dense_adam_state_bytes(params: Any) -> int:
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    config: TrainConfig) -> Callable:
+                    config: TrainConfig,
+                    shardings: tuple[Any, Any, Any] | None = None) -> Callable:
   """Builds the jitted update ``(params, opt_state, batch) -> (params,
   opt_state, metrics)``.
 
@@ -94,6 +95,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   the optimizer; then ``kl/predicted`` is the predicted KL of the applied
   (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
   dropped so far for an invalid prediction.
+
+  With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
+  from :mod:`logra_jax.parallel`), the step is jitted with those explicit
+  input and output shardings (metrics replicated); otherwise XLA places
+  everything on the default device.
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
@@ -170,4 +176,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                   "kl/skipped": kl_state.skipped_steps})
     return new_params, opt_state, out
 
-  return jax.jit(train_step, donate_argnums=(0, 1))
+  if shardings is None:
+    return jax.jit(train_step, donate_argnums=(0, 1))
+  params_sharding, state_sharding, batch_sharding = shardings
+  mesh = jax.tree.leaves(params_sharding)[0].mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(train_step, donate_argnums=(0, 1),
+                 in_shardings=(params_sharding, state_sharding, batch_sharding),
+                 out_shardings=(params_sharding, state_sharding, replicated))

@@ -1,0 +1,11 @@
+"""Device mesh, the partition table and sharded placement of a run."""
+
+from logra_jax.parallel.sharding import batch_sharding
+from logra_jax.parallel.sharding import data_shardings
+from logra_jax.parallel.sharding import logical_sharding
+from logra_jax.parallel.sharding import make_mesh
+from logra_jax.parallel.sharding import MESH_AXES
+from logra_jax.parallel.sharding import MeshConfig
+from logra_jax.parallel.sharding import optimizer_state_shardings
+from logra_jax.parallel.sharding import param_shardings
+from logra_jax.parallel.sharding import PARTITION_RULES

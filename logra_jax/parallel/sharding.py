@@ -1,0 +1,244 @@
+"""The device mesh and the one partition table of logra-jax.
+
+Axes: ``dp`` (data parallel: replicas of the weights), ``fsdp`` (weights,
+gradients and optimizer state split over devices, data split too) and ``tp``
+(tensor parallel: heads, MLP width and vocabulary split). Any axis may be 1.
+
+Weights carry logical axis names (``models.LOGICAL_AXES``); ``PARTITION_RULES``
+maps them, and the activations' batch axis, to mesh axes. Optimizer state
+(including LoGRA's projectors and sketches) takes the sharding that XLA
+propagates from the parameters through one optimizer update, so that the
+state of a step is laid out exactly as the update produces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Optional, Sequence
+
+from flax import nnx
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("dp", "fsdp", "tp")
+
+# Logical axis -> mesh axes. Weights: the hidden axis is split by fsdp, the
+# head / MLP / vocabulary axes by tp, the stacked-layer axis never. Activations:
+# the batch axis is split over every data axis.
+PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
+    "layers": None,
+    "embed": "fsdp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "batch": ("dp", "fsdp"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the mesh axes; their product is the number of devices.
+
+  Example:
+    >>> MeshConfig.parse("fsdp=4,tp=2")
+    MeshConfig(dp=1, fsdp=4, tp=2)
+  """
+
+  dp: int = 1
+  fsdp: int = 1
+  tp: int = 1
+
+  def __post_init__(self):
+    for axis in MESH_AXES:
+      size = getattr(self, axis)
+      if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"mesh axis {axis} must be a positive int, got "
+                         f"{size!r}")
+
+  @property
+  def size(self) -> int:
+    return self.dp * self.fsdp * self.tp
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.dp, self.fsdp, self.tp)
+
+  @classmethod
+  def parse(cls, text: str | Sequence[str]) -> MeshConfig:
+    """From ``"dp=2,fsdp=4"`` or ``["dp=2", "fsdp=4"]`` (missing axes are 1)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    sizes = {}
+    for item in (i.strip() for i in items if i.strip()):
+      axis, sep, value = item.partition("=")
+      if not sep or axis not in MESH_AXES:
+        raise ValueError(f"mesh entry {item!r}: expected axis=size with axis "
+                         f"in {MESH_AXES}")
+      try:
+        sizes[axis] = int(value)
+      except ValueError:
+        raise ValueError(f"mesh entry {item!r}: size must be an int") from None
+    return cls(**sizes)
+
+  def __str__(self) -> str:
+    return ",".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
+
+
+def make_mesh(config: MeshConfig,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """The ``(dp, fsdp, tp)`` mesh over ``devices`` (default: all devices).
+
+  Raises:
+    ValueError: if the mesh size differs from the number of devices.
+
+  Example:
+    >>> mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    >>> dict(mesh.shape)
+    {'dp': 1, 'fsdp': 1, 'tp': 1}
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if config.size != len(devices):
+    raise ValueError(f"mesh {config} needs {config.size} devices, but "
+                     f"{len(devices)} are given")
+  return Mesh(np.asarray(devices).reshape(config.shape), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _mesh_axes_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_sharding(name: str, shape: Sequence[int],
+                     logical_axes: Sequence[Optional[str]], mesh: Mesh,
+                     rules: Optional[dict] = None) -> NamedSharding:
+  """The sharding of one array from its logical axis names.
+
+  Raises:
+    ValueError: naming the tensor, axis and sizes, if a mesh axis does not
+      divide the dimension it shards.
+  """
+  rules = PARTITION_RULES if rules is None else rules
+  spec = []
+  for dim, (size, logical) in enumerate(zip(shape, logical_axes)):
+    axes = None if logical is None else rules.get(logical)
+    # A mesh axis of size 1 shards nothing; leave it out of the spec.
+    if axes is not None:
+      kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+                   if mesh.shape[a] > 1)
+      axes = None if not kept else kept[0] if len(kept) == 1 else kept
+    parts = _mesh_axes_size(mesh, axes)
+    if size % parts:
+      raise ValueError(
+          f"cannot shard {name} (shape {tuple(shape)}): dimension {dim} "
+          f"({logical!r}, size {size}) is not divisible by mesh axis {axes} "
+          f"of size {parts}")
+    spec.append(axes)
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def param_shardings(params: nnx.State, mesh: Mesh,
+                    rules: Optional[dict] = None) -> Any:
+  """Shardings of the model parameters, from their logical axis metadata.
+
+  Args:
+    params: from ``models.split_model`` (concrete or abstract), whose
+      ``nnx.Param`` leaves carry ``out_sharding`` logical names.
+    mesh: from :func:`make_mesh`.
+    rules: logical -> mesh axes; default :data:`PARTITION_RULES`.
+
+  Returns:
+    A tree like ``params`` with a ``NamedSharding`` in place of each array.
+  """
+  is_param = lambda x: isinstance(x, nnx.Variable)
+
+  def shard(path, variable):
+    logical = variable.get_metadata().get("out_sharding")
+    if logical is None:
+      logical = (None,) * len(variable.shape)
+    return variable.replace(logical_sharding(
+        jax.tree_util.keystr(path), variable.shape, logical, mesh, rules))
+
+  return jax.tree_util.tree_map_with_path(shard, params, is_leaf=is_param)
+
+
+def batch_sharding(mesh: Mesh, ndim: int,
+                   rules: Optional[dict] = None) -> NamedSharding:
+  """Leading (batch) axis split over the data axes; the rest replicated."""
+  rules = PARTITION_RULES if rules is None else rules
+  axes = rules["batch"]
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+               if mesh.shape[a] > 1)
+  lead = None if not kept else kept[0] if len(kept) == 1 else kept
+  return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+
+def data_shardings(batch: Any, mesh: Mesh) -> Any:
+  """Shardings of a batch pytree: every array split along its leading axis.
+
+  Raises:
+    ValueError: if the batch size is not divisible by the data axes.
+  """
+  def shard(path, x):
+    sharding = batch_sharding(mesh, x.ndim)
+    parts = _mesh_axes_size(mesh, sharding.spec[0] if x.ndim else None)
+    if x.ndim and x.shape[0] % parts:
+      raise ValueError(
+          f"cannot shard batch field {jax.tree_util.keystr(path)} (shape "
+          f"{tuple(x.shape)}): batch size {x.shape[0]} is not divisible by "
+          f"the data axes of size {parts}")
+    return sharding
+  return jax.tree_util.tree_map_with_path(shard, batch)
+
+
+def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
+                              shardings: Any, mesh: Mesh) -> Any:
+  """Shardings of ``tx``'s state that follow the parameters' shardings.
+
+  Lowers one ``tx.update`` with parameters and gradients sharded as
+  ``shardings`` and reads the state layout XLA chooses for its output:
+  moments of dense leaves match their parameter, LoGRA projectors split the
+  parameter's long axis and sketches its short one, scalars are replicated.
+
+  Args:
+    tx: the optimizer.
+    params: parameters (concrete or ``jax.ShapeDtypeStruct``).
+    shardings: parameter shardings (:func:`param_shardings`).
+    mesh: the mesh.
+
+  Returns:
+    A tree like ``jax.eval_shape(tx.init, params)`` of ``NamedSharding``.
+  """
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
+                          params)
+  state = jax.eval_shape(tx.init, abstract)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  extra = {}
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    extra["kl_predictor"] = lambda update: jax.numpy.zeros([])
+  probe = jax.jit(
+      lambda grads, state, params: tx.update(grads, state, params, **extra),
+      in_shardings=(shardings, jax.tree.map(lambda _: replicated, state),
+                    shardings))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    compiled = probe.lower(abstract, state, abstract).compile()
+  _, state_out = compiled.output_shardings
+
+  def named(sharding, leaf):
+    if isinstance(sharding, NamedSharding):
+      return sharding
+    # XLA reports fully replicated outputs as a GSPMD sharding.
+    if sharding.is_fully_replicated:
+      return replicated
+    raise ValueError(f"unexpected optimizer state sharding {sharding} for a "
+                     f"leaf of shape {leaf.shape}")
+
+  return jax.tree.map(named, state_out, state)
+
