@@ -3,6 +3,7 @@
 Runs the tiny default task (the same warm-started policy) with each optimizer
 and several seeds, then writes `parity.csv` and `parity.md` (accuracy mean and
 standard deviation over seeds, optimizer-state bytes) to the output folder.
+Finished runs whose `config.json` matches are reused (`--rerun` redoes them).
 
 Run: python experiments/parity.py [--seeds 0 1 2] [--out runs/parity]
      [--set key=value ...]   (overrides applied to every run)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import pathlib
 import statistics
 
@@ -27,6 +29,8 @@ def main() -> None:
   parser.add_argument("--preset", default="tiny")
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--out", default="runs/parity")
+  parser.add_argument("--rerun", action="store_true",
+                      help="redo runs already finished in --out")
   args = parser.parse_args()
   out = pathlib.Path(args.out)
   rows = []
@@ -35,8 +39,12 @@ def main() -> None:
       config = train_config.apply_overrides(
           train_config.get_preset(args.preset),
           args.set + [f"optimizer.name={name}", f"seed={seed}"])
-      summary = trainer.train(config, out / f"{name}-seed{seed}",
-                              progress=False, log=lambda s: None)
+      folder = out / f"{name}-seed{seed}"
+      done = (folder / "summary.json").exists() and json.loads(
+          (folder / "config.json").read_text()) == train_config.to_dict(config)
+      if args.rerun or not done:
+        trainer.train(config, folder, progress=False, log=lambda s: None)
+      summary = json.loads((folder / "summary.json").read_text())
       rows.append({"optimizer": name, "seed": seed, **{
           k: summary[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
                                   "optimizer_state_bytes",

@@ -78,7 +78,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False, attention_bias=False),
 }
 
-REMAT_POLICIES = {"full": "block", "dots": "dots", "none": "none"}
+REMAT_POLICIES = {"full": "block", "dots": "dots_saveable", "none": "none"}
 
 
 def load_model_config(model: str) -> models.DecoderConfig:
@@ -283,7 +283,8 @@ def plan_memory(
                                    optimizer=opt_config, micro_batches=1)
   step = learner.make_train_step(
       graphdef, tx, run_config,
-      shardings=(params_sharding, state_sharding, batch_sharding))
+      shardings=(params_sharding, state_sharding, batch_sharding),
+      activation_rules=parallel.PARTITION_RULES)
   stats = step.lower(params, state, batch).compile().memory_analysis()
 
   params_bytes = _sharded_bytes(params, params_sharding)

@@ -2,6 +2,8 @@
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.models.config import RopeScaling
+from logra_jax.models.decoder import activation_sharding
+from logra_jax.models.decoder import constrain
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.decoder import init_cache
 from logra_jax.models.decoder import init_model

@@ -80,6 +80,10 @@ class DecoderConfig:
     remat: activation checkpointing of each block: "none", "block" (save only
       block inputs) or "dots_saveable" (save the outputs of matmuls without
       batch dimensions, i.e. the weight projections; recompute attention).
+    attention_chunk: queries per attention block when more than this many
+      tokens are processed at once (training, prefill): the score matrix is
+      at most `attention_chunk x S` per (batch, head) and each block is
+      recomputed in the backward pass.
     dtype: compute dtype ("float32" or "bfloat16"); logits are always float32.
     param_dtype: storage dtype of parameters.
 
@@ -110,6 +114,7 @@ class DecoderConfig:
   pad_token_id: int | None = None
   initializer_range: float = 0.02
   remat: RematPolicy = "none"
+  attention_chunk: int = 512
   dtype: str = "float32"
   param_dtype: str = "float32"
 
@@ -131,6 +136,9 @@ class DecoderConfig:
                        f"{self.family!r}.")
     if self.remat not in _REMAT:
       raise ValueError(f"remat must be one of {_REMAT}, got {self.remat!r}.")
+    if self.attention_chunk < 1:
+      raise ValueError(
+          f"attention_chunk must be >= 1, got {self.attention_chunk}.")
     for name in ("dtype", "param_dtype"):
       value = jnp.dtype(getattr(self, name)).name
       if value not in _DTYPES:
@@ -171,7 +179,8 @@ class DecoderConfig:
 
     Args:
       hf_config: a `LlamaConfig`, `Qwen2Config` or `Qwen3Config`.
-      **overrides: fields not stored by HF (`remat`, `dtype`, `param_dtype`).
+      **overrides: fields not stored by HF (`remat`, `attention_chunk`,
+        `dtype`, `param_dtype`).
 
     Returns:
       The config.

@@ -12,6 +12,8 @@ H query heads, K kv heads, G = H // K, h head dim, V vocab, L layers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, NamedTuple
 
 from flax import nnx
@@ -75,6 +77,33 @@ def logical_to_mesh(logical_axes: tuple[str | None, ...],
   spec = jax.sharding.PartitionSpec(
       *(None if name is None else rules.get(name) for name in logical_axes))
   return jax.sharding.NamedSharding(mesh, spec)
+
+
+_ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar(
+    "logra_activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: jax.sharding.Mesh,
+                        rules: dict[str, str | tuple[str, ...] | None]):
+  """Within this context, traced model code pins activations to `mesh` by
+  their logical axes (see `constrain`); outside it, `constrain` is a no-op."""
+  token = _ACTIVATION_RULES.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_RULES.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+  """`with_sharding_constraint` of `x` by logical axis names ("batch" for the
+  batch axis, None for replicated) under `activation_sharding`; else `x`."""
+  active = _ACTIVATION_RULES.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(
+      x, logical_to_mesh(logical_axes, mesh, rules))
 
 
 def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -276,7 +305,7 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
     # Decoding: as elementwise products and reductions (not matmuls) the
     # layer's slice of the stacked cache is read in place inside the fusion;
     # a matmul would first copy it out, which costs more than the math.
-    def qk(keys_BxKxSxh):
+    def qk(q_BxKxGxTxh, keys_BxKxSxh):
       return jnp.sum(q_BxKxGxTxh.astype(jnp.float32)
                      * keys_BxKxSxh[:, :, None].astype(jnp.float32), axis=-1,
                      keepdims=True).swapaxes(-1, -2)
@@ -286,23 +315,43 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
                      * values_BxKxSxh[:, :, None].astype(jnp.float32),
                      axis=-2, keepdims=True).astype(dt)
   else:
-    def qk(keys_BxKxSxh):
+    def qk(q_BxKxGxTxh, keys_BxKxSxh):
       return jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, keys_BxKxSxh,
                         preferred_element_type=jnp.float32)
 
     def pv(probs_BxKxGxTxS, values_BxKxSxh):
       return jnp.einsum("bkgts,bksh->bkgth", probs_BxKxGxTxS, values_BxKxSxh)
 
-  scores_BxKxGxTxS = jnp.concatenate(
-      [qk(keys) for keys, _ in blocks], axis=-1) * (h ** -0.5)
-  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
-                               _MASK_VALUE)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
-  attn_BxKxGxTxh, start = 0, 0
-  for _, values in blocks:
-    size = values.shape[2]
-    attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start:start + size], values)
-    start += size
+  def attend(q_BxKxGxTxh, mask_BxTxS):
+    scores_BxKxGxTxS = jnp.concatenate(
+        [qk(q_BxKxGxTxh, keys) for keys, _ in blocks], axis=-1) * (h ** -0.5)
+    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
+                                 _MASK_VALUE)
+    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    attn_BxKxGxTxh, start = 0, 0
+    for _, values in blocks:
+      size = values.shape[2]
+      attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start:start + size], values)
+      start += size
+    return attn_BxKxGxTxh
+
+  C = c.attention_chunk
+  if T <= C:
+    attn_BxKxGxTxh = attend(q_BxKxGxTxh, mask_BxTxS)
+  else:
+    # Query blocks: each sees every key, so the result is exact; only one
+    # `C x S` score block is alive at a time, forward and backward.
+    n = -(-T // C)
+    pad = n * C - T
+    q_nxBxKxGxCxh = jnp.pad(
+        q_BxKxGxTxh, ((0, 0),) * 3 + ((0, pad), (0, 0))).reshape(
+            B, K, H // K, n, C, h).transpose(3, 0, 1, 2, 4, 5)
+    mask_nxBxCxS = jnp.pad(mask_BxTxS, ((0, 0), (0, pad), (0, 0))).reshape(
+        B, n, C, -1).swapaxes(0, 1)
+    attn_nxBxKxGxCxh = jax.lax.map(lambda a: jax.checkpoint(attend)(*a),
+                                   (q_nxBxKxGxCxh, mask_nxBxCxS))
+    attn_BxKxGxTxh = attn_nxBxKxGxCxh.transpose(1, 2, 3, 0, 4, 5).reshape(
+        B, K, H // K, n * C, h)[:, :, :, :T]
   attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
   out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
   if c.attention_out_bias:
@@ -363,10 +412,13 @@ def forward_hidden(
                                   (B, T, cache.max_length))
     mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
 
-  x_BxTxD = jnp.take(weights["embed"], input_ids_BxT, axis=0).astype(dt)
+  x_BxTxD = constrain(
+      jnp.take(weights["embed"], input_ids_BxT, axis=0).astype(dt),
+      ("batch", None, None))
 
   def body(x_BxTxD, layer):
     w, past_k, past_v = layer
+    x_BxTxD = constrain(x_BxTxD, ("batch", None, None))
     x_BxTxD, k_BxKxTxh, v_BxKxTxh = _block(
         c, x_BxTxD, w, cos_BxTxr, sin_BxTxr, mask_BxTxS, past_k, past_v)
     new_kv = None if cache is None else (k_BxKxTxh, v_BxKxTxh)

@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from logra_jax.models.decoder import constrain
 from logra_jax.models.decoder import project_logits
 
 
@@ -47,7 +48,10 @@ def completion_hidden_states(
                               completion_mask_BxN.astype(bool)], axis=1)
   hidden_BxTxD, _ = model.hidden_states(ids_BxT.astype(jnp.int32),
                                         attention_mask=mask_BxT)
-  return hidden_BxTxD[:, P - 1:P + N - 1], model.unembedding()
+  # Under a mesh: the unembedding is gathered once (not per chunk) and the
+  # hidden states stay split by batch.
+  return (constrain(hidden_BxTxD[:, P - 1:P + N - 1], ("batch", None, None)),
+          constrain(model.unembedding(), (None, None)))
 
 
 def token_logprobs(

@@ -81,7 +81,9 @@ def dense_adam_state_bytes(params: Any) -> int:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     config: TrainConfig,
-                    shardings: tuple[Any, Any, Any] | None = None) -> Callable:
+                    shardings: tuple[Any, Any, Any] | None = None,
+                    activation_rules: dict[str, Any] | None = None
+                    ) -> Callable:
   """Builds the jitted update ``(params, opt_state, batch) -> (params,
   opt_state, metrics)``.
 
@@ -98,8 +100,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
   from :mod:`logra_jax.parallel`), the step is jitted with those explicit
-  input and output shardings (metrics replicated); otherwise XLA places
-  everything on the default device.
+  input and output shardings (metrics replicated) and activations pinned by
+  ``activation_rules`` (logical axis -> mesh axes, e.g.
+  ``parallel.PARTITION_RULES``); otherwise XLA places everything on the
+  default device.
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
@@ -181,6 +185,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   params_sharding, state_sharding, batch_sharding = shardings
   mesh = jax.tree.leaves(params_sharding)[0].mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(train_step, donate_argnums=(0, 1),
+
+  def sharded_train_step(params, opt_state, batch):
+    with models.activation_sharding(mesh, activation_rules):
+      return train_step(params, opt_state, batch)
+
+  return jax.jit(sharded_train_step, donate_argnums=(0, 1),
                  in_shardings=(params_sharding, state_sharding, batch_sharding),
                  out_shardings=(params_sharding, state_sharding, replicated))

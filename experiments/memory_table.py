@@ -1,0 +1,195 @@
+"""Per-device train-step memory of dense Adam vs LoGRA on an 8-device mesh.
+
+For each model preset, compiles the real train step (abstract inputs, 8 CPU
+devices unless 8 accelerators are present) and reads XLA's memory analysis:
+seq 4096, micro-batch 1 per device, full remat, fsdp=8, LoGRA rank 64. The
+colocated-rollout columns add bf16 inference weights and the KV cache of 64
+sequences x 8192 tokens, spread over the 8 devices. Writes `memory_table.md`
+and `memory_table.csv`.
+
+`--check` instead compares the planner with the peak resident memory measured
+while the same step runs on this machine's CPU (one device), for a small
+config, and prints the ratio.
+
+Run: python experiments/memory_table.py [--models ...] [--out runs/memory]
+     python experiments/memory_table.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import dataclasses
+import gc
+import pathlib
+import subprocess
+import sys
+
+import jax
+
+from logra_jax import memory
+from logra_jax import models
+from logra_jax import parallel
+
+GIB = 2**30
+
+
+def _rss(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
+                        seq_len: int, micro_batch: int) -> tuple[int, int]:
+  """(measured peak bytes, planned total bytes) of one step on one CPU device.
+
+  The measured figure is the growth of the process's resident set from just
+  before the inputs are allocated to its high-water mark after the step
+  (Linux, glibc: freed pages are returned with ``malloc_trim`` and the mark
+  is reset through ``/proc/self/clear_refs`` once the inputs exist).
+  """
+  import jax.numpy as jnp
+  from logra_jax.configs import train as train_config
+  from logra_jax.rl import algo, learner
+
+  report = memory.plan_memory(config, optimizer=optimizer, seq_len=seq_len,
+                              micro_batch=micro_batch)
+  config = dataclasses.replace(config, remat="block", dtype="bfloat16",
+                               param_dtype="float32",
+                               max_position_embeddings=seq_len)
+  mesh = parallel.make_mesh(parallel.MeshConfig(), jax.devices()[:1])
+  opt_config = train_config.OptimizerConfig(name=optimizer, rank=64,
+                                            warmup_steps=0)
+  graphdef, abstract = models.split_model(
+      jax.eval_shape(lambda: models.init_model(config, rngs=0)))
+  params_sharding = parallel.param_shardings(abstract, mesh)
+  tx = learner.make_optimizer(opt_config, abstract)
+  state_sharding = parallel.optimizer_state_shardings(tx, abstract,
+                                                      params_sharding, mesh)
+  prompt = seq_len // 4
+  tokens = lambda n: jax.random.randint(jax.random.key(n),
+                                        (micro_batch, seq_len), 0,
+                                        config.vocab_size)
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=tokens(0)[:, :prompt],
+      prompt_mask_BxP=jnp.ones((micro_batch, prompt), jnp.int32),
+      completion_tokens_BxT=tokens(1)[:, prompt:],
+      completion_mask_BxT=jnp.ones((micro_batch, seq_len - prompt), jnp.int32),
+      old_logp_BxT=jnp.zeros((micro_batch, seq_len - prompt)),
+      advantages_B=jnp.linspace(-1.0, 1.0, micro_batch),
+      num_generations=micro_batch)
+  batch_sharding = parallel.data_shardings(batch, mesh)
+  run = dataclasses.replace(train_config.TrainConfig(), optimizer=opt_config)
+  step = learner.make_train_step(
+      graphdef, tx, run,
+      shardings=(params_sharding, state_sharding, batch_sharding))
+  abstract_state = jax.eval_shape(tx.init, abstract)
+  compiled = step.lower(abstract, abstract_state, batch).compile()
+  batch = jax.device_put(batch, batch_sharding)
+  init_params = jax.jit(
+      lambda: models.split_model(models.init_model(config, rngs=0))[1],
+      out_shardings=params_sharding)
+  init_state = jax.jit(tx.init, out_shardings=state_sharding)
+  jax.block_until_ready(init_state(init_params()))  # compile both first
+  trim = ctypes.CDLL("libc.so.6").malloc_trim   # return freed pages to the OS
+  gc.collect()
+  trim(0)
+  before = _rss("VmRSS:")
+  params = init_params()
+  state = init_state(params)
+  jax.block_until_ready((params, state, batch))
+  trim(0)   # drop the initializers' scratch, keep the inputs
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")   # reset the high-water mark to the current resident set
+  jax.block_until_ready(compiled(params, state, batch))
+  return _rss("VmHWM:") - before, report.total
+
+
+CHECK_CONFIG = models.DecoderConfig.tiny(
+    vocab_size=16384, hidden_size=1024, intermediate_size=3072, num_layers=8,
+    num_heads=16, num_kv_heads=4, head_dim=64)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+",
+                      default=list(memory.MODEL_PRESETS))
+  parser.add_argument("--mesh", default="fsdp=8")
+  parser.add_argument("--rank", type=int, default=64)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--rollout-seqs", type=int, default=64)
+  parser.add_argument("--rollout-tokens", type=int, default=8192)
+  parser.add_argument("--device-memory-gib", type=float, default=80.0)
+  parser.add_argument("--out", default="runs/memory")
+  parser.add_argument("--check", action="store_true")
+  parser.add_argument("--check-one", choices=["adam", "logra"],
+                      help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.check:   # one fresh process per optimizer: a clean resident set
+    for optimizer in ("adam", "logra"):
+      subprocess.run([sys.executable, __file__, "--check-one", optimizer],
+                     check=True)
+    return
+  if args.check_one:
+    measured, planned = measured_vs_planned(args.check_one, CHECK_CONFIG,
+                                            512, 8)
+    print(f"{args.check_one}: planned {planned / 2**20:.1f} MiB, measured "
+          f"peak {measured / 2**20:.1f} MiB, measured / planned "
+          f"{measured / planned:.3f}")
+    return
+
+  mesh = parallel.MeshConfig.parse(args.mesh)
+  rows = []
+  for name in args.models:
+    for optimizer in ("adam", "logra"):
+      report = memory.plan_memory(
+          name, mesh=mesh, optimizer=optimizer, rank=args.rank,
+          seq_len=args.seq, rollout_seqs=args.rollout_seqs,
+          rollout_tokens=args.rollout_tokens,
+          device_memory_gib=args.device_memory_gib)
+      train_total = report.total - report.rollout
+      rows.append({"model": name, "optimizer": optimizer,
+                   "params_b": round(report.num_params / 1e9, 2),
+                   **{k: v for k, v in report.to_dict().items()
+                      if isinstance(v, int)},
+                   "train_total": train_total,
+                   "fits_with_rollout": report.fits})
+      print(report.summary(), flush=True)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  with open(out / "memory_table.csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  gib = lambda b: f"{b / GIB:.1f}"
+  lines = [
+      f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
+      f"full remat, LoGRA rank {args.rank}, float32 master weights; rollout: "
+      f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
+      f"<= {args.device_memory_gib:g} GB device", "",
+      "| model | params | Adam: state / grads / temps / train step | "
+      "LoGRA: state / grads / temps / train step | LoGRA vs Adam (train step) "
+      "| + rollout: Adam | + rollout: LoGRA |",
+      "|---|---:|---:|---:|---:|---:|---:|"]
+  for name in args.models:
+    adam, lo = (next(r for r in rows if r["model"] == name
+                     and r["optimizer"] == o) for o in ("adam", "logra"))
+    cell = lambda r: (f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
+                      f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**")
+    fits = lambda r: (f"{gib(r['total'])} "
+                      f"({'fits' if r['fits_with_rollout'] else 'OOM'})")
+    lines.append(
+        f"| {name} | {adam['params_b']:.2f}B | {cell(adam)} | {cell(lo)} | "
+        f"{100 * (lo['train_total'] / adam['train_total'] - 1):+.1f}% | "
+        f"{fits(adam)} | {fits(lo)} |")
+  table = "\n".join(lines)
+  (out / "memory_table.md").write_text(table + "\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,120 @@
+"""The memory planner: exact accounting, real configs, clear errors."""
+
+import json
+import math
+
+import pytest
+
+from logra_jax import memory
+from logra_jax import models
+from logra_jax import parallel
+from logra_jax.cli import main as cli_main
+
+TINY = models.DecoderConfig.tiny(vocab_size=64)
+FSDP8 = parallel.MeshConfig(fsdp=8)
+
+
+@pytest.fixture(scope="module")
+def reports():
+  return {opt: memory.plan_memory(TINY, mesh=FSDP8, optimizer=opt, rank=8,
+                                  seq_len=64, micro_batch=2)
+          for opt in ("adam", "logra")}
+
+
+def _num_params(config):
+  return sum(math.prod(s) for s in models.decoder.param_shapes(config).values())
+
+
+def test_sharded_sizes_follow_the_closed_form(reports):
+  adam = reports["adam"]
+  # Every weight of the tiny config divides by 8 along its sharded axis.
+  assert adam.num_params == _num_params(TINY)
+  assert adam.params == adam.grads == 4 * adam.num_params // 8
+  # AdamW: float32 mu and nu laid out like the params, plus int32 counters.
+  assert 2 * adam.params <= adam.optimizer_state <= 2 * adam.params + 64
+  # 16 sequences of 64 tokens over 8 devices: int32 tokens and masks,
+  # float32 old log-probs and advantages.
+  rows, prompt, completion = 2, 16, 48
+  assert adam.batch == rows * (2 * prompt * 4 + 2 * completion * 4
+                               + completion * 4 + 4)
+
+
+def test_parts_add_up_and_logra_holds_less_state(reports):
+  for report in reports.values():
+    assert report.total == (report.params + report.optimizer_state
+                            + report.batch + report.grads + report.temporaries
+                            + report.outputs + report.rollout)
+    assert report.temporaries > 0 and report.fits is None
+  assert reports["logra"].optimizer_state < reports["adam"].optimizer_state
+  assert reports["logra"].params == reports["adam"].params
+
+
+def test_rollout_reservation_is_weights_plus_kv_cache():
+  report = memory.plan_memory(TINY, mesh=FSDP8, seq_len=32, rollout_seqs=4,
+                              rollout_tokens=128, device_memory_gib=1e-6)
+  kv = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2 * 4 * 128
+  assert report.rollout == -(-(2 * report.num_params + kv) // 8)
+  assert report.fits is False and "NO, over by" in report.summary()
+
+
+def test_less_remat_needs_more_temporaries():
+  full, none = (memory.plan_memory(TINY, seq_len=256, micro_batch=4,
+                                   remat=remat).temporaries
+                for remat in ("full", "none"))
+  assert none > full
+
+
+# Parameter counts published with the checkpoints.
+@pytest.mark.parametrize("name,count", [
+    ("qwen2.5-0.5b", 494_032_768),
+    ("qwen2.5-1.5b", 1_543_714_304),
+    ("qwen2.5-7b", 7_615_616_512),
+    ("qwen2.5-14b", 14_770_033_664),
+    ("qwen2.5-32b", 32_763_876_352),
+    ("qwen3-8b", 8_190_735_360),
+    ("qwen3-32b", 32_762_123_264),
+])
+def test_presets_have_the_published_parameter_counts(name, count):
+  assert _num_params(memory.load_model_config(name)) == count
+
+
+def test_27b_preset_has_27b_parameters():
+  count = _num_params(memory.load_model_config("qwen3-style-27b"))
+  assert 26.5e9 < count < 27.5e9
+
+
+def test_config_json_is_read(tmp_path):
+  fields = dict(memory.MODEL_PRESETS["qwen3-8b"], num_hidden_layers=2)
+  (tmp_path / "config.json").write_text(json.dumps(fields))
+  config = memory.load_model_config(str(tmp_path))
+  assert config.num_layers == 2 and config.qk_norm
+
+
+@pytest.mark.parametrize("model,match", [
+    ("llama-7b", "unknown model 'llama-7b': not one of"),
+    ("missing/config.json", "does not exist"),
+])
+def test_bad_model_names_are_clear_errors(model, match):
+  with pytest.raises(ValueError, match=match):
+    memory.load_model_config(model)
+
+
+def test_unsupported_architecture_is_rejected(tmp_path):
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+  with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+    memory.load_model_config(str(path))
+
+
+def test_cli_json_and_errors(capsys):
+  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "fsdp=3",
+                   "--seq", "64"]) == 2
+  assert "not divisible by mesh axis fsdp of size 3" in capsys.readouterr().err
+  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "pp=8"]) == 2
+  assert "expected axis=size" in capsys.readouterr().err
+  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "fsdp=8",
+                   "--seq", "64", "--json", "--device-memory-gib", "80"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert {"params", "grads", "optimizer_state", "temporaries", "rollout",
+          "total", "fits"} <= set(report)
+  assert report["fits"] is True and report["num_params"] == 494_032_768
