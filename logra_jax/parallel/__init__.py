@@ -1,5 +1,7 @@
 """Device mesh, the partition table and sharded placement of a run."""
 
+from logra_jax.parallel.distributed import global_array
+from logra_jax.parallel.distributed import initialize
 from logra_jax.parallel.sharding import batch_sharding
 from logra_jax.parallel.sharding import data_shardings
 from logra_jax.parallel.sharding import logical_sharding

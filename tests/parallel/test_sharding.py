@@ -175,3 +175,36 @@ def test_batch_that_does_not_divide_is_rejected():
   with pytest.raises(ValueError, match="batch size 6 is not divisible by the "
                      "data axes of size 8"):
     parallel.data_shardings(_batch(rows=6), mesh)
+
+
+def test_two_processes_match_one(unsharded, tmp_path, mesh="fsdp=4,tp=2"):
+  """2 local processes x 4 CPU devices, joined by jax.distributed (gloo),
+  run the sharded LoGRA steps of the single-process test and get its result."""
+  import os
+  import pathlib
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  here = pathlib.Path(__file__).parent
+  env = dict(os.environ, PYTHONPATH=f"{here}{os.pathsep}"
+             + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)   # each process has its own 4 devices
+  out = tmp_path / "params.npz"
+  procs = [subprocess.Popen(
+      [sys.executable, str(here / "multiprocess_worker.py"), str(i),
+       str(port), str(out), mesh], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+  result = np.load(out)
+  ref_params, _, ref_metrics = unsharded
+  for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
+    got = result[jax.tree_util.keystr(path)]
+    ref = np.asarray(ref)
+    assert np.linalg.norm(got - ref) <= 1e-4 * np.linalg.norm(ref)
+  np.testing.assert_allclose(float(result["loss"]), float(ref_metrics["loss"]),
+                             rtol=1e-4)
