@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.models.decoder import activation_sharding
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.decoder import init_cache
+from logra_jax.models.decoder import logical_to_mesh
 from logra_jax.models.decoder import project_logits
 from logra_jax.models.decoder import split_model
 from logra_jax.models.logprobs import completion_logits_scale
@@ -175,6 +177,11 @@ class Sampler:
       default `config.max_position_embeddings`.
     bucket_size: prompts are left-padded to the next multiple of this.
     pad_id: filler for prompts and for completion slots after a stop.
+    mesh: optional device mesh; with `rules` (logical axis -> mesh axes,
+      e.g. `logra_jax.parallel.PARTITION_RULES`) the program is jitted with
+      explicit shardings: weights by their logical axes, prompts, outputs
+      and activations split along the batch (which the data axes divide).
+    rules: the partition rules that go with `mesh`.
 
   Attributes:
     num_traces: how many times a sampling program was traced (compiled);
@@ -192,10 +199,20 @@ class Sampler:
   """
 
   def __init__(self, model: Decoder, *, max_length: int | None = None,
-               bucket_size: int = 16, pad_id: int = 0):
+               bucket_size: int = 16, pad_id: int = 0,
+               mesh: jax.sharding.Mesh | None = None,
+               rules: dict[str, Any] | None = None):
     if bucket_size < 1:
       raise ValueError(f"bucket_size must be >= 1, got {bucket_size}.")
-    self.graphdef, _ = split_model(model)
+    if (mesh is None) != (rules is None):
+      raise ValueError("give both mesh and rules (e.g. "
+                       "logra_jax.parallel.PARTITION_RULES), or neither.")
+    self.mesh, self.rules = mesh, rules
+    self.graphdef, params = split_model(model)
+    self._params_sharding = None if mesh is None else jax.tree.map(
+        lambda v: v.replace(logical_to_mesh(
+            v.get_metadata()["out_sharding"], mesh, rules)),
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     self.config = model.config
     self.max_length = max_length or self.config.max_position_embeddings
     self.bucket_size = bucket_size
@@ -270,11 +287,30 @@ class Sampler:
     static = dataclasses.replace(settings, stop_ids=())
     compile_key = (B, P, n_stop, static)
     if compile_key not in self._compiled:
-      self._compiled[compile_key] = jax.jit(
-          lambda *args: self._generate(*args, static))
+      self._compiled[compile_key] = self._jit(static)
     return self._compiled[compile_key](
         params, jnp.asarray(prompt_ids_BxP, jnp.int32),
         jnp.asarray(prompt_mask_BxP, bool), jnp.asarray(stop_ids), key)
+
+  def _jit(self, settings: SamplingParams) -> Callable[..., SampleOutput]:
+    """The sampling program; under a mesh, with explicit shardings: params
+    by the partition rules, prompts and outputs split along the batch."""
+    if self.mesh is None:
+      return jax.jit(lambda *args: self._generate(*args, settings))
+    rows = lambda ndim: logical_to_mesh(("batch",) + (None,) * (ndim - 1),
+                                        self.mesh, self.rules)
+    replicated = logical_to_mesh((), self.mesh, self.rules)
+
+    def generate(*args):
+      with activation_sharding(self.mesh, self.rules):
+        return self._generate(*args, settings)
+
+    outputs = SampleOutput(*(rows(2) for _ in range(4)), lengths=rows(1),
+                           logprobs=rows(2))
+    return jax.jit(generate,
+                   in_shardings=(self._params_sharding, rows(2), rows(2),
+                                 replicated, replicated),
+                   out_shardings=outputs)
 
   def _generate(self, params: nnx.State, prompt_ids_BxP: jax.Array,
                 prompt_mask_BxP: jax.Array, stop_ids: jax.Array,

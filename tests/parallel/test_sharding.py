@@ -137,10 +137,14 @@ def test_sampler_runs_sharded():
   prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]] * 2
   kwargs = dict(max_new_tokens=5, temperature=0.0, stop_ids=())
   expected = sampler.sample(params, prompts, jax.random.key(0), **kwargs)
+  sharded_sampler = models.Sampler(model, max_length=24, mesh=mesh,
+                                   rules=parallel.PARTITION_RULES)
   sharded = jax.device_put(params, parallel.param_shardings(params, mesh))
-  out = sampler.sample(sharded, prompts, jax.random.key(0), **kwargs)
+  out = sharded_sampler.sample(sharded, prompts, jax.random.key(0), **kwargs)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-5)
+  assert out.tokens.sharding.spec == jax.sharding.PartitionSpec(
+      ("dp", "fsdp"), None)
 
 
 def test_mesh_size_must_match_devices():
