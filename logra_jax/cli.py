@@ -15,7 +15,9 @@ def _train(args: argparse.Namespace) -> int:
   config = train_config.apply_overrides(
       train_config.get_preset(args.preset), args.set)
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-  trainer.train(config, out, progress=not args.no_progress)
+  from logra_jax import parallel
+  mesh = parallel.MeshConfig.parse(args.mesh) if args.mesh else None
+  trainer.train(config, out, progress=not args.no_progress, mesh=mesh)
   print(f"outputs in {out}")
   return 0
 
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
   train.add_argument("--no-progress", action="store_true",
                      help="no progress bar")
+  train.add_argument("--mesh", default="",
+                     help="shard over a device mesh, e.g. fsdp=8 or "
+                          "dp=2,fsdp=4 (sizes multiply to the device count)")
   train.set_defaults(run=_train)
   evaluate = commands.add_parser("eval", parents=[common],
                                  help="held-out accuracy of a policy folder")

@@ -180,7 +180,8 @@ class Sampler:
     mesh: optional device mesh; with `rules` (logical axis -> mesh axes,
       e.g. `logra_jax.parallel.PARTITION_RULES`) the program is jitted with
       explicit shardings: weights by their logical axes, prompts, outputs
-      and activations split along the batch (which the data axes divide).
+      and activations split along the batch (`sample` pads the batch to a
+      multiple of the data axes with copies of its first prompt).
     rules: the partition rules that go with `mesh`.
 
   Attributes:
@@ -257,8 +258,16 @@ class Sampler:
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("Every prompt needs at least one token.")
     length = self.bucket_length(max(len(p) for p in prompts), max_new_tokens)
+    rows = len(prompts)
+    if self.mesh is not None:   # the data axes must divide the batch
+      axes = self.rules.get("batch") or ()
+      multiple = int(np.prod([self.mesh.shape[a] for a in (
+          (axes,) if isinstance(axes, str) else axes)]))
+      prompts = list(prompts) + [prompts[0]] * (-rows % multiple)
     ids, mask = pad_prompts(prompts, length, self.pad_id)
-    return self.sample_padded(params, ids, mask, key, settings)
+    out = self.sample_padded(params, ids, mask, key, settings)
+    return out if len(prompts) == rows else jax.tree.map(
+        lambda x: x[:rows], out)
 
   def sample_padded(self, params: nnx.State, prompt_ids_BxP: Any,
                     prompt_mask_BxP: Any, key: jax.Array,

@@ -16,6 +16,7 @@ import tqdm
 
 import logra_jax as logra
 from logra_jax import models
+from logra_jax import parallel
 from logra_jax.configs.train import TrainConfig, to_dict
 from logra_jax.data import tasks as tasks_lib
 from logra_jax.data.batching import decode_completions
@@ -67,13 +68,20 @@ class Policy:
   folder: pathlib.Path
 
   @classmethod
-  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32) -> "Policy":
+  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32,
+           mesh: jax.sharding.Mesh | None = None) -> "Policy":
+    """Loads an HF folder; under ``mesh``, the weights are placed by the
+    partition rules and the sampler is compiled for the mesh."""
     folder = pathlib.Path(folder)
     model = models.load_pretrained(folder, dtype=dtype)
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
+    rules = None if mesh is None else parallel.PARTITION_RULES
+    if mesh is not None:
+      params = jax.device_put(params, parallel.param_shardings(params, mesh))
     return cls(graphdef, params, tokenizer,
-               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0),
+               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0,
+                              mesh=mesh, rules=rules),
                folder)
 
   def encode(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -145,7 +153,8 @@ def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
 
 
 def train(config: TrainConfig, out_dir: str | pathlib.Path,
-          progress: bool = True, log: Log = print) -> dict[str, Any]:
+          progress: bool = True, log: Log = print,
+          mesh: parallel.MeshConfig | None = None) -> dict[str, Any]:
   """Runs RL as configured; writes metrics, a plot and ``summary.json``.
 
   Args:
@@ -155,6 +164,10 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
       installed, TensorBoard events under ``tensorboard/``.
     progress: show a progress bar.
     log: where text lines go.
+    mesh: optional device mesh (its size must equal the number of devices):
+      weights, optimizer state, rollouts and activations are sharded by
+      ``parallel.PARTITION_RULES``. The layout does not change the results
+      beyond float rounding, so it is not part of ``config``.
 
   Returns:
     The summary: held-out accuracy before and after, optimizer-state bytes
@@ -167,15 +180,42 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   task = load_task(config)
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
+  device_mesh = None
+  if mesh is not None:
+    device_mesh = parallel.make_mesh(mesh)
+    rows = config.rollout.prompts_per_step * config.rollout.num_generations
+    if rows % (mesh.dp * mesh.fsdp):
+      raise ValueError(
+          f"the rollout batch of {rows} completions is not divisible by the "
+          f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})")
   folder = policy_folder(config, train_examples, log)
-  policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype))
+  policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype),
+                       mesh=device_mesh)
   rewards = task_rewards(task)
   max_new = config.rollout.max_new_tokens
 
   params = policy.params
   tx = learner_lib.make_optimizer(config.optimizer, params)
   opt_state = tx.init(params)
-  train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
+  place_batch = lambda batch: batch
+  if device_mesh is None:
+    train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
+  else:
+    params_sharding = parallel.param_shardings(params, device_mesh)
+    state_sharding = parallel.optimizer_state_shardings(
+        tx, params, params_sharding, device_mesh)
+    opt_state = jax.device_put(opt_state, state_sharding)
+    row = lambda ndim: parallel.batch_sharding(device_mesh, ndim)
+    batch_sharding = algo.RolloutBatch(
+        prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
+        completion_tokens_BxT=row(2), completion_mask_BxT=row(2),
+        old_logp_BxT=row(2), advantages_B=row(1),
+        num_generations=config.rollout.num_generations)
+    place_batch = lambda batch: jax.device_put(batch, batch_sharding)
+    train_step = learner_lib.make_train_step(
+        policy.graphdef, tx, config,
+        shardings=(params_sharding, state_sharding, batch_sharding),
+        activation_rules=parallel.PARTITION_RULES)
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
@@ -203,6 +243,7 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
         key, rollout_key = jax.random.split(key)
         batch, metrics = rollout(policy, params, next(batches), config,
                                  rewards, rollout_key)
+        batch = place_batch(batch)
         rollout_seconds = time.perf_counter() - step_start
         for _ in range(config.num_iterations):
           params, opt_state, step_metrics = train_step(params, opt_state,

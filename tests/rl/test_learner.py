@@ -11,6 +11,7 @@ import pytest
 
 from logra_jax import configs
 from logra_jax import models
+from logra_jax import parallel
 from logra_jax.cli import main as cli_main
 from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
@@ -133,6 +134,23 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   assert (tmp_path / "curves.png").stat().st_size > 0
   assert {"reward/total", "kl/realized", "loss"} <= set(json.loads(lines[0]))
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
+  """`logra train --mesh`: the same run on a 4x2 mesh of CPU devices."""
+  config = train_config.apply_overrides(
+      SMOKE, [f"policy.path={policy_folder}", "steps=2"])
+  runs = {}
+  for name, mesh in (("one", None), ("mesh", parallel.MeshConfig(dp=2,
+                                                                  fsdp=4))):
+    trainer.train(config, tmp_path / name, progress=False, log=lambda s: None,
+                  mesh=mesh)
+    runs[name] = [json.loads(line) for line in
+                  (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+  for one, sharded in zip(runs["one"], runs["mesh"]):
+    assert one["reward/total"] == sharded["reward/total"]
+    np.testing.assert_allclose(sharded["loss"], one["loss"], rtol=1e-4,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides,match", [
