@@ -170,7 +170,7 @@ def main() -> None:
       f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
       f"full remat, LoGRA rank {args.rank}, float32 master weights; rollout: "
       f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
-      f"<= {args.device_memory_gib:g} GB device", "",
+      f"<= {args.device_memory_gib:g} GiB per device", "",
       "| model | params | Adam: state / grads / temps / train step | "
       "LoGRA: state / grads / temps / train step | LoGRA vs Adam (train step) "
       "| + rollout: Adam | + rollout: LoGRA |",
