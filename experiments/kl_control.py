@@ -55,13 +55,10 @@ def run_arm(config, folder: pathlib.Path, rerun: bool
             ) -> tuple[list[dict], dict]:
   """Trains (or reuses a finished run); returns per-step metrics and the
   summary."""
-  done = (folder / "summary.json").exists() and json.loads(
-      (folder / "config.json").read_text()) == train_config.to_dict(config)
-  if rerun or not done:
-    trainer.train(config, folder, progress=False, log=lambda s: None)
+  summary = trainer.train_or_reuse(config, folder, rerun)
   history = [json.loads(line) for line in
              (folder / "metrics.jsonl").read_text().splitlines()]
-  return history, json.loads((folder / "summary.json").read_text())
+  return history, summary
 
 
 def kl_statistics(history: list[dict], target_kl: float | None) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import pathlib
 import statistics
 
@@ -39,12 +38,8 @@ def main() -> None:
       config = train_config.apply_overrides(
           train_config.get_preset(args.preset),
           args.set + [f"optimizer.name={name}", f"seed={seed}"])
-      folder = out / f"{name}-seed{seed}"
-      done = (folder / "summary.json").exists() and json.loads(
-          (folder / "config.json").read_text()) == train_config.to_dict(config)
-      if args.rerun or not done:
-        trainer.train(config, folder, progress=False, log=lambda s: None)
-      summary = json.loads((folder / "summary.json").read_text())
+      summary = trainer.train_or_reuse(config, out / f"{name}-seed{seed}",
+                                       args.rerun)
       rows.append({"optimizer": name, "seed": seed, **{
           k: summary[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
                                   "optimizer_state_bytes",

@@ -300,6 +300,18 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   return summary
 
 
+def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
+                   rerun: bool = False) -> dict[str, Any]:
+  """:func:`train` quietly, unless ``out_dir`` already holds a finished run
+  of the same config; returns its summary. For studies that resume."""
+  out = pathlib.Path(out_dir)
+  done = (out / "summary.json").exists() and json.loads(
+      (out / "config.json").read_text()) == to_dict(config)
+  if rerun or not done:
+    return train(config, out, progress=False, log=lambda s: None)
+  return json.loads((out / "summary.json").read_text())
+
+
 def _tensorboard_writer(folder: pathlib.Path):
   """A TensorBoard event writer if ``tensorboardX`` is installed, else None."""
   try:
