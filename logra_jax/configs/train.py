@@ -204,6 +204,39 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When a run saves its whole state under ``<out>/checkpoints``, and what
+  is kept.
+
+  A checkpoint is also written after the last step and when the run is
+  stopped by SIGTERM/SIGINT; with ``keep_best``, after every held-out
+  evaluation too, so that the best one can be kept. None of these fields
+  changes the results, so all of them may change when a run is resumed.
+
+  Attributes:
+    every_steps: save after every this many steps; 0 disables.
+    every_seconds: save when this many seconds have passed since the last
+      save; 0 disables.
+    keep: the most recent checkpoints kept (>= 1).
+    keep_best: checkpoints with the highest held-out accuracy also kept.
+    async_save: write in a background thread while training continues.
+  """
+
+  every_steps: int = 25
+  every_seconds: float = 0.0
+  keep: int = 2
+  keep_best: int = 1
+  async_save: bool = True
+
+  def __post_init__(self):
+    if self.every_steps < 0 or self.every_seconds < 0 or self.keep_best < 0:
+      raise ValueError(
+          "checkpoint.every_steps, every_seconds and keep_best must be >= 0, "
+          f"got {self.every_steps}, {self.every_seconds} and {self.keep_best}")
+    _positive("checkpoint", keep=self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """A whole RL run.
 
@@ -219,6 +252,10 @@ class TrainConfig:
     micro_batches: gradient accumulation chunks per update.
     eval_every: steps between held-out evaluations (0: only before/after).
     seed: seed of sampling and batching.
+    checkpoint: when the run's state is saved and what is kept.
+    max_consecutive_skips: consecutive steps skipped for a non-finite loss,
+      gradient, update or predicted KL after which the run stops with an
+      error.
   """
 
   task: TaskConfig = TaskConfig()
@@ -232,13 +269,16 @@ class TrainConfig:
   micro_batches: int = 1
   eval_every: int = 25
   seed: int = 0
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  max_consecutive_skips: int = 3
 
   def __post_init__(self):
     if self.advantage not in ADVANTAGE_ESTIMATORS:
       raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
                        f"{self.advantage!r}")
     _positive("train", steps=self.steps, num_iterations=self.num_iterations,
-              micro_batches=self.micro_batches)
+              micro_batches=self.micro_batches,
+              max_consecutive_skips=self.max_consecutive_skips)
     batch = self.rollout.prompts_per_step * self.rollout.num_generations
     if batch % self.micro_batches:
       raise ValueError(

@@ -9,7 +9,7 @@ applied update, all inside one ``jax.jit`` with donated params and state.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from flax import nnx
 import jax
@@ -33,7 +33,9 @@ def make_optimizer(config: OptimizerConfig,
   stacked weight is projected as one ``[L*m, n]`` matrix. Embeddings, the LM
   head and vectors stay dense (AdamW) in both. With ``config.target_kl``,
   every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
-  Adam with KL control is available as an ablation).
+  Adam with KL control is available as an ablation). The whole chain is
+  wrapped in :func:`skip_non_finite`: an update with a non-finite gradient,
+  update or predicted KL leaves params and optimizer state unchanged.
   """
   schedule = (optax.linear_schedule(0.0, config.learning_rate,
                                     config.warmup_steps)
@@ -67,8 +69,127 @@ def make_optimizer(config: OptimizerConfig,
     core = optax.chain(core, logra.scale_by_predicted_kl(
         config.target_kl, mode=config.kl_mode))
   if config.max_grad_norm:
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
-  return core
+    core = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
+  return skip_non_finite(core)
+
+
+# What `SkipNonFiniteState.reason` bits stand for, lowest bit first.
+NON_FINITE_REASONS = ("loss", "gradients", "predicted KL", "update")
+
+
+class SkipNonFiniteState(NamedTuple):
+  """State of :func:`skip_non_finite`.
+
+  Attributes:
+    count: updates seen, applied or skipped.
+    inner_state: the wrapped optimizer's state (unchanged by a skipped update).
+    skipped_steps: updates skipped so far.
+    consecutive_skips: updates skipped in a row, ending with the last one (0
+      when the last one was applied).
+    reason: what was non-finite in the last update, as bits of
+      :data:`NON_FINITE_REASONS` (1 loss, 2 gradients, 4 predicted KL,
+      8 update); 0 when it was applied.
+  """
+
+  count: jax.Array
+  inner_state: optax.OptState
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  reason: jax.Array
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """True when every element of every leaf is finite (True for no leaves)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def skip_non_finite(inner: optax.GradientTransformation
+                    ) -> optax.GradientTransformationExtraArgs:
+  """Skips any update whose inputs or outputs are not finite.
+
+  Runs ``inner`` and keeps its result only if the gradients, the resulting
+  update, the optional ``loss`` extra argument and, when a ``kl_predictor``
+  is given, the predicted KL recorded by ``logra.scale_by_predicted_kl`` are
+  all finite. Otherwise the update is zero and ``inner``'s state is the one
+  from before, so params and moments are untouched; the skip is counted in
+  :class:`SkipNonFiniteState` (read it on the host with
+  :func:`non_finite_state`). Like ``optax.apply_if_finite``, but it also
+  looks at the loss and the predicted KL and reports why.
+
+  Args:
+    inner: the optimizer to guard (any optax transformation; extra arguments
+      such as ``kl_predictor`` are passed on to it).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = skip_non_finite(optax.adam(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0])},
+    ...                            state, params)
+    >>> updates["w"].tolist(), int(state.skipped_steps)
+    ([0.0, 0.0, 0.0], 1)
+    >>> non_finite_reasons(state.reason)
+    ['gradients', 'update']
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zero = lambda: jnp.zeros([], jnp.int32)   # distinct buffers (donation)
+    return SkipNonFiniteState(count=zero(), inner_state=inner.init(params),
+                              skipped_steps=zero(), consecutive_skips=zero(),
+                              reason=zero())
+
+  def update_fn(updates, state, params=None, *, loss=None, **extra_args):
+    grads_ok = _all_finite(updates)
+    new_updates, new_inner = inner.update(updates, state.inner_state, params,
+                                          **extra_args)
+    loss_ok = jnp.asarray(True) if loss is None else _all_finite(loss)
+    kl_ok = jnp.asarray(True)
+    if extra_args.get("kl_predictor") is not None:
+      kl_state = logra.predicted_kl_state(new_inner)
+      if kl_state is not None:
+        kl_ok = jnp.isfinite(kl_state.predicted_kl)
+    update_ok = _all_finite(new_updates)
+    checks = (loss_ok, grads_ok, kl_ok, update_ok)
+    reason = sum(jnp.where(ok, 0, 1 << i).astype(jnp.int32)
+                 for i, ok in enumerate(checks))
+    ok = reason == 0
+    new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)),
+                               new_updates)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                             new_inner, state.inner_state)
+    skipped = (~ok).astype(jnp.int32)
+    return new_updates, SkipNonFiniteState(
+        count=optax.safe_increment(state.count), inner_state=new_inner,
+        skipped_steps=state.skipped_steps + skipped,
+        consecutive_skips=jnp.where(ok, 0, state.consecutive_skips + 1),
+        reason=reason)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def non_finite_state(opt_state: optax.OptState
+                     ) -> SkipNonFiniteState | None:
+  """The :func:`skip_non_finite` state inside ``opt_state``, or None."""
+  if isinstance(opt_state, SkipNonFiniteState):
+    return opt_state
+  if isinstance(opt_state, (tuple, list)):
+    for child in opt_state:
+      found = non_finite_state(child)
+      if found is not None:
+        return found
+  return None
+
+
+def non_finite_reasons(reason: int) -> list[str]:
+  """The names of the bits set in :attr:`SkipNonFiniteState.reason`."""
+  return [name for i, name in enumerate(NON_FINITE_REASONS)
+          if int(reason) >> i & 1]
 
 
 def dense_adam_state_bytes(params: Any) -> int:
