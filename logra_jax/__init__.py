@@ -11,5 +11,6 @@ from logra_jax.optim import low_rank_moments
 from logra_jax.optim import optimizer_state_bytes
 from logra_jax.optim import project
 from logra_jax.optim import unproject
+from logra_jax.sketch_grad import value_and_sketch_grad
 
 __version__ = "0.1.0"

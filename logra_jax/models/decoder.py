@@ -23,6 +23,7 @@ import numpy as np
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.optim import DimensionNumbers
+from logra_jax.sketch_grad import matmul
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -272,7 +273,7 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
   H, K, h = c.num_heads, c.num_kv_heads, c.head_dim
 
   def dense(x, name):
-    return jnp.dot(x, w[name].astype(dt))
+    return matmul(x, w[name], dt)
 
   hn_BxTxD = _rms_norm(x_BxTxD, w["attn_norm"], c.rms_norm_eps)
   q = dense(hn_BxTxD, "q_proj")

@@ -90,6 +90,24 @@ def _is_sketched(x) -> bool:
   return isinstance(x, Sketched)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ProjectionSpec:
+  """Static part of a ``project`` state: its settings and the leaf plans.
+
+  A pytree node without children, so it adds no arrays to the state; it lets
+  code that holds only the optimizer state (:mod:`logra_jax.sketch_grad`)
+  know how every parameter is projected.
+  """
+
+  config: ProjectionConfig
+  treedef: Any
+  plans: tuple[LeafPlan, ...]
+
+  def plan_tree(self) -> Any:
+    return self.treedef.unflatten(self.plans)
+
+
 class ProjectState(NamedTuple):
   """State of :func:`project`.
 
@@ -98,10 +116,12 @@ class ProjectState(NamedTuple):
     projectors: per leaf, the ``[batch, long, rank]`` float32 projector of the
       current window, or None (dense leaves, and ``kind='random'``, whose
       projectors are regenerated from the seed instead of stored).
+    spec: the static :class:`ProjectionSpec` (no arrays).
   """
 
   count: jax.Array
   projectors: Any
+  spec: ProjectionSpec
 
 
 class LowRankMomentsState(NamedTuple):
@@ -199,7 +219,7 @@ def project(
     dimension_numbers: Optional[SpecTree] = None,
     mask: Any = None,
     moment_policy: str = "transfer",
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Projects gradients of matrix weights onto a rank-``r`` subspace.
 
   For a weight viewed as ``G`` (``m x n``, ``m >= n``; the wide case is the
@@ -222,6 +242,13 @@ def project(
   ``mask`` or ``dimension_numbers`` exclude) pass through as dense float32
   gradients.
 
+  Sketch-direct mode: when the gradients were sketched during
+  differentiation (:func:`logra_jax.sketch_grad.value_and_sketch_grad`), the
+  projected leaves of ``updates`` already hold ``S`` (``[batch, rank,
+  short]``) and the extra argument ``projectors`` gives this step's ``P`` per
+  leaf; the stage then only records them (and the basis change for the
+  moments), so no full gradient is ever needed.
+
   Args:
     rank: projection rank ``r``; clipped to the shorter side of each matrix.
     kind: ``"range"``, ``"random"`` or ``"svd"``.
@@ -238,7 +265,8 @@ def project(
       ``"keep"`` (GaLore) or ``"reset"`` (zero them).
 
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformationExtraArgs`` (extra argument:
+    ``projectors``, only in sketch-direct mode).
 
   Example:
     >>> import jax.numpy as jnp, optax, logra_jax as logra
@@ -273,79 +301,136 @@ def project(
         return None
       return jnp.zeros(plan.projector_shape, jnp.float32)
 
+    flat_plans, treedef = jax.tree.flatten(
+        plans, is_leaf=lambda x: isinstance(x, LeafPlan))
     return ProjectState(count=jnp.zeros([], jnp.int32),
-                        projectors=jax.tree.map(init_projector, plans))
+                        projectors=jax.tree.map(init_projector, plans),
+                        spec=ProjectionSpec(config, treedef, tuple(flat_plans)))
 
-  def update_fn(updates, state, params=None):
-    # Plans come from the params when given, so that updates are cast back to
-    # the parameters' dtype even if gradients arrive in another one.
-    plans = plan_leaves(updates if params is None else params, int(rank),
-                        dimension_numbers, mask)
+  def update_fn(updates, state, params=None, *, projectors=None,
+                **extra_args):
+    del params, extra_args
+    _check_spec(state.spec, config, int(rank))
     window = state.count // config.refresh_every
     refresh = state.count % config.refresh_every == 0
-    flat_updates, treedef = jax.tree.flatten(updates)
-    flat_plans = treedef.flatten_up_to(plans)
-    flat_projectors = treedef.flatten_up_to(state.projectors)
-    sketches, projectors = [], []
-    for g, plan, p_old in zip(flat_updates, flat_plans, flat_projectors):
+    flat_updates = _flatten_like(state.spec, updates, "updates")
+    flat_given = (None if projectors is None
+                  else _flatten_like(state.spec, projectors, "projectors"))
+    flat_projectors = state.spec.treedef.flatten_up_to(state.projectors)
+    sketches, new_projectors = [], []
+    for i, (g, plan, p_old) in enumerate(
+        zip(flat_updates, state.spec.plans, flat_projectors)):
       if not plan.projected:
+        _check_shape(g, plan.shape, plan, "gradient")
         sketches.append(Sketched(g.astype(jnp.float32), plan=plan,
                                  config=config))
-        projectors.append(None)
+        new_projectors.append(None)
         continue
-      p_new, change = _refresh_projector(g, p_old, plan, config, window,
-                                         refresh)
-      s_BxRxS = plan.sketch(p_new, g)
+      if flat_given is None:
+        _check_shape(g, plan.shape, plan, "gradient")
+        p_new = _new_projector(g, p_old, plan, config, window, refresh)
+        s_BxRxS = plan.sketch(p_new, g)
+      else:
+        _check_shape(g, plan.sketch_shape, plan, "sketched gradient")
+        p_new = flat_given[i]
+        _check_shape(p_new, plan.projector_shape, plan, "projector")
+        s_BxRxS = g.astype(jnp.float32)
+      change = _basis_change(p_new, p_old, plan, config, window, refresh)
       sketches.append(Sketched(s_BxRxS, p_new, change, refresh, plan=plan,
                                config=config))
-      projectors.append(None if kind == "random" else p_new)
+      new_projectors.append(None if kind == "random" else p_new)
     new_state = ProjectState(
         count=optax.safe_increment(state.count),
-        projectors=treedef.unflatten(projectors))
-    return treedef.unflatten(sketches), new_state
+        projectors=state.spec.treedef.unflatten(new_projectors),
+        spec=state.spec)
+    return state.spec.treedef.unflatten(sketches), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _refresh_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
-                       window, refresh):
-  """Returns this step's projector and, for moment transfer, ``P_new^T P_old``.
+def _check_spec(spec: ProjectionSpec, config: ProjectionConfig,
+                rank: int) -> None:
+  """Refuses a state made by a ``project`` stage with other settings."""
+  if spec.config != config:
+    raise ValueError(
+        "this optimizer state was initialized by a project stage with "
+        f"{spec.config}, but is updated by one with {config}; re-initialize "
+        "the state (tx.init) for the new settings")
+  for plan in spec.plans:
+    if plan.projected and plan.rank != min(rank, plan.m, plan.n):
+      raise ValueError(
+          f"this optimizer state projects parameter {plan.path!r} at rank "
+          f"{plan.rank}, but the project stage has rank={rank}; the state "
+          "comes from another configuration")
+
+
+def _flatten_like(spec: ProjectionSpec, tree: Any, name: str) -> list:
+  """Flattens ``tree`` to the leaves of the parameters the state knows."""
+  try:
+    return spec.treedef.flatten_up_to(tree)
+  except (ValueError, TypeError):
+    known = [plan.path for plan in spec.plans]
+    got = [jax.tree_util.keystr(k) for k, _ in
+           jax.tree_util.tree_flatten_with_path(tree)[0]]
+    raise ValueError(
+        f"{name} do not match the parameters this optimizer state was "
+        f"initialized with: unknown leaves {sorted(set(got) - set(known))[:5]}, "
+        f"missing leaves {sorted(set(known) - set(got))[:5]}") from None
+
+
+def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
+  if x is None or tuple(jnp.shape(x)) != tuple(shape):
+    got = None if x is None else tuple(jnp.shape(x))
+    raise ValueError(
+        f"{what} for parameter {plan.path!r} has shape {got}, expected "
+        f"{tuple(shape)}" + (
+            "; sketched gradients need the projectors= argument from "
+            "logra.value_and_sketch_grad" if what == "gradient"
+            and plan.projected and got == plan.sketch_shape else ""))
+
+
+def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
+                   window, refresh):
+  """This step's projector of a leaf from its full gradient ``g``.
 
   Refresh runs under ``lax.cond`` so that non-refresh steps pay nothing for it.
   """
-  transfer = config.moment_policy == "transfer"
-  eye = jnp.broadcast_to(jnp.eye(plan.rank, dtype=jnp.float32),
-                         (plan.batch, plan.rank, plan.rank))
-
-  def basis_change(p_new, p_prev):
-    return jnp.swapaxes(p_new, 1, 2) @ p_prev if transfer else None
-
   if config.kind == "random":
-    def regenerate(w):
-      key = proj_lib.window_key(config.seed, plan.index, w)
-      return proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
-    p_new = regenerate(window)
-    if not transfer:
-      return p_new, None
-    change = jax.lax.cond(
-        refresh & (window > 0),
-        lambda: basis_change(p_new, regenerate(jnp.maximum(window - 1, 0))),
-        lambda: eye)
-    return p_new, change
+    return random_window_projector(plan, config, window)
 
   def recompute():
     if config.kind == "svd":
-      p_new = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-    else:
-      key = proj_lib.window_key(config.seed, plan.index, window)
-      p_new = proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
-                                       config.oversample, config.power_iters)
-    return p_new, basis_change(p_new, p_old)
+      return proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+    key = proj_lib.window_key(config.seed, plan.index, window)
+    return proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
+                                    config.oversample, config.power_iters)
 
-  def keep():
-    return p_old, eye if transfer else None
+  return jax.lax.cond(refresh, recompute, lambda: p_old)
 
-  return jax.lax.cond(refresh, recompute, keep)
+
+def random_window_projector(plan: LeafPlan, config: ProjectionConfig,
+                            window) -> jax.Array:
+  """The ``kind='random'`` projector of a leaf for one refresh window."""
+  key = proj_lib.window_key(config.seed, plan.index, window)
+  return proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
+
+
+def _basis_change(p_new, p_old, plan: LeafPlan, config: ProjectionConfig,
+                  window, refresh):
+  """``C = P_new^T P_old`` on refresh steps (identity otherwise), for moment
+  transfer; None unless ``moment_policy='transfer'``."""
+  if config.moment_policy != "transfer":
+    return None
+  eye = jnp.broadcast_to(jnp.eye(plan.rank, dtype=jnp.float32),
+                         (plan.batch, plan.rank, plan.rank))
+  if config.kind == "random":
+    def changed():
+      p_prev = random_window_projector(plan, config,
+                                       jnp.maximum(window - 1, 0))
+      return jnp.swapaxes(p_new, 1, 2) @ p_prev
+    return jax.lax.cond(refresh & (window > 0), changed, lambda: eye)
+  return jax.lax.cond(refresh, lambda: jnp.swapaxes(p_new, 1, 2) @ p_old,
+                      lambda: eye)
 
 
 def low_rank_moments(
@@ -632,10 +717,8 @@ def factored_updates(opt_state: optax.OptState) -> Any:
       return None
     plan, config = factor.plan, factor.config
     if config.kind == "random":
-      key = proj_lib.window_key(config.seed, plan.index,
-                                last_window // config.refresh_every)
-      projector = proj_lib.random_projector(key, plan.batch, plan.long,
-                                            plan.rank)
+      projector = random_window_projector(
+          plan, config, last_window // config.refresh_every)
     return FactoredUpdate(projector, factor.coefficients, plan)
 
   is_leaf = lambda x: x is None or isinstance(x, LowRankFactor)

@@ -1,0 +1,498 @@
+r"""Sketch-direct gradients: LoGRA's sketch ``P^T G`` without a full gradient.
+
+For a projected weight ``W`` (``m x n``, rows = input dimension) with this
+step's projector ``P`` (``m x r`` when ``m >= n``), the loss is differentiated
+with respect to zero coordinates ``Z`` of a low-rank perturbation instead of
+``W`` itself:
+
+.. math::
+  W_{\mathrm{eff}} = \mathrm{sg}(W) + P Z,\quad Z = 0
+  \;\Longrightarrow\;
+  \frac{\partial L}{\partial Z} = P^\top G .
+
+A linear layer applies it as ``x sg(W) + (x P) Z`` (:func:`matmul`), so the
+backward pass computes ``(x P)^T dY`` directly: no ``m x n`` gradient exists,
+not even for one layer, and micro-batch sums and data-parallel reductions act
+on ``r x n`` sketches. Wide weights use ``W + Z P^T`` (``Z`` is ``m x r``).
+
+The projector refresh needs no full gradient either: the randomized range
+finder only multiplies the gradient by thin matrices, ``G Omega`` (the same
+trick with ``W + Z Omega^T``) and ``Q^T G``, so a refresh step runs
+``2 (power_iters + 1)`` backward passes instead of one (``kind="range"``);
+``kind="random"`` needs nothing. ``kind="svd"`` needs the singular vectors of
+the full gradient, so on refresh steps it falls back to one dense gradient
+(and the compiled step's peak memory is that of the dense path).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from logra_jax.optim import projectors as proj_lib
+from logra_jax.optim import transforms
+from logra_jax.optim.dimension_numbers import LeafPlan
+
+# Paths of the projected leaves that the loss multiplied with `matmul` while
+# it was being traced by `value_and_sketch_grad` (None outside of it).
+_CONSUMED: contextvars.ContextVar = contextvars.ContextVar(
+    "logra_consumed_low_rank_deltas", default=None)
+
+
+@jax.tree_util.register_pytree_node_class
+class LowRankDelta:
+  r"""A weight plus a low-rank term in differentiable coordinates.
+
+  ``rows=True``: :math:`W + F Z` with ``factor`` ``F`` (``[..., m, k]``) and
+  ``coords`` ``Z`` (``[..., k, n]``); ``rows=False``: :math:`W + Z F^\top`
+  with ``F`` ``[..., n, k]`` and ``Z`` ``[..., m, k]``. Leading (layer) axes
+  are shared by all three arrays, so ``lax.scan`` over layers slices them
+  together. Only ``coords`` is meant to be differentiated; ``base`` is used
+  under ``stop_gradient``.
+
+  Models consume it through :func:`matmul`; any other use (``jnp`` functions,
+  arithmetic) raises a ``TypeError`` naming the parameter.
+  """
+
+  def __init__(self, base, factor, coords, *, rows: bool, path: str):
+    self.base = base
+    self.factor = factor
+    self.coords = coords
+    self.rows = rows
+    self.path = path
+
+  def tree_flatten(self):
+    return (self.base, self.factor, self.coords), (self.rows, self.path)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, rows=aux[0], path=aux[1])
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.base.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.base.ndim
+
+  @property
+  def dtype(self):
+    return self.base.dtype
+
+  def __getitem__(self, key):
+    if key is Ellipsis:   # nnx.Variable[...] hands back its value
+      return self
+    raise TypeError(self._misuse("indexing"))
+
+  def __jax_array__(self):
+    raise TypeError(self._misuse("conversion to an array"))
+
+  def _misuse(self, what: str) -> str:
+    return (f"parameter {self.path!r} is differentiated in sketch-direct "
+            f"mode and only supports logra_jax.sketch_grad.matmul(x, w), not "
+            f"{what}; multiply it with that function in the model, or use "
+            "dense gradients (gradient_mode='dense') for this model")
+
+
+def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
+           dtype: Any = None) -> jax.Array:
+  r"""``x @ w`` over the last axis of ``x``, for a weight or a :class:`LowRankDelta`.
+
+  For an array ``w`` this is ``jnp.dot(x, w.astype(dtype))``. For a
+  ``LowRankDelta`` (a 2-d slice ``[m, n]``, e.g. one layer under
+  ``lax.scan``) it is
+
+  .. math:: x\,\mathrm{sg}(W) + (x F) Z \quad\text{or}\quad
+            x\,\mathrm{sg}(W) + (x Z) F^\top,
+
+  whose gradient with respect to ``Z`` is ``F^T x^T dY`` (or ``x^T dY F``)
+  without the ``m x n`` product ``x^T dY``.
+
+  Args:
+    x: ``[..., m]`` activations.
+    w: ``[m, n]`` weight or ``LowRankDelta``.
+    dtype: compute dtype the weight (and low-rank factors) are cast to;
+      default: the weight's.
+
+  Returns:
+    ``[..., n]``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
+    (2, 4)
+  """
+  if not isinstance(w, LowRankDelta):
+    return jnp.dot(x, w if dtype is None else w.astype(dtype))
+  if w.ndim != 2:
+    raise ValueError(
+        f"matmul takes one [in, out] matrix; parameter {w.path!r} has shape "
+        f"{w.shape} (slice its layer axis first, e.g. with lax.scan)")
+  consumed = _CONSUMED.get()
+  if consumed is not None:
+    consumed.add(w.path)
+  dtype = w.dtype if dtype is None else dtype
+  cast = lambda a: a.astype(dtype)
+  y = jnp.dot(x, cast(jax.lax.stop_gradient(w.base)))
+  if w.rows:
+    return y + jnp.dot(jnp.dot(x, cast(w.factor)), cast(w.coords))
+  return y + jnp.dot(jnp.dot(x, cast(w.coords)), cast(w.factor).T)
+
+
+def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
+                       has_aux: bool = False) -> Callable:
+  """``jax.value_and_grad`` summed over a leading micro-batch axis.
+
+  The returned function takes the same arguments as ``loss_fn``; the
+  arguments after the differentiated ones carry a leading axis of ``M``
+  micro-batches. It runs ``lax.scan`` over them, so activations of only one
+  micro-batch are alive at a time, and returns the values (and aux) stacked
+  ``[M, ...]`` and the gradients summed: the gradient of the sum of the
+  micro-batch losses.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> loss = lambda w, x: jnp.sum(w * x)
+    >>> values, grad = value_and_grad_sum(loss)(2.0, jnp.arange(3.0))
+    >>> values.tolist(), float(grad)
+    ([0.0, 2.0, 4.0], 3.0)
+  """
+  argnums_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  grad_fn = jax.value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
+  n_diff = max(argnums_tuple) + 1
+
+  def summed(*args):
+    fixed, micro = args[:n_diff], args[n_diff:]
+
+    def body(grad_sum, mb):
+      value, grads = grad_fn(*fixed, *mb)
+      return jax.tree.map(jnp.add, grad_sum, grads), value
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, grads_shape = jax.eval_shape(grad_fn, *fixed, *first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads_shape)
+    grad_sum, values = jax.lax.scan(body, zeros, micro)
+    return values, grad_sum
+
+  return summed
+
+
+def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
+                          micro_batched: bool = False) -> Callable:
+  r"""Like ``jax.value_and_grad``, but returns LoGRA sketches of the gradients.
+
+  ``loss_fn(params, *args)`` must take the parameters as its first argument
+  and multiply every projected weight with :func:`matmul` (the decoder in
+  :mod:`logra_jax.models` does). The returned function
+
+  ``fn(params, opt_state, *args) -> (value, grads, projectors)``
+
+  reads this step's projectors from the ``logra.project`` state inside
+  ``opt_state`` (refreshing them on refresh steps, from thin products with
+  the gradient), and gives ``grads`` with the sketch
+  :math:`S = P^\top G` (``[batch, rank, short]``, float32) at projected
+  leaves and the ordinary gradient elsewhere, plus ``projectors`` (``P`` per
+  projected leaf, None elsewhere). Feed both to the optimizer:
+
+  ``tx.update(grads, opt_state, params, projectors=projectors)``
+
+  which then skips its own projection. The result equals projecting the dense
+  gradient (to float rounding); see the module docstring for the cost of
+  refresh steps per projector kind.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    micro_batched: if True, every array in ``args`` has a leading axis of
+      micro-batches; ``loss_fn`` sees one at a time (``lax.scan``), values and
+      aux come back stacked ``[M, ...]`` and the gradients summed.
+
+  Returns:
+    ``fn(params, opt_state, *args) -> (value, grads, projectors)``, where
+    ``value`` is ``(loss, aux)`` with ``has_aux``.
+
+  Raises:
+    ValueError: naming the leaf, if ``params`` do not match the parameters
+      the optimizer state was initialized with, if the state's projectors
+      have another rank than its plan, if a projected weight is not laid out
+      ``[*layers, in, out]``, or if ``loss_fn`` never multiplied a projected
+      weight through :func:`matmul` (e.g. it closes over the parameters
+      instead of taking them).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
+    >>> from logra_jax.sketch_grad import matmul
+    >>> params = {"w": jnp.ones((16, 8)) / 4}
+    >>> x = jax.random.normal(jax.random.key(0), (32, 16))
+    >>> loss = lambda p, x: jnp.mean(matmul(x, p["w"]) ** 2)
+    >>> tx = logra.logra(learning_rate=1e-2, rank=2)
+    >>> state = tx.init(params)
+    >>> loss_value, grads, projectors = logra.value_and_sketch_grad(loss)(
+    ...     params, state, x)
+    >>> grads["w"].shape
+    (1, 2, 8)
+    >>> updates, state = tx.update(grads, state, params, projectors=projectors)
+    >>> updates["w"].shape
+    (16, 8)
+  """
+
+  def fn(params, opt_state, *args):
+    state = _project_state(opt_state)
+    spec = state.spec
+    plans = spec.plans
+    params_flat = _check_params(spec, params)
+    old_projectors = spec.treedef.flatten_up_to(state.projectors)
+    for plan, p in zip(plans, old_projectors):
+      if plan.projected and p is not None and tuple(p.shape) != plan.projector_shape:
+        raise ValueError(
+            f"the optimizer state's projector for parameter {plan.path!r} has "
+            f"shape {tuple(p.shape)} but its plan needs "
+            f"{plan.projector_shape} (rank {plan.rank}): the state is stale, "
+            "from another rank or model; re-initialize it")
+    config = spec.config
+    window = state.count // config.refresh_every
+    refresh = state.count % config.refresh_every == 0
+    passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args)
+
+    if config.kind == "random":
+      projectors = [transforms.random_window_projector(plan, config, window)
+                    if plan.projected else None for plan in plans]
+      value, dense, sketches = passes.long(projectors)
+    elif config.kind == "svd":
+      value, dense, sketches, projectors = jax.lax.cond(
+          refresh, passes.dense_svd,
+          lambda: (*passes.long(old_projectors), old_projectors))
+    else:
+      value, dense, sketches, projectors = _range_steps(
+          passes, old_projectors, window, refresh)
+
+    grads = [s if plan.projected else d
+             for plan, s, d in zip(plans, sketches, dense)]
+    projectors = [p if plan.projected else None
+                  for plan, p in zip(plans, projectors)]
+    return (value, spec.treedef.unflatten(grads),
+            spec.treedef.unflatten(projectors))
+
+  return fn
+
+
+def project_state(opt_state) -> transforms.ProjectState | None:
+  """The state of the one ``logra.project`` stage in ``opt_state``, or None.
+
+  Raises:
+    ValueError: if there is more than one.
+  """
+  found = transforms._find_states(opt_state, transforms.ProjectState)
+  if len(found) > 1:
+    raise ValueError("sketch-direct gradients need at most one logra.project "
+                     f"stage in the optimizer state; found {len(found)}")
+  return found[0] if found else None
+
+
+def _project_state(opt_state) -> transforms.ProjectState:
+  state = project_state(opt_state)
+  if state is None:
+    raise ValueError("value_and_sketch_grad needs an optimizer state with a "
+                     "logra.project stage (e.g. from logra.logra); found none")
+  return state
+
+
+def _check_params(spec: transforms.ProjectionSpec, params) -> list:
+  """Flattens ``params`` against the state's plans; errors name the leaf."""
+  flat = transforms._flatten_like(spec, params, "params")
+  for p, plan in zip(flat, spec.plans):
+    if tuple(jnp.shape(p)) != plan.shape:
+      raise ValueError(
+          f"parameter {plan.path!r} has shape {tuple(jnp.shape(p))}, but the "
+          f"optimizer state was initialized for shape {plan.shape}")
+    ndim = len(plan.shape)
+    if plan.projected and (plan.perm != tuple(range(ndim))
+                           or plan.shape[-2:] != (plan.m, plan.n)):
+      raise ValueError(
+          f"sketch-direct gradients need projected parameter {plan.path!r} "
+          f"laid out as [*layers, in, out] with one input and one output "
+          f"axis; its dimension numbers give shape {plan.shape} -> "
+          f"{plan.batch} x {plan.m} x {plan.n}; use dense gradients for it")
+  return flat
+
+
+class _Passes:
+  """Backward passes that return thin products of every projected gradient.
+
+  In terms of the long view ``Gl`` of a gradient (``[batch, long, short]``,
+  ``G`` or ``G^T``): ``long(Q)`` returns ``Q^T Gl`` (``[batch, k, short]``,
+  the sketch when ``Q = P``) and ``short(Omega)`` returns ``Gl Omega``
+  (``[batch, long, k]``). Both also return the loss value and the ordinary
+  gradients of the dense leaves.
+  """
+
+  def __init__(self, loss_fn, has_aux, micro_batched, spec, params_flat,
+               args):
+    self.loss_fn, self.has_aux = loss_fn, has_aux
+    self.micro_batched = micro_batched
+    self.spec, self.params_flat, self.args = spec, params_flat, args
+
+  def _grad(self, fn, diff):
+    if self.micro_batched:
+      return value_and_grad_sum(fn, has_aux=self.has_aux)(diff, *self.args)
+    return jax.value_and_grad(fn, has_aux=self.has_aux)(diff, *self.args)
+
+  def _run(self, mats: list, long_side: bool):
+    plans, params_flat = self.spec.plans, self.params_flat
+    # rows=True: W + F Z (dZ = F^T G); rows=False: W + Z F^T (dZ = G F).
+    rows = [plan.left == long_side for plan in plans]
+    coords0 = []
+    for plan, mat, r in zip(plans, mats, rows):
+      if not plan.projected:
+        coords0.append(None)
+        continue
+      batch_shape, k = plan.shape[:-2], mat.shape[-1]
+      coords0.append(jnp.zeros(batch_shape + ((k, plan.n) if r
+                                              else (plan.m, k)), jnp.float32))
+    dense0 = [None if plan.projected else p
+              for plan, p in zip(plans, params_flat)]
+
+    def lifted_loss(diff, *args):
+      dense, coords = diff
+      leaves = []
+      for plan, p, d, mat, z, r in zip(plans, params_flat, dense, mats,
+                                       coords, rows):
+        if not plan.projected:
+          leaves.append(d)
+          continue
+        factor = mat.reshape(plan.shape[:-2] + mat.shape[-2:])
+        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path))
+      token = _CONSUMED.set(set())
+      try:
+        out = self.loss_fn(self.spec.treedef.unflatten(leaves), *args)
+        consumed = _CONSUMED.get()
+      finally:
+        _CONSUMED.reset(token)
+      unused = [plan.path for plan in plans
+                if plan.projected and plan.path not in consumed]
+      if unused:
+        raise ValueError(
+            f"the loss never multiplied projected parameters {unused[:5]} "
+            "through logra_jax.sketch_grad.matmul: it must take the params as "
+            "its first argument and use them (not close over another copy), "
+            "and the model must apply those weights with matmul")
+      return out
+
+    value, (dense_grads, coord_grads) = self._grad(lifted_loss,
+                                                   (dense0, coords0))
+    products = []
+    for plan, g, r in zip(plans, coord_grads, rows):
+      if not plan.projected:
+        products.append(None)
+        continue
+      g = g.reshape((plan.batch,) + g.shape[-2:])
+      # long pass: rows gives F^T G = [k, n] = Q^T Gl (left); cols gives
+      # G F = [m, k] = (Q^T Gl)^T (right). Short pass: the mirror image.
+      want_k_first = long_side
+      products.append(g if r == want_k_first else jnp.swapaxes(g, 1, 2))
+    return value, dense_grads, products
+
+  def long(self, q_BxLxK: list):
+    return self._run(q_BxLxK, long_side=True)
+
+  def short(self, omega_BxSxK: list):
+    return self._run(omega_BxSxK, long_side=False)
+
+  def dense_svd(self):
+    """Dense-gradient fallback of ``kind="svd"`` refresh steps."""
+    params = self.spec.treedef.unflatten(self.params_flat)
+    value, grads = self._grad(self.loss_fn, params)
+    grads_flat = self.spec.treedef.flatten_up_to(grads)
+    sketches, projectors = [], []
+    for plan, g in zip(self.spec.plans, grads_flat):
+      if not plan.projected:
+        sketches.append(None)
+        projectors.append(None)
+        continue
+      p = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+      sketches.append(plan.sketch(p, g))
+      projectors.append(p)
+    dense = [None if plan.projected else g
+             for plan, g in zip(self.spec.plans, grads_flat)]
+    return value, dense, sketches, projectors
+
+
+def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
+  """One step of ``kind="range"``: the sketch, and on refresh steps the new
+  projector from the randomized range finder run on thin gradient products.
+
+  All passes run in one ``lax.while_loop`` whose body picks a long or short
+  pass with ``lax.cond``, so the program holds two copies of the backward
+  pass whatever ``power_iters`` is. Non-refresh steps run one long pass with
+  the stored projector (padded to the range finder's width). Refresh steps
+  run the range finder of :func:`projectors.range_projector` exactly:
+  ``Q = qr(Gl Omega)``, then per power iteration ``Z = qr(Gl^T Q)``,
+  ``Q = qr(Gl Z)``, and a last ``Q^T Gl`` that gives both the rotation to the
+  top singular directions and the sketch.
+  """
+  spec = passes.spec
+  config = spec.config
+  plans = spec.plans
+  widths = [min(plan.rank + config.oversample, plan.short)
+            if plan.projected else 0 for plan in plans]
+  qr = lambda y: jnp.linalg.qr(y)[0]
+
+  def first_omega(plan: LeafPlan, k):
+    key = proj_lib.window_key(config.seed, plan.index, window)
+    return jax.random.normal(key, (plan.batch, plan.short, k), jnp.float32)
+
+  q0 = [jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank))) if plan.projected
+        else None for plan, p, k in zip(plans, old_projectors, widths)]
+  small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
+            if plan.projected else None for plan, k in zip(plans, widths)]
+  value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
+  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    tree)
+  n_passes = jnp.where(refresh, 2 * (config.power_iters + 1), 1)
+
+  def body(carry):
+    i, q, small, _, _ = carry
+
+    def short_pass():
+      omegas = [None if not plan.projected else jax.lax.cond(
+          i == 0, lambda plan=plan, k=k: first_omega(plan, k),
+          lambda s=s: qr(jnp.swapaxes(s, 1, 2)))
+                for plan, k, s in zip(plans, widths, small)]
+      value, dense, products = passes.short(omegas)
+      return value, dense, [None if y is None else qr(y) for y in products], small
+
+    def long_pass():
+      value, dense, products = passes.long(q)
+      return value, dense, q, products
+
+    value, dense, q, small = jax.lax.cond(refresh & (i % 2 == 0), short_pass,
+                                          long_pass)
+    return i + 1, q, small, value, dense
+
+  _, q, small, value, dense = jax.lax.while_loop(
+      lambda carry: carry[0] < n_passes, body,
+      (jnp.zeros([], jnp.int32), q0, small0, zeros(value_shape),
+       zeros(dense_shape)))
+
+  def finish(plan, q_BxLxK, small_BxKxS):
+    if not plan.projected:
+      return None, None
+
+    def rotate():
+      u_BxKxK, _, _ = jnp.linalg.svd(small_BxKxS, full_matrices=False)
+      u_BxKxR = u_BxKxK[:, :, :plan.rank]
+      return q_BxLxK @ u_BxKxR, jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS
+
+    def keep():
+      return q_BxLxK[:, :, :plan.rank], small_BxKxS[:, :plan.rank]
+
+    return jax.lax.cond(refresh, rotate, keep)
+
+  finished = [finish(plan, qi, si) for plan, qi, si in zip(plans, q, small)]
+  projectors = [p for p, _ in finished]
+  sketches = [s for _, s in finished]
+  return value, dense, sketches, projectors
