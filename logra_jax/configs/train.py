@@ -18,6 +18,7 @@ from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 from logra_jax.optim.kl_control import KL_MODES
 
 OPTIMIZERS = ("logra", "adam", "galore")
+GRADIENT_MODES = ("sketch", "dense")
 
 
 def _positive(section: str, **values: float) -> None:
@@ -168,6 +169,11 @@ class OptimizerConfig:
     kl_mode: ``"clamp"`` (only shrink steps) or ``"target"``.
     kl_subsample: sequences of the batch the KL is predicted on; None uses
       all.
+    gradient_mode: how logra gets its gradient sketches: ``"sketch"``
+      (default: differentiated directly in the low-rank coordinates, no full
+      gradient is ever held, see :mod:`logra_jax.sketch_grad`) or
+      ``"dense"`` (full gradient, then projected). Other optimizers always
+      take dense gradients.
   """
 
   name: str = "logra"
@@ -184,6 +190,7 @@ class OptimizerConfig:
   target_kl: Optional[float] = None
   kl_mode: str = "clamp"
   kl_subsample: Optional[int] = None
+  gradient_mode: str = "sketch"
 
   def __post_init__(self):
     if self.name not in OPTIMIZERS:
@@ -201,6 +208,9 @@ class OptimizerConfig:
                        f"{self.kl_mode!r}")
     if self.kl_subsample is not None:
       _positive("optimizer", kl_subsample=self.kl_subsample)
+    if self.gradient_mode not in GRADIENT_MODES:
+      raise ValueError(f"optimizer.gradient_mode must be one of "
+                       f"{GRADIENT_MODES}, got {self.gradient_mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)

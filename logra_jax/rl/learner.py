@@ -19,6 +19,7 @@ import optax.contrib
 
 import logra_jax as logra
 from logra_jax import models
+from logra_jax import sketch_grad
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
 from logra_jax.rl import algo
@@ -210,7 +211,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   The loss is accumulated over ``config.micro_batches`` chunks with
   ``lax.scan`` as (numerator, denominator) pairs, so the gradient equals the
-  full-batch gradient for every aggregation. Metrics include the gradient
+  full-batch gradient for every aggregation. When ``tx`` has a
+  ``logra.project`` stage and ``gradient_mode="sketch"``, the gradients are
+  differentiated directly as low-rank sketches (:func:`logra.value_and_sketch_grad`): micro-batches sum
+  sketches, no full gradient of a projected weight exists, and
+  ``grad_norm`` (and the global-norm clip) measure the sketched gradient
+  ``P^T G``, whose norm is at most that of ``G``. The loss is also handed to
+  the optimizer (extra argument ``loss``) for the non-finite guard of
+  :func:`make_optimizer`. Metrics include the gradient
   norm, the entropy of the policy and ``kl/realized``: the mean over the
   batch's tokens of ``log pi_old - log pi_new`` between the params before and
   after this update. With ``config.optimizer.target_kl``, a KL predictor is
@@ -228,6 +236,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
+  sketch_mode = config.optimizer.gradient_mode == "sketch"
 
   def logprobs(params, batch, with_entropy=False):
     return models.token_logprobs(
@@ -260,23 +269,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def train_step(params, opt_state, batch: algo.RolloutBatch):
     micro = batch.micro_batches(config.micro_batches)
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def body(carry, mb):
-      (num, (den, metrics, logp)), grads = grad_fn(params, mb)
-      carry = jax.tree.map(jnp.add, carry, (grads, num, den, metrics))
-      return carry, logp
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    (_, (_, metrics_shape, _)), _ = jax.eval_shape(grad_fn, params, first)
-    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                      tree)
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros([], jnp.float32),
-            jnp.zeros([], jnp.float32), zeros(metrics_shape))
-    (grad_sum, num, den, metrics), logp_before = jax.lax.scan(body, init, micro)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
     extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    if sketch_mode and sketch_grad.project_state(opt_state) is not None:
+      (nums, (dens, metrics, logp_before)), grad_sum, projectors = (
+          sketch_grad.value_and_sketch_grad(
+              micro_loss, has_aux=True, micro_batched=True)(
+                  params, opt_state, micro))
+      extra["projectors"] = projectors
+    else:
+      (nums, (dens, metrics, logp_before)), grad_sum = (
+          sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(
+              params, micro))
+    num, den = nums.sum(), dens.sum()
+    metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
+    updates, opt_state = tx.update(grads, opt_state, params,
+                                   loss=algo.finalize(num, den), **extra)
     new_params = optax.apply_updates(params, updates)
 
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)

@@ -89,6 +89,32 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   assert float(metrics["kl/realized_k3"]) > 0
 
 
+def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
+  """LoGRA's learner step with sketch-direct gradients (micro-batched)
+  against projecting full gradients."""
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  results = {}
+  for mode in ("sketch", "dense"):
+    config = train_config.apply_overrides(SMOKE, [
+        f"optimizer.gradient_mode={mode}", "optimizer.kind=random",
+        "optimizer.max_grad_norm=0", "micro_batches=2"])
+    tx = learner.make_optimizer(config.optimizer, policy.params)
+    params = jax.tree.map(jnp.copy, policy.params)
+    step = learner.make_train_step(policy.graphdef, tx, config)
+    results[mode] = step(params, tx.init(params), batch)
+  (p_s, s_s, m_s), (p_d, s_d, m_d) = results["sketch"], results["dense"]
+  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p_s,
+                                                      p_d))):
+    # Relative to the step (params round at ~1e-9 absolute).
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - p0)) <= 1e-4
+  np.testing.assert_allclose(m_s["loss"], m_d["loss"], rtol=1e-6)
+  # In sketch mode the norm (and its clip) is that of the sketched gradient,
+  # at most the full one.
+  assert 0 < float(m_s["grad_norm"]) <= float(m_d["grad_norm"])
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "logra"])
 def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
@@ -163,6 +189,7 @@ def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
     (["optimizer.target_kl=0"], "target_kl must be > 0"),
     (["optimizer.kl_mode=exact"], "kl_mode must be one of"),
     (["optimizer.kl_subsample=99"], "exceeds the rollout batch"),
+    (["optimizer.gradient_mode=full"], "gradient_mode must be one of"),
 ])
 def test_bad_config_is_rejected_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
