@@ -28,6 +28,7 @@ import numpy as np
 
 from logra_jax import models
 from logra_jax import parallel
+from logra_jax import sketch_grad
 from logra_jax.configs import train as train_config
 from logra_jax.rl import algo
 from logra_jax.rl import learner
@@ -136,7 +137,8 @@ class MemoryReport:
   """Per-device bytes of one train step (and an optional rollout reservation).
 
   ``params`` and ``optimizer_state`` are the step's resident inputs;
-  ``grads`` the full gradient it materializes; ``temporaries`` everything
+  ``grads`` the gradient it materializes (full, or the sketches in
+  sketch-direct mode); ``temporaries`` everything
   else XLA allocates during the step (activations, workspace), so that
   ``total = params + optimizer_state + batch + grads + temporaries +
   outputs not aliased to inputs + rollout``.
@@ -193,6 +195,21 @@ def _sharded_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
+def _sketched_gradient_bytes(state: Any, params: Any,
+                             params_sharding: Any) -> int:
+  """Per-device bytes of a sketch-direct gradient: float32 sketches of the
+  projected leaves (counted whole: they are small and not sharded) plus the
+  dense leaves' gradients laid out like their params."""
+  spec = sketch_grad.project_state(state).spec
+  total = 0
+  for plan, sharding in zip(spec.plans, spec.treedef.flatten_up_to(
+      params_sharding)):
+    shape = plan.sketch_shape if plan.projected else sharding.shard_shape(
+        plan.shape)
+    total += math.prod(shape) * 4
+  return total
+
+
 def plan_memory(
     model: str | models.DecoderConfig,
     mesh: parallel.MeshConfig = parallel.MeshConfig(),
@@ -205,6 +222,7 @@ def plan_memory(
     rollout_seqs: int = 0,
     rollout_tokens: int = 0,
     device_memory_gib: Optional[float] = None,
+    gradient_mode: str = "sketch",
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -222,6 +240,11 @@ def plan_memory(
     rollout_seqs: sequences of a colocated rollout engine's KV cache.
     rollout_tokens: tokens per rollout sequence.
     device_memory_gib: the device memory to check the total against.
+    gradient_mode: LoGRA's gradients: ``"sketch"`` (sketch-direct, the
+      default: ``grads`` counts the float32 sketches ``[L, r, short]``, which
+      are not sharded, and the dense leaves' gradients) or ``"dense"`` (a full
+      float32 gradient laid out like the params, then projected). Adam always
+      takes dense gradients.
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
@@ -236,6 +259,10 @@ def plan_memory(
   """
   if optimizer not in ("adam", "logra"):
     raise ValueError(f"optimizer must be 'adam' or 'logra', got {optimizer!r}")
+  if gradient_mode not in train_config.GRADIENT_MODES:
+    raise ValueError(f"gradient_mode must be one of "
+                     f"{train_config.GRADIENT_MODES}, got {gradient_mode!r}")
+  sketch = optimizer == "logra" and gradient_mode == "sketch"
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got "
                      f"{remat!r}")
@@ -261,7 +288,8 @@ def plan_memory(
   params_sharding = parallel.param_shardings(params, device_mesh)
 
   opt_config = train_config.OptimizerConfig(name=optimizer, rank=rank,
-                                            warmup_steps=0)
+                                            warmup_steps=0,
+                                            gradient_mode=gradient_mode)
   tx = learner.make_optimizer(opt_config, params)
   state = jax.eval_shape(tx.init, params)
   state_sharding = parallel.optimizer_state_shardings(
@@ -288,7 +316,8 @@ def plan_memory(
   stats = step.lower(params, state, batch).compile().memory_analysis()
 
   params_bytes = _sharded_bytes(params, params_sharding)
-  grads_bytes = params_bytes   # float32 gradients laid out like the params
+  grads_bytes = (_sketched_gradient_bytes(state, params, params_sharding)
+                 if sketch else params_bytes)
   state_bytes = _sharded_bytes(state, state_sharding)
   batch_bytes = _sharded_bytes(batch, batch_sharding)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -301,7 +330,8 @@ def plan_memory(
            + rollout)
   description = (
       f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {optimizer}"
-      + (f" rank {rank}" if optimizer == "logra" else "")
+      + (f" rank {rank}, {gradient_mode} gradients" if optimizer == "logra"
+         else "")
       + f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
       + (f", rollout {rollout_seqs}x{rollout_tokens} tokens"
          if rollout_seqs else ""))
