@@ -27,8 +27,10 @@ shardings of the run's current mesh.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -291,6 +293,31 @@ def abstract_state(tree: Any, shardings: Any = None) -> Any:
   return jax.tree.map(leaf, tree, shardings)
 
 
+@contextlib.contextmanager
+def _quiet_absl(text: str):
+  """Drops absl log records containing ``text`` inside the block."""
+  drop = lambda record: text not in record.getMessage()
+  logger = logging.getLogger("absl")
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
+
+
+def _array_name(path: tuple) -> str:
+  """Orbax's name of the array at a pytree key path (``"mu.embed.value"``)."""
+  parts = []
+  for key in path:
+    for field in ("key", "name", "idx"):
+      if hasattr(key, field):
+        parts.append(str(getattr(key, field)))
+        break
+    else:
+      parts.append(str(key))
+  return ".".join(parts)
+
+
 def _describe_steps(steps: Sequence[int]) -> str:
   return ", ".join(map(str, steps)) if steps else "none"
 
@@ -340,12 +367,13 @@ class Checkpointer:
         enable_async_checkpointing=config.async_save,
         preservation_policy=policies.AnyPreservationPolicy(keep),
         cleanup_tmp_directories=not read_only, read_only=read_only,
-        create=not read_only)
+        create=not read_only, save_interval_steps=0 if read_only else 1)
     handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
     handlers.update(loop=ocp.JsonCheckpointHandler(),
                     meta=ocp.JsonCheckpointHandler())
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=handlers)
+    with _quiet_absl("read only"):   # read_only is what was asked for
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            item_handlers=handlers)
     self._clock = clock
     self._last_save = clock()
 
@@ -483,8 +511,8 @@ class Checkpointer:
       raise CorruptCheckpointError(f"checkpoint {path} is missing")
     saved = {m.name: m for m in jax.tree.leaves(saved_tree)
              if hasattr(m, "shape")}
-    names = jax.tree.leaves(ocp.tree.get_param_names(target))
-    wanted = dict(zip(names, jax.tree.leaves(target)))
+    wanted = {_array_name(path): leaf for path, leaf
+              in jax.tree_util.tree_flatten_with_path(target)[0]}
     problems = [f"{k} is missing from the checkpoint" for k in wanted
                 if k not in saved]
     problems += [f"{k} is in the checkpoint but not in this run" for k in saved

@@ -1,4 +1,5 @@
-"""Command line: ``logra train``, ``logra eval`` and ``logra memory``."""
+"""Command line: ``logra train``, ``logra eval``, ``logra memory`` and
+``logra export``."""
 
 from __future__ import annotations
 
@@ -14,11 +15,22 @@ def _train(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
   config = train_config.apply_overrides(
       train_config.get_preset(args.preset), args.set)
+  if args.resume and not args.out:
+    raise ValueError("--resume needs --out, the folder of the run to resume")
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
   from logra_jax import parallel
   mesh = parallel.MeshConfig.parse(args.mesh) if args.mesh else None
-  trainer.train(config, out, progress=not args.no_progress, mesh=mesh)
+  trainer.train(config, out, progress=not args.no_progress, mesh=mesh,
+                resume=args.resume, allow_reshard=args.allow_reshard)
   print(f"outputs in {out}")
+  return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+  from logra_jax import checkpoint
+  out = checkpoint.export_policy(args.checkpoint, args.out, step=args.step,
+                                 overwrite=args.overwrite)
+  print(f"policy written to {out}")
   return 0
 
 
@@ -45,7 +57,8 @@ def _memory(args: argparse.Namespace) -> int:
       optimizer=args.optimizer, rank=args.rank, seq_len=args.seq,
       micro_batch=args.micro_batch, remat=args.remat,
       rollout_seqs=args.rollout_seqs, rollout_tokens=args.rollout_tokens,
-      device_memory_gib=args.device_memory_gib)
+      device_memory_gib=args.device_memory_gib,
+      gradient_mode=args.gradient_mode)
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
@@ -68,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--mesh", default="",
                      help="shard over a device mesh, e.g. fsdp=8 or "
                           "dp=2,fsdp=4 (sizes multiply to the device count)")
+  train.add_argument("--resume", action="store_true",
+                     help="continue the run in --out from its latest "
+                          "checkpoint (the same --preset/--set; more steps "
+                          "are allowed)")
+  train.add_argument("--allow-reshard", action="store_true",
+                     help="with --resume, accept a checkpoint written on "
+                          "another mesh or number of processes")
   train.set_defaults(run=_train)
   evaluate = commands.add_parser("eval", parents=[common],
                                  help="held-out accuracy of a policy folder")
@@ -82,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2")
   plan.add_argument("--optimizer", choices=["adam", "logra"], default="logra")
   plan.add_argument("--rank", type=int, default=64)
+  plan.add_argument("--gradient-mode", choices=["sketch", "dense"],
+                    default="sketch",
+                    help="LoGRA: sketch-direct gradients or full ones")
   plan.add_argument("--seq", type=int, default=4096,
                     help="tokens per sequence")
   plan.add_argument("--micro-batch", type=int, default=1,
@@ -97,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--json", action="store_true",
                     help="print one JSON object (bytes per device)")
   plan.set_defaults(run=_memory)
+  export = commands.add_parser(
+      "export", help="write a checkpoint's policy as a Hugging Face folder")
+  export.add_argument("--checkpoint", required=True,
+                      help="a run folder, its checkpoints/ folder or one "
+                           "step in it (default step: the latest)")
+  export.add_argument("--out", required=True, help="the HF folder to write")
+  export.add_argument("--step", type=int, default=None,
+                      help="the checkpoint step to export")
+  export.add_argument("--overwrite", action="store_true",
+                      help="replace an existing --out")
+  export.set_defaults(run=_export)
   return parser
 
 
@@ -104,9 +138,17 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.run(args)
-  except ValueError as error:
+  except (ValueError, FileExistsError, FileNotFoundError) as error:
+    # Bad input: config, checkpoint (CheckpointError), paths.
     print(f"logra {args.command}: error: {error}", file=sys.stderr)
     return 2
+  except (FloatingPointError, MemoryError) as error:
+    # The run failed: non-finite steps, out of memory.
+    print(f"logra {args.command}: error: {error}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print(f"logra {args.command}: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ import dataclasses
 import json
 import math
 import pathlib
+import shutil
+import signal
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ import numpy as np
 import tqdm
 
 import logra_jax as logra
+from logra_jax import checkpoint
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.configs.train import TrainConfig, to_dict
@@ -152,31 +156,181 @@ def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
                     seed=config.task.seed, log=log)
 
 
+class PromptStream:
+  """The run's prompt batches (``tasks.prompt_batches``), counting how many
+  it has given so that a resumed run draws exactly the same ones.
+
+  Example:
+    >>> examples = [{"prompt": str(i), "answer": ""} for i in range(5)]
+    >>> stream = PromptStream(examples, 2, seed=0)
+    >>> _ = next(stream), next(stream)
+    >>> resumed = PromptStream(examples, 2, seed=0, position=stream.position)
+    >>> next(resumed) == next(stream)
+    True
+  """
+
+  def __init__(self, examples: Sequence[dict], batch_size: int, seed: int,
+               position: int = 0):
+    self._batches = tasks_lib.prompt_batches(examples, batch_size, seed=seed)
+    for _ in range(position):
+      next(self._batches)
+    self.position = position
+
+  def __iter__(self) -> Iterator[list[dict]]:
+    return self
+
+  def __next__(self) -> list[dict]:
+    self.position += 1
+    return next(self._batches)
+
+
+class OutOfMemoryError(MemoryError):
+  """The rollout or the train step does not fit in device memory."""
+
+
+def memory_command(config: TrainConfig, mesh: parallel.MeshConfig | None,
+                   folder: pathlib.Path, seq_len: int) -> str:
+  """The ``logra memory`` command that plans a run's train step per device.
+
+  Example:
+    >>> from logra_jax.configs.train import get_preset
+    >>> memory_command(get_preset("smoke"), None, pathlib.Path("p"), 20)
+    'logra memory --model p/config.json --mesh dp=1,fsdp=1,tp=1 --optimizer logra --rank 4 --seq 20 --micro-batch 16 --rollout-seqs 16 --rollout-tokens 20'
+  """
+  mesh = mesh or parallel.MeshConfig()
+  rows = config.rollout.prompts_per_step * config.rollout.num_generations
+  per_device = max(1, rows // config.micro_batches // (mesh.dp * mesh.fsdp))
+  optimizer = "adam" if config.optimizer.name == "adam" else "logra"
+  return (f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
+          f"--optimizer {optimizer} --rank {config.optimizer.rank} "
+          f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
+          f"--rollout-tokens {seq_len}")
+
+
+def out_of_memory_error(error: BaseException, step: int, command: str
+                        ) -> Optional[OutOfMemoryError]:
+  """An :class:`OutOfMemoryError` explaining ``error`` if it is XLA's
+  out-of-memory (``RESOURCE_EXHAUSTED``), else None.
+
+  Example:
+    >>> error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    >>> "logra memory" in str(out_of_memory_error(error, 1, "logra memory"))
+    True
+  """
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+    return None
+  first = text.strip().splitlines()[0][:300] if text.strip() else ""
+  return OutOfMemoryError(
+      f"step {step}: out of memory compiling or running the rollout or the "
+      f"train step ({first}). See what this config needs per device with: "
+      f"{command} ; then raise micro_batches, lower "
+      f"rollout.prompts_per_step or optimizer.rank, or shard over more "
+      f"devices (--mesh)")
+
+
+class _StopSignals:
+  """SIGTERM and SIGINT ask the run to stop after the current step (it then
+  saves a checkpoint); a second signal stops it at once (KeyboardInterrupt).
+  Handlers are only installed on the main thread, and restored on exit."""
+
+  def __init__(self, log: Log):
+    self.received: Optional[str] = None
+    self._log = log
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> "_StopSignals":
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.received is not None:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+    self._log(f"{self.received}: stopping after the current step and saving "
+              "a checkpoint (send it again to stop at once, without saving)")
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
 def train(config: TrainConfig, out_dir: str | pathlib.Path,
           progress: bool = True, log: Log = print,
-          mesh: parallel.MeshConfig | None = None) -> dict[str, Any]:
-  """Runs RL as configured; writes metrics, a plot and ``summary.json``.
+          mesh: parallel.MeshConfig | None = None, resume: bool = False,
+          allow_reshard: bool = False) -> dict[str, Any]:
+  """Runs RL as configured; writes metrics, checkpoints, a plot and
+  ``summary.json``.
+
+  The whole state (weights, optimizer state, PRNG key, data position,
+  metrics history) is saved under ``out_dir/checkpoints`` as
+  ``config.checkpoint`` says and after the last step; ``resume`` continues
+  from the newest readable checkpoint there and gives the same numbers as a
+  run that was never stopped. SIGTERM or SIGINT stop the run after the
+  current step, with a checkpoint saved. A step whose loss, gradients,
+  update or predicted KL is not finite is skipped (weights and optimizer
+  state unchanged) and logged; ``config.max_consecutive_skips`` in a row
+  stop the run.
 
   Args:
     config: the run.
     out_dir: output folder (created): ``config.json``, ``metrics.jsonl``,
-      ``curves.png``, ``summary.json`` and, when ``tensorboardX`` is
-      installed, TensorBoard events under ``tensorboard/``.
+      ``checkpoints/``, ``curves.png``, ``summary.json`` and, when
+      ``tensorboardX`` is installed, TensorBoard events under
+      ``tensorboard/``.
     progress: show a progress bar.
     log: where text lines go.
     mesh: optional device mesh (its size must equal the number of devices):
       weights, optimizer state, rollouts and activations are sharded by
       ``parallel.PARTITION_RULES``. The layout does not change the results
       beyond float rounding, so it is not part of ``config``.
+    resume: continue the run in ``out_dir`` from its latest checkpoint. Only
+      the fields in ``checkpoint.RESUMABLE_FIELDS`` (e.g. ``steps``) may
+      differ from the checkpoint's config.
+    allow_reshard: with ``resume``, accept a checkpoint written on another
+      mesh or process count (restored into this run's layout).
 
   Returns:
     The summary: held-out accuracy before and after, optimizer-state bytes
     of the run's optimizer and of dense Adam, wall time and more.
+
+  Raises:
+    checkpoint.CheckpointError: ``resume`` without a checkpoint, a
+      checkpoint from another config, model or mesh, or checkpoints in
+      ``out_dir`` without ``resume``.
+    FloatingPointError: ``config.max_consecutive_skips`` steps in a row were
+      not finite (the message names the step and the quantity).
+    OutOfMemoryError: the step does not fit; the message gives the
+      ``logra memory`` command for this config.
   """
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  checkpointer = checkpoint.Checkpointer(out / "checkpoints", config.checkpoint)
+  try:
+    return _train(config, out, checkpointer, progress, log, mesh, resume,
+                  allow_reshard, start_time)
+  finally:
+    checkpointer.close()
+
+
+def _train(config: TrainConfig, out: pathlib.Path,
+           checkpointer: checkpoint.Checkpointer, progress: bool, log: Log,
+           mesh: parallel.MeshConfig | None, resume: bool,
+           allow_reshard: bool, start_time: float) -> dict[str, Any]:
+  """:func:`train` with its checkpoint folder open."""
+  if resume and checkpointer.latest_step() is None:
+    raise checkpoint.CheckpointError(
+        f"nothing to resume in {out}: no finished checkpoint in "
+        f"{checkpointer.directory}")
+  if not resume and checkpointer.latest_step() is not None:
+    raise checkpoint.CheckpointError(
+        f"{out} holds checkpoints of an earlier run (steps "
+        f"{checkpointer.all_steps()}); resume it (logra train --resume) or "
+        f"choose another output folder")
   task = load_task(config)
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
@@ -194,17 +348,30 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   rewards = task_rewards(task)
   max_new = config.rollout.max_new_tokens
 
+  meta = checkpoint.run_meta(
+      config, json.loads((folder / "config.json").read_text()),
+      policy.tokenizer, mesh)
+  if resume:   # fail before compiling anything; restoring checks it again
+    try:
+      saved = checkpointer.read_meta()
+    except checkpoint.CorruptCheckpointError:
+      saved = None   # restore_latest falls back to an older checkpoint
+    if saved is not None:
+      checkpoint.check_resumable(saved, meta, allow_reshard)
   params = policy.params
   tx = learner_lib.make_optimizer(config.optimizer, params)
-  opt_state = tx.init(params)
-  place_batch = lambda batch: batch
   if device_mesh is None:
+    # Every input committed to the one device, like restored state and the
+    # step's outputs: the first step compiles the program all others run.
+    state_sharding = jax.sharding.SingleDeviceSharding(
+        jax.tree.leaves(params)[0].sharding.device_set.pop())
+    params = jax.device_put(params, state_sharding)
+    place_batch = lambda batch: jax.device_put(batch, state_sharding)
     train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
   else:
     params_sharding = parallel.param_shardings(params, device_mesh)
     state_sharding = parallel.optimizer_state_shardings(
         tx, params, params_sharding, device_mesh)
-    opt_state = jax.device_put(opt_state, state_sharding)
     row = lambda ndim: parallel.batch_sharding(device_mesh, ndim)
     batch_sharding = algo.RolloutBatch(
         prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
@@ -216,48 +383,95 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
         policy.graphdef, tx, config,
         shardings=(params_sharding, state_sharding, batch_sharding),
         activation_rules=parallel.PARTITION_RULES)
+  if resume:
+    restored = checkpointer.restore_latest(
+        params=checkpoint.abstract_state(params),
+        opt_state=checkpoint.abstract_state(jax.eval_shape(tx.init, params),
+                                            state_sharding),
+        expected_meta=meta, allow_reshard=allow_reshard, log=log)
+    if restored.step > config.steps:
+      raise checkpoint.CheckpointError(
+          f"cannot resume: the latest checkpoint in {checkpointer.directory} "
+          f"is at step {restored.step}, beyond steps={config.steps}")
+    params, opt_state, loop = (restored.params, restored.opt_state,
+                               restored.loop)
+    log(f"resuming from step {restored.step} "
+        f"({checkpointer.directory / str(restored.step)})")
+  else:
+    opt_state = jax.device_put(tx.init(params), state_sharding)
+    loop = checkpoint.LoopState(step=0, key=jax.random.key(config.seed),
+                                data_position=0)
+  (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
       "dense_adam_state_bytes": learner_lib.dense_adam_state_bytes(params),
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
   }
-  before = evaluate(policy, params, eval_examples, rewards, max_new)
+  before = loop.extras.get("eval_before")
+  if before is None:
+    before = evaluate(policy, params, eval_examples, rewards, max_new)
   summary["eval_accuracy_before"] = before["accuracy"]
   log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
       f"({len(eval_examples)} prompts)")
 
-  batches = tasks_lib.prompt_batches(train_examples,
-                                     config.rollout.prompts_per_step,
-                                     seed=config.seed)
-  key = jax.random.key(config.seed)
-  history: list[dict[str, float]] = []
-  bar = tqdm.tqdm(range(config.steps), desc="RL", disable=not progress,
-                  dynamic_ncols=True)
-  interrupted = False
+  batches = PromptStream(train_examples, config.rollout.prompts_per_step,
+                         seed=config.seed, position=loop.data_position)
+  key, history, first_step = loop.key, loop.history, loop.step
+  wall_before = loop.extras.get("wall_seconds", 0.0)
+
+  def save(step: int, eval_accuracy: Optional[float] = None,
+           wait: bool = False) -> None:
+    state = checkpoint.LoopState(
+        step=step, key=key, data_position=batches.position, history=history,
+        extras={"eval_before": before, "wall_seconds": wall_before
+                + time.perf_counter() - start_time})
+    checkpointer.save(step, params=params, opt_state=opt_state, loop=state,
+                      meta=meta, eval_accuracy=eval_accuracy, wait=wait)
+
+  bar = tqdm.tqdm(range(first_step, config.steps), desc="RL",
+                  disable=not progress, dynamic_ncols=True,
+                  initial=first_step, total=config.steps)
   tensorboard = _tensorboard_writer(out / "tensorboard")
-  with open(out / "metrics.jsonl", "w") as metrics_file:
+  stop = _StopSignals(log)
+  with stop, open(out / "metrics.jsonl", "w") as metrics_file:
+    for metrics in history:   # the steps before the checkpoint, if resumed
+      metrics_file.write(json.dumps(metrics) + "\n")
     try:
       for step in bar:
+        done = step + 1
         step_start = time.perf_counter()
+        examples = next(batches)
         key, rollout_key = jax.random.split(key)
-        batch, metrics = rollout(policy, params, next(batches), config,
-                                 rewards, rollout_key)
-        batch = place_batch(batch)
-        rollout_seconds = time.perf_counter() - step_start
-        for _ in range(config.num_iterations):
-          params, opt_state, step_metrics = train_step(params, opt_state,
-                                                       batch)
+        try:
+          batch, metrics = rollout(policy, params, examples, config, rewards,
+                                   rollout_key)
+          batch = place_batch(batch)
+          rollout_seconds = time.perf_counter() - step_start
+          skipped = set()
+          for _ in range(config.num_iterations):
+            params, opt_state, step_metrics = train_step(params, opt_state,
+                                                         batch)
+            guard = learner_lib.non_finite_state(opt_state)
+            skipped.update(learner_lib.non_finite_reasons(guard.reason))
+        except jax.errors.JaxRuntimeError as error:
+          seq = max(map(len, policy.encode([e["prompt"] for e in examples])))
+          explained = out_of_memory_error(
+              error, done, memory_command(config, mesh, folder,
+                                          seq + max_new))
+          if explained is None:
+            raise
+          raise explained from error
         metrics.update({k: float(v) for k, v in step_metrics.items()})
-        if not math.isfinite(metrics["loss"]):
-          raise FloatingPointError(
-              f"step {step}: non-finite loss {metrics['loss']}")
-        metrics["step"] = step + 1
+        metrics["step"] = done
+        metrics["skipped"] = float(bool(skipped))
+        metrics["skipped/total"] = float(guard.skipped_steps)
         metrics["time/rollout_s"] = rollout_seconds
         metrics["time/step_s"] = time.perf_counter() - step_start
         metrics["time/train_s"] = metrics["time/step_s"] - rollout_seconds
-        if config.eval_every and (step + 1) % config.eval_every == 0 and (
-            step + 1) < config.steps:
+        evaluated = bool(config.eval_every and done % config.eval_every == 0
+                         and done < config.steps)
+        if evaluated:
           metrics["accuracy/eval"] = evaluate(policy, params, eval_examples,
                                               rewards, max_new)["accuracy"]
         history.append(metrics)
@@ -265,32 +479,59 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
         metrics_file.flush()
         if tensorboard is not None:
           for name, value in metrics.items():
-            tensorboard.add_scalar(name, value, step + 1)
+            tensorboard.add_scalar(name, value, done)
+        if skipped:
+          run = int(guard.consecutive_skips)
+          what = ", ".join(sorted(skipped))
+          log(f"step {done}: skipped, non-finite {what} ({run} in a row, "
+              f"{int(guard.skipped_steps)} in all)")
+          if run >= config.max_consecutive_skips:
+            raise FloatingPointError(
+                f"step {done}: {run} consecutive steps skipped for "
+                f"non-finite {what} (max_consecutive_skips="
+                f"{config.max_consecutive_skips}); the weights are those "
+                f"after step {done - run}; latest checkpoint: step "
+                f"{checkpointer.latest_step()}")
+        elif not math.isfinite(metrics["loss"]):
+          raise FloatingPointError(
+              f"step {done}: non-finite loss {metrics['loss']} with finite "
+              f"gradients, so the update was applied; stopping (latest "
+              f"checkpoint: step {checkpointer.latest_step()})")
+        if stop.received:
+          save(done, wait=True)
+          log(f"stopped by {stop.received} after step {done}; checkpoint "
+              f"{checkpointer.directory / str(done)}")
+          break
+        if done < config.steps and checkpointer.due(done, evaluated):
+          save(done, metrics.get("accuracy/eval"))
         postfix = {"reward": f"{metrics['reward/total']:.3f}",
                    "acc": f"{metrics['accuracy/train']:.2f}",
                    "kl": f"{metrics['kl/realized']:.1e}"}
         if "kl/predicted" in metrics:
           postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
         bar.set_postfix(postfix)
-    except KeyboardInterrupt:
-      interrupted = True
-      log(f"interrupted after {len(history)} steps; writing results so far")
     finally:
       if tensorboard is not None:
         tensorboard.close()
-  after = evaluate(policy, params, eval_examples, rewards, max_new)
+    after = evaluate(policy, params, eval_examples, rewards, max_new)
+    if checkpointer.latest_step() != len(history):
+      save(len(history), after["accuracy"], wait=True)
   summary.update({
       "eval_accuracy_after": after["accuracy"],
       "eval_score_before": before["score"],
       "eval_score_after": after["score"],
       "steps": len(history),
-      "interrupted": interrupted,
-      "wall_seconds": time.perf_counter() - start_time,
+      "interrupted": stop.received is not None,
+      "resumed_from_step": first_step if resume else None,
+      "skipped_steps": int(sum(h.get("skipped", 0.0) for h in history)),
+      "checkpoint_steps": checkpointer.all_steps(),
+      "wall_seconds": wall_before + time.perf_counter() - start_time,
       "policy_folder": str(folder),
   })
   if history:
-    history[-1]["accuracy/eval"] = after["accuracy"]
-    plot_curves(history, out / "curves.png", before["accuracy"])
+    final = dict(history[-1], **{"accuracy/eval": after["accuracy"]})
+    plot_curves(history[:-1] + [final], out / "curves.png",
+                before["accuracy"])
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
   log(f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
       f"in {len(history)} steps, {summary['wall_seconds']:.0f}s; optimizer "
@@ -303,13 +544,23 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
 def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
                    rerun: bool = False) -> dict[str, Any]:
   """:func:`train` quietly, unless ``out_dir`` already holds a finished run
-  of the same config; returns its summary. For studies that resume."""
+  of the same config; returns its summary. An unfinished run of the same
+  config resumes from its checkpoint; checkpoints of another config (or all
+  of them, with ``rerun``) are deleted first. For studies that resume."""
   out = pathlib.Path(out_dir)
-  done = (out / "summary.json").exists() and json.loads(
+  same = (out / "config.json").exists() and json.loads(
       (out / "config.json").read_text()) == to_dict(config)
-  if rerun or not done:
-    return train(config, out, progress=False, log=lambda s: None)
-  return json.loads((out / "summary.json").read_text())
+  if same and not rerun and (out / "summary.json").exists():
+    return json.loads((out / "summary.json").read_text())
+  resume = False
+  if (out / "checkpoints").exists():
+    if same and not rerun:
+      with checkpoint.Checkpointer(out / "checkpoints",
+                                   config.checkpoint) as ckpt:
+        resume = ckpt.latest_step() is not None
+    if not resume:
+      shutil.rmtree(out / "checkpoints")
+  return train(config, out, progress=False, log=lambda s: None, resume=resume)
 
 
 def _tensorboard_writer(folder: pathlib.Path):

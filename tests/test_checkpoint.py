@@ -1,0 +1,502 @@
+"""Checkpoints and faults: exact resume, crashes during saves, signals,
+mismatched or damaged checkpoints, non-finite steps, export to HF."""
+
+import dataclasses
+import doctest
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from logra_jax import checkpoint
+from logra_jax import configs
+from logra_jax import models
+from logra_jax import parallel
+from logra_jax.cli import main as cli_main
+from logra_jax.configs import train as train_config
+from logra_jax.data.tokenizer import char_tokenizer
+from logra_jax.rl import learner, trainer
+
+SMOKE = configs.get_preset("smoke")
+WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
+QUIET = lambda s: None
+
+
+def _policy(folder, **overrides):
+  tokenizer = char_tokenizer()
+  config = models.DecoderConfig.tiny(
+      vocab_size=len(tokenizer), max_position_embeddings=64,
+      eos_token_ids=(tokenizer.eos_token_id,),
+      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+      **overrides)
+  models.save_pretrained(models.init_model(config, rngs=0), folder)
+  tokenizer.save_pretrained(folder)
+  return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """The runs here compile the same programs again and again (each run, in
+  this process or a child): a persistent cache, shared with the children,
+  compiles each once. XLA's compilation is deterministic, so no number
+  changes."""
+  from jax._src import compilation_cache as cache
+  folder = tmp_path_factory.mktemp("jax_cache")
+  names = ("jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs")
+  old = {name: getattr(jax.config, name) for name in names}
+  jax.config.update(names[0], str(folder))
+  jax.config.update(names[1], 0.0)
+  yield folder
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def policy_folder(tmp_path_factory):
+  return _policy(tmp_path_factory.mktemp("policy") / "tiny")
+
+
+def _overrides(policy_folder, steps=6, every=2):
+  return [f"policy.path={policy_folder}", f"steps={steps}",
+          f"checkpoint.every_steps={every}"]
+
+
+@pytest.fixture(scope="module")
+def config(policy_folder):
+  return train_config.apply_overrides(SMOKE, _overrides(policy_folder))
+
+
+@pytest.fixture(scope="module")
+def straight(config, tmp_path_factory):
+  """6 steps in one go."""
+  out = tmp_path_factory.mktemp("straight")
+  trainer.train(config, out, progress=False, log=QUIET)
+  return out
+
+
+@pytest.fixture(scope="module")
+def resumed(config, tmp_path_factory):
+  """3 steps; then the same run resumed up to 6 steps."""
+  out = tmp_path_factory.mktemp("resumed")
+  first = trainer.train(dataclasses.replace(config, steps=3), out,
+                        progress=False, log=QUIET)
+  second = trainer.train(config, out, progress=False, log=QUIET, resume=True)
+  return out, first, second
+
+
+def _final_state(run, config, step=None):
+  """Params, optimizer state and loop of a run's checkpoint (the latest)."""
+  policy = trainer.Policy.load(config.policy.path)
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  one = jax.tree.leaves(policy.params)[0].sharding
+  opt_state = checkpoint.abstract_state(jax.eval_shape(tx.init, policy.params),
+                                        one)
+  with checkpoint.Checkpointer(run / "checkpoints", read_only=True) as ckpt:
+    return ckpt.restore(step, params=policy.params, opt_state=opt_state)
+
+
+def _metrics(run):
+  """metrics.jsonl without the timings."""
+  lines = (run / "metrics.jsonl").read_text().splitlines()
+  return [{k: v for k, v in json.loads(line).items()
+           if not k.startswith("time/")} for line in lines]
+
+
+def _assert_same_state(a, b):
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)),
+                  jax.tree.leaves((b.params, b.opt_state)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert a.loop.data_position == b.loop.data_position
+  np.testing.assert_array_equal(jax.random.key_data(a.loop.key),
+                                jax.random.key_data(b.loop.key))
+
+
+def test_resumed_run_equals_the_uninterrupted_run(config, straight, resumed):
+  run, first, second = resumed
+  assert first["checkpoint_steps"] == [2, 3]
+  assert second["resumed_from_step"] == 3 and second["steps"] == 6
+  a, b = _final_state(straight, config), _final_state(run, config)
+  assert a.step == b.step == 6
+  _assert_same_state(a, b)   # bit for bit
+  assert _metrics(run) == _metrics(straight)
+  assert [h["step"] for h in b.loop.history] == [1, 2, 3, 4, 5, 6]
+  # The logged metrics move: this is not a run of no-ops.
+  assert len({m["loss"] for m in _metrics(run)}) > 1
+
+
+def _worker(args, *worker_flags):
+  env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest",
+             JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  return subprocess.Popen(
+      [sys.executable, str(WORKER), *worker_flags, "--", *args],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_sigkill_during_a_save_then_sigterm_then_resume(
+    config, policy_folder, straight, tmp_path):
+  out = tmp_path / "run"
+  sets = [f"--set={s}" for s in _overrides(policy_folder, every=1)]
+  args = ["train", "--preset=smoke", f"--out={out}", "--no-progress", *sets]
+  # 1. Killed while checkpoint 2 is being finalized (all its files written).
+  proc = _worker(args, "--block-save", "2")
+  try:
+    for line in proc.stdout:
+      if "BLOCKED IN SAVE 2" in line:
+        break
+    else:
+      pytest.fail(f"the worker ended without saving: rc {proc.wait()}")
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+    assert ckpt.all_steps() == [1]   # the half-saved step 2 is not listed
+    assert [p.name.split(".")[0] for p in ckpt.unfinished()] == ["2"]
+  # 2. Resumed from step 1 in a new process, stopped by SIGTERM mid-run.
+  proc = _worker(["train", "--resume", *args[1:]], "--step-delay", "0.5")
+  try:
+    lines = []
+    for line in proc.stdout:   # the rollouts of steps 2 and 3 have begun
+      lines.append(line)
+      if sum(x.startswith("ROLLOUT") for x in lines) == 2:
+        break
+    proc.send_signal(signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, output
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["interrupted"] and summary["resumed_from_step"] == 1
+  stopped_at = summary["steps"]
+  assert stopped_at == 3, summary   # step 3 finished, then the run stopped
+  assert "resuming from step 1" in output and "SIGTERM" in output
+  with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+    assert ckpt.latest_step() == stopped_at and not ckpt.unfinished()
+  # 3. Resumed again here, to the end: the same as the run never stopped.
+  resumed = train_config.apply_overrides(
+      SMOKE, _overrides(policy_folder, every=1))
+  trainer.train(resumed, out, progress=False, log=QUIET, resume=True)
+  _assert_same_state(_final_state(out, config), _final_state(straight, config))
+  assert _metrics(out) == _metrics(straight)
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(policy_folder):
+  policy = trainer.Policy.load(policy_folder)
+  task = trainer.load_task(SMOKE)
+  batch, _ = trainer.rollout(policy, policy.params, list(task.examples[:4]),
+                             SMOKE, trainer.task_rewards(task),
+                             jax.random.key(1))
+  return policy, batch.replace(
+      advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
+
+
+def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
+  policy, batch = rollout_batch
+  tx = learner.make_optimizer(SMOKE.optimizer, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, SMOKE)
+  device = jax.devices()[0]   # all committed, as in the trainer
+  params = jax.device_put(jax.tree.map(jnp.copy, policy.params), device)
+  state = jax.device_put(tx.init(params), device)
+  batch = jax.device_put(batch, device)
+  before = jax.tree.map(np.asarray, (params, state))
+  nan_batch = batch.replace(advantages_B=batch.advantages_B.at[0].set(jnp.nan))
+  params, state, metrics = step(params, state, nan_batch)
+  assert not np.isfinite(float(metrics["loss"]))
+  guard = learner.non_finite_state(state)
+  assert int(guard.skipped_steps) == int(guard.consecutive_skips) == 1
+  assert "gradients" in learner.non_finite_reasons(guard.reason)
+  (old_params, old_state) = before
+  for x, y in zip(jax.tree.leaves(old_params), jax.tree.leaves(params),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(old_state.inner_state),
+                  jax.tree.leaves(state.inner_state), strict=True):
+    np.testing.assert_array_equal(x, y)
+  # A finite batch afterwards is applied and ends the run of skips.
+  params, state, metrics = step(params, state, batch)
+  guard = learner.non_finite_state(state)
+  assert int(guard.consecutive_skips) == 0 and int(guard.reason) == 0
+  assert int(guard.skipped_steps) == 1 and float(metrics["update_norm"]) > 0
+  assert not np.array_equal(jax.tree.leaves(params)[3],
+                            jax.tree.leaves(old_params)[3])
+
+
+def test_guard_names_each_non_finite_quantity():
+  import logra_jax as logra
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.ones(2)}
+  tx = learner.skip_non_finite(optax.sgd(1.0))
+  _, state = tx.update(grads, tx.init(params), params, loss=jnp.inf)
+  assert learner.non_finite_reasons(state.reason) == ["loss"]
+  tx = learner.skip_non_finite(optax.scale(10.0))
+  _, state = tx.update({"w": jnp.full(2, 3e38)}, tx.init(params), params)
+  assert learner.non_finite_reasons(state.reason) == ["update"]
+  # A NaN predicted KL: the KL stage already zeroes the step; the guard
+  # also keeps the state and says why.
+  tx = learner.skip_non_finite(logra.scale_by_predicted_kl(1e-3))
+  state = tx.init(params)
+  updates, new = tx.update(grads, state, params,
+                           kl_predictor=lambda u: jnp.nan)
+  assert learner.non_finite_reasons(new.reason) == ["predicted KL"]
+  assert updates["w"].tolist() == [0.0, 0.0]
+  assert int(logra.predicted_kl_state(new).count) == 0   # state kept
+  _, new = tx.update(grads, state, params, kl_predictor=lambda u: 0.5)
+  assert int(new.reason) == 0 and int(new.consecutive_skips) == 0
+
+
+def test_consecutive_skips_stop_the_run_naming_step_and_quantity(
+    config, tmp_path, monkeypatch):
+  def nan_advantages(rewards_N, *args, **kwargs):
+    return jnp.full(rewards_N.shape, jnp.nan, jnp.float32)
+
+  monkeypatch.setattr(trainer.algo, "compute_advantages", nan_advantages)
+  config = dataclasses.replace(config, max_consecutive_skips=2)
+  lines = []
+  with pytest.raises(FloatingPointError,
+                     match=r"step 2: 2 consecutive steps skipped for "
+                           r"non-finite .*gradients"):
+    trainer.train(config, tmp_path, progress=False, log=lines.append)
+  assert any("step 1: skipped, non-finite" in line for line in lines)
+  assert [m["skipped"] for m in _metrics(tmp_path)] == [1.0, 1.0]
+
+
+def test_out_of_memory_points_to_logra_memory(config, tmp_path, monkeypatch):
+  def out_of_memory(*args, **kwargs):
+    def step(*args):
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0GiB")
+    return step
+
+  monkeypatch.setattr(trainer.learner_lib, "make_train_step", out_of_memory)
+  with pytest.raises(trainer.OutOfMemoryError) as error:
+    trainer.train(config, tmp_path, progress=False, log=QUIET)
+  message = str(error.value)
+  assert "step 1: out of memory" in message and "9.0GiB" in message
+  command = message.split("with: ")[1].split(" ;")[0]
+  assert command.startswith(f"logra memory --model "
+                            f"{config.policy.path}/config.json")
+  # The suggested command is one `logra memory` accepts.
+  from logra_jax.cli import build_parser
+  args = build_parser().parse_args(command.split()[1:])
+  assert (args.optimizer, args.rank, args.micro_batch) == ("logra", 4, 16)
+
+
+def _copy_run(run, tmp_path):
+  return pathlib.Path(shutil.copytree(run, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.rank=2", "optimizer.rank is 4 in the checkpoint but 2 now"),
+    ("optimizer.learning_rate=0.1", "optimizer.learning_rate is 0.0003"),
+    ("seed=1", "seed is 0 in the checkpoint but 1 now"),
+    ("steps=4", "is at step 6, beyond steps=4"),
+])
+def test_resume_with_a_refused_config_change(config, straight, tmp_path,
+                                             override, message):
+  run = _copy_run(straight, tmp_path)
+  changed = train_config.apply_overrides(config, [override])
+  with pytest.raises(checkpoint.CheckpointError, match=message):
+    trainer.train(changed, run, progress=False, log=QUIET, resume=True)
+  # Nothing was written: the original config still describes the run.
+  assert json.loads((run / "config.json").read_text()) == (
+      train_config.to_dict(config))
+
+
+def test_resume_with_another_model_or_mesh(config, straight, tmp_path):
+  run = _copy_run(straight, tmp_path)
+  other = _policy(tmp_path / "wide", hidden_size=32, head_dim=8)
+  changed = dataclasses.replace(config, policy=dataclasses.replace(
+      config.policy, path=str(other)))  # a moved policy is fine, not another
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="another model: head_dim is 16 in the checkpoint "
+                           "but 8 in this run; hidden_size is 64 in the "
+                           "checkpoint but 32 in this run"):
+    trainer.train(changed, run, progress=False, log=QUIET, resume=True)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"mesh none \(one device\) but this run has "
+                           r"dp=1,fsdp=4,tp=2.*--allow-reshard"):
+    trainer.train(config, run, progress=False, log=QUIET, resume=True,
+                  mesh=parallel.MeshConfig(fsdp=4, tp=2))
+
+
+def test_allowed_and_refused_changes_are_the_documented_ones():
+  base = train_config.to_dict(SMOKE)
+  allowed = train_config.apply_overrides(SMOKE, [
+      "steps=100", "eval_every=5", "checkpoint.every_steps=7",
+      "checkpoint.keep=5", "checkpoint.async_save=false",
+      "max_consecutive_skips=9", "policy.path=/elsewhere"])
+  meta = lambda config: checkpoint.run_meta(config, {"hidden_size": 64})
+  checkpoint.check_resumable(meta(SMOKE), meta(allowed))
+  changes = checkpoint.config_changes(base, train_config.to_dict(allowed))
+  assert {c[0].split(".")[0] for c in changes} == {
+      "steps", "eval_every", "checkpoint", "max_consecutive_skips", "policy"}
+  for override in ["optimizer.rank=8", "optimizer.name=adam",
+                   "rollout.prompts_per_step=8", "task.seed=3",
+                   "policy.warm_start_steps=5", "loss.eps_low=0.3"]:
+    refused = train_config.apply_overrides(SMOKE, [override])
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=override.split("=")[0]):
+      checkpoint.check_resumable(meta(SMOKE), meta(refused))
+  # A field the checkpoint predates is fine while it keeps its default.
+  old = meta(SMOKE)
+  del old["config"]["max_consecutive_skips"]
+  checkpoint.check_resumable(old, meta(SMOKE))
+  old["format"] = 99
+  with pytest.raises(checkpoint.CheckpointError, match="format 99"):
+    checkpoint.check_resumable(old, meta(SMOKE))
+
+
+def test_no_resume_into_a_folder_with_checkpoints_and_nothing_to_resume(
+    config, straight, tmp_path):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="holds checkpoints of an earlier run"):
+    trainer.train(config, _copy_run(straight, tmp_path), progress=False,
+                  log=QUIET)
+  with pytest.raises(checkpoint.CheckpointError, match="nothing to resume"):
+    trainer.train(config, tmp_path / "new", progress=False, log=QUIET,
+                  resume=True)
+  assert cli_main(["train", "--resume", "--preset=smoke"]) == 2
+
+
+def test_restore_reshards_into_the_current_mesh(config, straight):
+  policy = trainer.Policy.load(config.policy.path)
+  mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
+  shardings = parallel.param_shardings(policy.params, mesh)
+  with checkpoint.Checkpointer(straight / "checkpoints",
+                               read_only=True) as ckpt:
+    meta = ckpt.read_meta()
+    here = dict(meta, mesh="dp=1,fsdp=4,tp=2")
+    with pytest.raises(checkpoint.CheckpointError, match="mesh"):
+      ckpt.restore(params=policy.params, expected_meta=here)
+    sharded = ckpt.restore(
+        params=checkpoint.abstract_state(policy.params, shardings),
+        expected_meta=here, allow_reshard=True).params
+  single = _final_state(straight, config).params
+  for x, y, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(single),
+                     jax.tree.leaves(shardings), strict=True):
+    assert x.sharding == s
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_damaged_and_empty_checkpoint_folders(config, straight, tmp_path):
+  run = _copy_run(straight, tmp_path)
+  folder = run / "checkpoints"
+  target = _final_state(straight, config)
+  with checkpoint.Checkpointer(folder, read_only=True) as ckpt:
+    assert ckpt.all_steps() == [4, 6]
+  # Truncate the largest array file of the latest checkpoint.
+  data = max((p for p in (folder / "6" / "opt_state").rglob("*")
+              if p.is_file()), key=lambda p: p.stat().st_size)
+  data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+  kwargs = dict(params=target.params, opt_state=target.opt_state)
+  with checkpoint.Checkpointer(folder, read_only=True) as ckpt:
+    with pytest.raises(checkpoint.CorruptCheckpointError,
+                       match=r"checkpoints/6 cannot be read"):
+      ckpt.restore(6, **kwargs)
+    skipped = []
+    restored = ckpt.restore_latest(log=skipped.append, **kwargs)
+  assert restored.step == 4 and "skipping checkpoint 6" in skipped[0]
+  # Without its description a checkpoint is refused too.
+  shutil.rmtree(folder / "4" / "meta")
+  with checkpoint.Checkpointer(folder, read_only=True) as ckpt:
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="meta"):
+      ckpt.read_meta(4)
+    with pytest.raises(checkpoint.CorruptCheckpointError,
+                       match="no readable checkpoint"):
+      ckpt.restore_latest(log=QUIET, **kwargs)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"no checkpoint of step 5 .* 4, 6"):
+      ckpt.restore(5, **kwargs)
+  # Another run's arrays: named leaf, both shapes.
+  with checkpoint.Checkpointer(run / "checkpoints", read_only=True) as ckpt:
+    other = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
+            (3, 3) if jax.tree_util.keystr(path).startswith("['embed']")
+            else x.shape, x.dtype, sharding=x.sharding), target.params)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"match this run's params: embed.value is "
+                             r"float32\[\d+, 64\] in the checkpoint but "
+                             r"float32\[3, 3\] in this run"):
+      ckpt.restore(6, params=other)
+  (tmp_path / "empty").mkdir()
+  for path, message in [(tmp_path / "empty", "no finished checkpoint"),
+                        (tmp_path / "absent", "no such checkpoint folder")]:
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+      checkpoint.export_policy(path, tmp_path / "hf")
+    assert cli_main(["export", f"--checkpoint={path}",
+                     f"--out={tmp_path / 'hf'}"]) == 2
+
+
+def test_keeps_the_latest_and_the_best(tmp_path):
+  now = [0.0]
+  config = configs.train.CheckpointConfig(every_steps=0, every_seconds=60,
+                                          keep=2, keep_best=1)
+  params = {"w": jnp.arange(4.0)}
+  state = optax.adam(0.1).init(params)
+  accuracy = {2: 0.9, 4: 0.5, 5: 0.7}
+  with checkpoint.Checkpointer(tmp_path, config, clock=lambda: now[0]) as ck:
+    assert not ck.due(1)
+    now[0] = 61.0
+    assert ck.due(1) and ck.due(1, evaluated=True)
+    for step in range(1, 7):
+      ck.save(step, params=jax.tree.map(lambda x: x + step, params),
+              opt_state=state, loop=checkpoint.LoopState(
+                  step, jax.random.key(step), step),
+              meta={"format": 1}, eval_accuracy=accuracy.get(step))
+    assert not ck.due(7) and ck.due(7, evaluated=True)
+    ck.wait()
+    assert ck.all_steps() == [2, 5, 6]   # best (0.9), then the last two
+    with pytest.raises(checkpoint.CheckpointError, match="already exists"):
+      ck.save(6, params=params, opt_state=state, meta={"format": 1},
+              loop=checkpoint.LoopState(6, jax.random.key(0), 6))
+    restored = ck.restore(2, params=params, opt_state=state)
+  assert restored.params["w"].tolist() == [2.0, 3.0, 4.0, 5.0]
+  assert restored.loop.data_position == 2
+
+
+def test_exported_policy_loads_in_transformers_with_equal_logits(
+    config, straight, tmp_path):
+  import torch
+  import transformers
+  out = tmp_path / "hf"
+  assert cli_main(["export", f"--checkpoint={straight}",
+                   f"--out={out}"]) == 0
+  policy = trainer.Policy.load(config.policy.path)
+  params = _final_state(straight, config).params
+  ids = policy.encode(["12+3-4=", "7-1+9="])[0]
+  ids = jnp.asarray([ids], jnp.int32)
+  ours = np.asarray(models.logits_fn(policy.graphdef, params, ids))
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor(np.asarray(ids))).logits.numpy()
+  np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+  # It is the trained policy, not the starting one.
+  start = np.asarray(models.logits_fn(policy.graphdef, policy.params, ids))
+  assert np.abs(start - ours).max() > 1e-4
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  assert tokenizer("12+3-4=")["input_ids"] == policy.encode(["12+3-4="])[0]
+  with pytest.raises(FileExistsError):
+    checkpoint.export_policy(straight, out)
+  assert cli_main(["export", f"--checkpoint={straight / 'checkpoints' / '4'}",
+                   f"--out={out}", "--overwrite"]) == 0
+
+
+def test_docstring_examples_run():
+  for module in (checkpoint, trainer, learner):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, module.__name__
