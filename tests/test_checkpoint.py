@@ -373,6 +373,17 @@ def test_no_resume_into_a_folder_with_checkpoints_and_nothing_to_resume(
   assert cli_main(["train", "--resume", "--preset=smoke"]) == 2
 
 
+def test_train_or_reuse_resumes_an_unfinished_run(config, straight,
+                                                  tmp_path):
+  run = _copy_run(straight, tmp_path)
+  (run / "summary.json").unlink()   # as if it had stopped after step 4
+  shutil.rmtree(run / "checkpoints" / "6")
+  summary = trainer.train_or_reuse(config, run)
+  assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+  _assert_same_state(_final_state(run, config), _final_state(straight, config))
+  assert trainer.train_or_reuse(config, run) == summary   # finished: reused
+
+
 def test_restore_reshards_into_the_current_mesh(config, straight):
   policy = trainer.Policy.load(config.policy.path)
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))

@@ -317,6 +317,61 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
     checkpointer.close()
 
 
+def _learner_step(config: TrainConfig, policy: Policy,
+                  mesh: jax.sharding.Mesh | None):
+  """The optimizer and the jitted train step of a run, with the policy's
+  params placed for it, the optimizer state's sharding and a function that
+  places a rollout batch."""
+  params = policy.params
+  tx = learner_lib.make_optimizer(config.optimizer, params)
+  if mesh is None:
+    # Every input committed to the one device, like restored state and the
+    # step's outputs: the first step compiles the program all others run.
+    state_sharding = jax.sharding.SingleDeviceSharding(
+        jax.tree.leaves(params)[0].sharding.device_set.pop())
+    params = jax.device_put(params, state_sharding)
+    place_batch = lambda batch: jax.device_put(batch, state_sharding)
+    train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
+    return params, tx, state_sharding, place_batch, train_step
+  params_sharding = parallel.param_shardings(params, mesh)
+  state_sharding = parallel.optimizer_state_shardings(
+      tx, params, params_sharding, mesh)
+  row = lambda ndim: parallel.batch_sharding(mesh, ndim)
+  batch_sharding = algo.RolloutBatch(
+      prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
+      completion_tokens_BxT=row(2), completion_mask_BxT=row(2),
+      old_logp_BxT=row(2), advantages_B=row(1),
+      num_generations=config.rollout.num_generations)
+  place_batch = lambda batch: jax.device_put(batch, batch_sharding)
+  train_step = learner_lib.make_train_step(
+      policy.graphdef, tx, config,
+      shardings=(params_sharding, state_sharding, batch_sharding),
+      activation_rules=parallel.PARTITION_RULES)
+  return params, tx, state_sharding, place_batch, train_step
+
+
+def _check_finite(step: int, metrics: dict[str, float], skipped: set[str],
+                  guard: learner_lib.SkipNonFiniteState, limit: int,
+                  latest: Optional[int], log: Log) -> None:
+  """Logs a skipped step; raises after ``limit`` in a row, or for a
+  non-finite loss whose update was applied."""
+  if skipped:
+    run = int(guard.consecutive_skips)
+    what = ", ".join(sorted(skipped))
+    log(f"step {step}: skipped, non-finite {what} ({run} in a row, "
+        f"{int(guard.skipped_steps)} in all)")
+    if run >= limit:
+      raise FloatingPointError(
+          f"step {step}: {run} consecutive steps skipped for non-finite "
+          f"{what} (max_consecutive_skips={limit}); the weights are those "
+          f"after step {step - run}; latest checkpoint: step {latest}")
+  elif not math.isfinite(metrics["loss"]):
+    raise FloatingPointError(
+        f"step {step}: non-finite loss {metrics['loss']} with finite "
+        f"gradients, so the update was applied; stopping (latest checkpoint: "
+        f"step {latest})")
+
+
 def _train(config: TrainConfig, out: pathlib.Path,
            checkpointer: checkpoint.Checkpointer, progress: bool, log: Log,
            mesh: parallel.MeshConfig | None, resume: bool,
@@ -358,31 +413,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
       saved = None   # restore_latest falls back to an older checkpoint
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
-  params = policy.params
-  tx = learner_lib.make_optimizer(config.optimizer, params)
-  if device_mesh is None:
-    # Every input committed to the one device, like restored state and the
-    # step's outputs: the first step compiles the program all others run.
-    state_sharding = jax.sharding.SingleDeviceSharding(
-        jax.tree.leaves(params)[0].sharding.device_set.pop())
-    params = jax.device_put(params, state_sharding)
-    place_batch = lambda batch: jax.device_put(batch, state_sharding)
-    train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
-  else:
-    params_sharding = parallel.param_shardings(params, device_mesh)
-    state_sharding = parallel.optimizer_state_shardings(
-        tx, params, params_sharding, device_mesh)
-    row = lambda ndim: parallel.batch_sharding(device_mesh, ndim)
-    batch_sharding = algo.RolloutBatch(
-        prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
-        completion_tokens_BxT=row(2), completion_mask_BxT=row(2),
-        old_logp_BxT=row(2), advantages_B=row(1),
-        num_generations=config.rollout.num_generations)
-    place_batch = lambda batch: jax.device_put(batch, batch_sharding)
-    train_step = learner_lib.make_train_step(
-        policy.graphdef, tx, config,
-        shardings=(params_sharding, state_sharding, batch_sharding),
-        activation_rules=parallel.PARTITION_RULES)
+  params, tx, state_sharding, place_batch, train_step = _learner_step(
+      config, policy, device_mesh)
   if resume:
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(params),
@@ -480,23 +512,9 @@ def _train(config: TrainConfig, out: pathlib.Path,
         if tensorboard is not None:
           for name, value in metrics.items():
             tensorboard.add_scalar(name, value, done)
-        if skipped:
-          run = int(guard.consecutive_skips)
-          what = ", ".join(sorted(skipped))
-          log(f"step {done}: skipped, non-finite {what} ({run} in a row, "
-              f"{int(guard.skipped_steps)} in all)")
-          if run >= config.max_consecutive_skips:
-            raise FloatingPointError(
-                f"step {done}: {run} consecutive steps skipped for "
-                f"non-finite {what} (max_consecutive_skips="
-                f"{config.max_consecutive_skips}); the weights are those "
-                f"after step {done - run}; latest checkpoint: step "
-                f"{checkpointer.latest_step()}")
-        elif not math.isfinite(metrics["loss"]):
-          raise FloatingPointError(
-              f"step {done}: non-finite loss {metrics['loss']} with finite "
-              f"gradients, so the update was applied; stopping (latest "
-              f"checkpoint: step {checkpointer.latest_step()})")
+        _check_finite(done, metrics, skipped, guard,
+                      config.max_consecutive_skips,
+                      checkpointer.latest_step(), log)
         if stop.received:
           save(done, wait=True)
           log(f"stopped by {stop.received} after step {done}; checkpoint "
