@@ -182,7 +182,8 @@ def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
 
 
 def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
-                          micro_batched: bool = False) -> Callable:
+                          micro_batched: bool = False,
+                          constrain: Callable | None = None) -> Callable:
   r"""Like ``jax.value_and_grad``, but returns LoGRA sketches of the gradients.
 
   ``loss_fn(params, *args)`` must take the parameters as its first argument
@@ -210,6 +211,11 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     micro_batched: if True, every array in ``args`` has a leading axis of
       micro-batches; ``loss_fn`` sees one at a time (``lax.scan``), values and
       aux come back stacked ``[M, ...]`` and the gradients summed.
+    constrain: optional ``constrain(x, logical_axes)`` (such as
+      :func:`logra_jax.models.constrain`) applied to the thin factors and
+      coordinates (``[*layers, long, k]`` and the like) with the logical name
+      ``"batch"`` on their large axis, so that under a mesh they are split
+      over the data axes instead of replicated on every device.
 
   Returns:
     ``fn(params, opt_state, *args) -> (value, grads, projectors)``, where
@@ -256,7 +262,8 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     config = spec.config
     window = state.count // config.refresh_every
     refresh = state.count % config.refresh_every == 0
-    passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args)
+    passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args,
+                     constrain or (lambda x, _: x))
 
     if config.kind == "random":
       projectors = [transforms.random_window_projector(plan, config, window)
@@ -331,8 +338,8 @@ class _Passes:
   """
 
   def __init__(self, loss_fn, has_aux, micro_batched, spec, params_flat,
-               args):
-    self.loss_fn, self.has_aux = loss_fn, has_aux
+               args, constrain):
+    self.loss_fn, self.has_aux, self.constrain = loss_fn, has_aux, constrain
     self.micro_batched = micro_batched
     self.spec, self.params_flat, self.args = spec, params_flat, args
 
@@ -341,7 +348,7 @@ class _Passes:
       return value_and_grad_sum(fn, has_aux=self.has_aux)(diff, *self.args)
     return jax.value_and_grad(fn, has_aux=self.has_aux)(diff, *self.args)
 
-  def _run(self, mats: list, long_side: bool):
+  def _run(self, mats: list, long_side: bool, products_only: bool = False):
     plans, params_flat = self.spec.plans, self.params_flat
     # rows=True: W + F Z (dZ = F^T G); rows=False: W + Z F^T (dZ = G F).
     rows = [plan.left == long_side for plan in plans]
@@ -351,20 +358,22 @@ class _Passes:
         coords0.append(None)
         continue
       batch_shape, k = plan.shape[:-2], mat.shape[-1]
-      coords0.append(jnp.zeros(batch_shape + ((k, plan.n) if r
-                                              else (plan.m, k)), jnp.float32))
+      z = jnp.zeros(batch_shape + ((k, plan.n) if r else (plan.m, k)),
+                    jnp.float32)
+      coords0.append(self._split_large_axis(z, -1 if r else -2))
     dense0 = [None if plan.projected else p
               for plan, p in zip(plans, params_flat)]
 
     def lifted_loss(diff, *args):
-      dense, coords = diff
+      dense, coords = diff if not products_only else (dense0, diff)
       leaves = []
       for plan, p, d, mat, z, r in zip(plans, params_flat, dense, mats,
                                        coords, rows):
         if not plan.projected:
           leaves.append(d)
           continue
-        factor = mat.reshape(plan.shape[:-2] + mat.shape[-2:])
+        factor = self._split_large_axis(
+            mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2)
         leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path))
       token = _CONSUMED.set(set())
       try:
@@ -382,8 +391,12 @@ class _Passes:
             "and the model must apply those weights with matmul")
       return out
 
-    value, (dense_grads, coord_grads) = self._grad(lifted_loss,
-                                                   (dense0, coords0))
+    if products_only:   # only the thin products: no dense gradients
+      value, coord_grads = self._grad(lifted_loss, coords0)
+      dense_grads = None
+    else:
+      value, (dense_grads, coord_grads) = self._grad(lifted_loss,
+                                                     (dense0, coords0))
     products = []
     for plan, g, r in zip(plans, coord_grads, rows):
       if not plan.projected:
@@ -396,11 +409,16 @@ class _Passes:
       products.append(g if r == want_k_first else jnp.swapaxes(g, 1, 2))
     return value, dense_grads, products
 
-  def long(self, q_BxLxK: list):
-    return self._run(q_BxLxK, long_side=True)
+  def _split_large_axis(self, x, axis: int):
+    axes = [None] * x.ndim
+    axes[axis] = "batch"
+    return self.constrain(x, tuple(axes))
+
+  def long(self, q_BxLxK: list, products_only: bool = False):
+    return self._run(q_BxLxK, long_side=True, products_only=products_only)
 
   def short(self, omega_BxSxK: list):
-    return self._run(omega_BxSxK, long_side=False)
+    return self._run(omega_BxSxK, long_side=False, products_only=True)[2]
 
   def dense_svd(self):
     """Dense-gradient fallback of ``kind="svd"`` refresh steps."""
@@ -425,14 +443,15 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
   """One step of ``kind="range"``: the sketch, and on refresh steps the new
   projector from the randomized range finder run on thin gradient products.
 
-  All passes run in one ``lax.while_loop`` whose body picks a long or short
-  pass with ``lax.cond``, so the program holds two copies of the backward
-  pass whatever ``power_iters`` is. Non-refresh steps run one long pass with
-  the stored projector (padded to the range finder's width). Refresh steps
-  run the range finder of :func:`projectors.range_projector` exactly:
-  ``Q = qr(Gl Omega)``, then per power iteration ``Z = qr(Gl^T Q)``,
-  ``Q = qr(Gl Z)``, and a last ``Q^T Gl`` that gives both the rotation to the
-  top singular directions and the sketch.
+  On refresh steps a ``lax.fori_loop`` first runs the range finder of
+  :func:`projectors.range_projector` exactly, on products only (no dense
+  gradients, no loss value): ``Q = qr(Gl Omega)``, then per power iteration
+  ``Z = qr(Gl^T Q)``, ``Q = qr(Gl Z)``; its body picks the pass with
+  ``lax.cond``, so the program holds two copies of that backward pass
+  whatever ``power_iters`` is. Every step then runs one full pass with ``Q``
+  (the stored projector, zero-padded to the range finder's width, on other
+  steps), whose ``Q^T Gl`` gives both the rotation to the top singular
+  directions and the sketch.
   """
   spec = passes.spec
   config = spec.config
@@ -441,42 +460,38 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
             if plan.projected else 0 for plan in plans]
   qr = lambda y: jnp.linalg.qr(y)[0]
 
-  def first_omega(plan: LeafPlan, k):
-    key = proj_lib.window_key(config.seed, plan.index, window)
-    return jax.random.normal(key, (plan.batch, plan.short, k), jnp.float32)
+  def range_finder():
+    omega0 = [None if not plan.projected else jax.random.normal(
+        proj_lib.window_key(config.seed, plan.index, window),
+        (plan.batch, plan.short, k), jnp.float32)
+              for plan, k in zip(plans, widths)]
+    q0 = [None if not plan.projected else jnp.zeros(
+        (plan.batch, plan.long, k), jnp.float32)
+          for plan, k in zip(plans, widths)]
 
-  q0 = [jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank))) if plan.projected
-        else None for plan, p, k in zip(plans, old_projectors, widths)]
-  small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
-            if plan.projected else None for plan, k in zip(plans, widths)]
-  value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
-  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    tree)
-  n_passes = jnp.where(refresh, 2 * (config.power_iters + 1), 1)
+    def body(i, carry):
+      q, omega = carry
 
-  def body(carry):
-    i, q, small, _, _ = carry
+      def short_pass():   # Q = qr(Gl Omega)
+        return [None if y is None else qr(y) for y in passes.short(omega)], omega
 
-    def short_pass():
-      omegas = [None if not plan.projected else jax.lax.cond(
-          i == 0, lambda plan=plan, k=k: first_omega(plan, k),
-          lambda s=s: qr(jnp.swapaxes(s, 1, 2)))
-                for plan, k, s in zip(plans, widths, small)]
-      value, dense, products = passes.short(omegas)
-      return value, dense, [None if y is None else qr(y) for y in products], small
+      def long_pass():    # Omega = qr(Gl^T Q)
+        products = passes.long(q, products_only=True)[2]
+        return q, [None if s is None else qr(jnp.swapaxes(s, 1, 2))
+                   for s in products]
 
-    def long_pass():
-      value, dense, products = passes.long(q)
-      return value, dense, q, products
+      return jax.lax.cond(i % 2 == 0, short_pass, long_pass)
 
-    value, dense, q, small = jax.lax.cond(refresh & (i % 2 == 0), short_pass,
-                                          long_pass)
-    return i + 1, q, small, value, dense
+    q, _ = jax.lax.fori_loop(0, 1 + 2 * config.power_iters, body, (q0, omega0))
+    return q
 
-  _, q, small, value, dense = jax.lax.while_loop(
-      lambda carry: carry[0] < n_passes, body,
-      (jnp.zeros([], jnp.int32), q0, small0, zeros(value_shape),
-       zeros(dense_shape)))
+  def stored():
+    return [None if not plan.projected
+            else jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank)))
+            for plan, p, k in zip(plans, old_projectors, widths)]
+
+  q = jax.lax.cond(refresh, range_finder, stored)
+  value, dense, small = passes.long(q)
 
   def finish(plan, q_BxLxK, small_BxKxS):
     if not plan.projected:

@@ -273,8 +273,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if sketch_mode and sketch_grad.project_state(opt_state) is not None:
       (nums, (dens, metrics, logp_before)), grad_sum, projectors = (
           sketch_grad.value_and_sketch_grad(
-              micro_loss, has_aux=True, micro_batched=True)(
-                  params, opt_state, micro))
+              micro_loss, has_aux=True, micro_batched=True,
+              constrain=models.constrain)(params, opt_state, micro))
       extra["projectors"] = projectors
     else:
       (nums, (dens, metrics, logp_before)), grad_sum = (
