@@ -467,7 +467,8 @@ def test_keeps_the_latest_and_the_best(tmp_path):
     for step in range(1, 7):
       ck.save(step, params=jax.tree.map(lambda x: x + step, params),
               opt_state=state, loop=checkpoint.LoopState(
-                  step, jax.random.key(step), step),
+                  step, jax.random.key(step), step,
+                  history=[{"loss": float("nan"), "step": step}]),
               meta={"format": 1}, eval_accuracy=accuracy.get(step))
     assert not ck.due(7) and ck.due(7, evaluated=True)
     ck.wait()
@@ -478,6 +479,9 @@ def test_keeps_the_latest_and_the_best(tmp_path):
     restored = ck.restore(2, params=params, opt_state=state)
   assert restored.params["w"].tolist() == [2.0, 3.0, 4.0, 5.0]
   assert restored.loop.data_position == 2
+  assert np.isnan(restored.loop.history[0]["loss"])   # a skipped step's
+  np.testing.assert_array_equal(jax.random.key_data(restored.loop.key),
+                                jax.random.key_data(jax.random.key(2)))
 
 
 def test_exported_policy_loads_in_transformers_with_equal_logits(
