@@ -387,21 +387,29 @@ def test_train_or_reuse_resumes_an_unfinished_run(config, straight,
 def test_restore_reshards_into_the_current_mesh(config, straight):
   policy = trainer.Policy.load(config.policy.path)
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
-  shardings = parallel.param_shardings(policy.params, mesh)
+  params = parallel.param_shardings(policy.params, mesh)
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  state = parallel.optimizer_state_shardings(tx, policy.params, params, mesh)
+  targets = dict(
+      params=checkpoint.abstract_state(policy.params, params),
+      opt_state=checkpoint.abstract_state(
+          jax.eval_shape(tx.init, policy.params), state))
   with checkpoint.Checkpointer(straight / "checkpoints",
                                read_only=True) as ckpt:
-    meta = ckpt.read_meta()
-    here = dict(meta, mesh="dp=1,fsdp=4,tp=2")
+    here = dict(ckpt.read_meta(), mesh="dp=1,fsdp=4,tp=2")
     with pytest.raises(checkpoint.CheckpointError, match="mesh"):
-      ckpt.restore(params=policy.params, expected_meta=here)
-    sharded = ckpt.restore(
-        params=checkpoint.abstract_state(policy.params, shardings),
-        expected_meta=here, allow_reshard=True).params
-  single = _final_state(straight, config).params
-  for x, y, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(single),
-                     jax.tree.leaves(shardings), strict=True):
-    assert x.sharding == s
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      ckpt.restore(expected_meta=here, **targets)
+    sharded = ckpt.restore(expected_meta=here, allow_reshard=True, **targets)
+  single = _final_state(straight, config)
+  trees = [(sharded.params, single.params, params),
+           (sharded.opt_state, single.opt_state, state)]
+  for got, want, shardings in trees:
+    for x, y, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                       jax.tree.leaves(shardings), strict=True):
+      assert x.sharding == s
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert any(len(s.device_set) == 8 and not s.is_fully_replicated
+             for s in jax.tree.leaves(state))   # really laid out on the mesh
 
 
 def test_damaged_and_empty_checkpoint_folders(config, straight, tmp_path):

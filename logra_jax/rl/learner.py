@@ -87,9 +87,9 @@ class SkipNonFiniteState(NamedTuple):
     skipped_steps: updates skipped so far.
     consecutive_skips: updates skipped in a row, ending with the last one (0
       when the last one was applied).
-    reason: what was non-finite in the last update, as bits of
-      :data:`NON_FINITE_REASONS` (1 loss, 2 gradients, 4 predicted KL,
-      8 update); 0 when it was applied.
+    reason: what was non-finite in the current run of skipped updates, as
+      bits of :data:`NON_FINITE_REASONS` (1 loss, 2 gradients, 4 predicted
+      KL, 8 update); 0 when the last update was applied.
   """
 
   count: jax.Array
@@ -169,7 +169,7 @@ def skip_non_finite(inner: optax.GradientTransformation
         count=optax.safe_increment(state.count), inner_state=new_inner,
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=jnp.where(ok, 0, state.consecutive_skips + 1),
-        reason=reason)
+        reason=jnp.where(ok, 0, state.reason | reason))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -222,11 +223,24 @@ def out_of_memory_error(error: BaseException, step: int, command: str
     return None
   first = text.strip().splitlines()[0][:300] if text.strip() else ""
   return OutOfMemoryError(
-      f"step {step}: out of memory compiling or running the rollout or the "
+      f"step {step}: out of memory compiling or running the sampler or the "
       f"train step ({first}). See what this config needs per device with: "
       f"{command} ; then raise micro_batches, lower "
       f"rollout.prompts_per_step or optimizer.rank, or shard over more "
       f"devices (--mesh)")
+
+
+@contextlib.contextmanager
+def _explain_out_of_memory(step: int, command: Callable[[], str]):
+  """Turns XLA's out-of-memory inside the block into an
+  :class:`OutOfMemoryError` that gives ``command()``."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as error:
+    explained = out_of_memory_error(error, step, command())
+    if explained is None:
+      raise
+    raise explained from error
 
 
 class _StopSignals:
@@ -440,9 +454,14 @@ def _train(config: TrainConfig, out: pathlib.Path,
       "dense_adam_state_bytes": learner_lib.dense_adam_state_bytes(params),
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
   }
+  def memory_hint(examples):
+    seq = max(map(len, policy.encode([e["prompt"] for e in examples])))
+    return lambda: memory_command(config, mesh, folder, seq + max_new)
+
   before = loop.extras.get("eval_before")
   if before is None:
-    before = evaluate(policy, params, eval_examples, rewards, max_new)
+    with _explain_out_of_memory(0, memory_hint(eval_examples)):
+      before = evaluate(policy, params, eval_examples, rewards, max_new)
   summary["eval_accuracy_before"] = before["accuracy"]
   log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
       f"({len(eval_examples)} prompts)")
@@ -475,7 +494,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
         step_start = time.perf_counter()
         examples = next(batches)
         key, rollout_key = jax.random.split(key)
-        try:
+        with _explain_out_of_memory(done, memory_hint(examples)):
           batch, metrics = rollout(policy, params, examples, config, rewards,
                                    rollout_key)
           batch = place_batch(batch)
@@ -486,14 +505,6 @@ def _train(config: TrainConfig, out: pathlib.Path,
                                                          batch)
             guard = learner_lib.non_finite_state(opt_state)
             skipped.update(learner_lib.non_finite_reasons(guard.reason))
-        except jax.errors.JaxRuntimeError as error:
-          seq = max(map(len, policy.encode([e["prompt"] for e in examples])))
-          explained = out_of_memory_error(
-              error, done, memory_command(config, mesh, folder,
-                                          seq + max_new))
-          if explained is None:
-            raise
-          raise explained from error
         metrics.update({k: float(v) for k, v in step_metrics.items()})
         metrics["step"] = done
         metrics["skipped"] = float(bool(skipped))
@@ -539,7 +550,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
       "eval_score_before": before["score"],
       "eval_score_after": after["score"],
       "steps": len(history),
-      "interrupted": stop.received is not None,
+      "interrupted": len(history) < config.steps,
       "resumed_from_step": first_step if resume else None,
       "skipped_steps": int(sum(h.get("skipped", 0.0) for h in history)),
       "checkpoint_steps": checkpointer.all_steps(),
