@@ -348,7 +348,7 @@ class _Passes:
       return value_and_grad_sum(fn, has_aux=self.has_aux)(diff, *self.args)
     return jax.value_and_grad(fn, has_aux=self.has_aux)(diff, *self.args)
 
-  def _run(self, mats: list, long_side: bool, products_only: bool = False):
+  def _run(self, mats: list, long_side: bool):
     plans, params_flat = self.spec.plans, self.params_flat
     # rows=True: W + F Z (dZ = F^T G); rows=False: W + Z F^T (dZ = G F).
     rows = [plan.left == long_side for plan in plans]
@@ -365,7 +365,7 @@ class _Passes:
               for plan, p in zip(plans, params_flat)]
 
     def lifted_loss(diff, *args):
-      dense, coords = diff if not products_only else (dense0, diff)
+      dense, coords = diff
       leaves = []
       for plan, p, d, mat, z, r in zip(plans, params_flat, dense, mats,
                                        coords, rows):
@@ -391,12 +391,8 @@ class _Passes:
             "and the model must apply those weights with matmul")
       return out
 
-    if products_only:   # only the thin products: no dense gradients
-      value, coord_grads = self._grad(lifted_loss, coords0)
-      dense_grads = None
-    else:
-      value, (dense_grads, coord_grads) = self._grad(lifted_loss,
-                                                     (dense0, coords0))
+    value, (dense_grads, coord_grads) = self._grad(lifted_loss,
+                                                   (dense0, coords0))
     products = []
     for plan, g, r in zip(plans, coord_grads, rows):
       if not plan.projected:
@@ -414,11 +410,11 @@ class _Passes:
     axes[axis] = "batch"
     return self.constrain(x, tuple(axes))
 
-  def long(self, q_BxLxK: list, products_only: bool = False):
-    return self._run(q_BxLxK, long_side=True, products_only=products_only)
+  def long(self, q_BxLxK: list):
+    return self._run(q_BxLxK, long_side=True)
 
   def short(self, omega_BxSxK: list):
-    return self._run(omega_BxSxK, long_side=False, products_only=True)[2]
+    return self._run(omega_BxSxK, long_side=False)
 
   def dense_svd(self):
     """Dense-gradient fallback of ``kind="svd"`` refresh steps."""
@@ -443,15 +439,14 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
   """One step of ``kind="range"``: the sketch, and on refresh steps the new
   projector from the randomized range finder run on thin gradient products.
 
-  On refresh steps a ``lax.fori_loop`` first runs the range finder of
-  :func:`projectors.range_projector` exactly, on products only (no dense
-  gradients, no loss value): ``Q = qr(Gl Omega)``, then per power iteration
-  ``Z = qr(Gl^T Q)``, ``Q = qr(Gl Z)``; its body picks the pass with
-  ``lax.cond``, so the program holds two copies of that backward pass
-  whatever ``power_iters`` is. Every step then runs one full pass with ``Q``
-  (the stored projector, zero-padded to the range finder's width, on other
-  steps), whose ``Q^T Gl`` gives both the rotation to the top singular
-  directions and the sketch.
+  All passes run in one ``lax.while_loop`` whose body picks a long or short
+  pass with ``lax.cond``, so the program holds two copies of the backward
+  pass whatever ``power_iters`` is. Non-refresh steps run one long pass with
+  the stored projector (padded to the range finder's width). Refresh steps
+  run the range finder of :func:`projectors.range_projector` exactly:
+  ``Q = qr(Gl Omega)``, then per power iteration ``Z = qr(Gl^T Q)``,
+  ``Q = qr(Gl Z)``, and a last ``Q^T Gl`` that gives both the rotation to the
+  top singular directions and the sketch.
   """
   spec = passes.spec
   config = spec.config
@@ -460,38 +455,42 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
             if plan.projected else 0 for plan in plans]
   qr = lambda y: jnp.linalg.qr(y)[0]
 
-  def range_finder():
-    omega0 = [None if not plan.projected else jax.random.normal(
-        proj_lib.window_key(config.seed, plan.index, window),
-        (plan.batch, plan.short, k), jnp.float32)
-              for plan, k in zip(plans, widths)]
-    q0 = [None if not plan.projected else jnp.zeros(
-        (plan.batch, plan.long, k), jnp.float32)
-          for plan, k in zip(plans, widths)]
+  def first_omega(plan: LeafPlan, k):
+    key = proj_lib.window_key(config.seed, plan.index, window)
+    return jax.random.normal(key, (plan.batch, plan.short, k), jnp.float32)
 
-    def body(i, carry):
-      q, omega = carry
+  q0 = [jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank))) if plan.projected
+        else None for plan, p, k in zip(plans, old_projectors, widths)]
+  small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
+            if plan.projected else None for plan, k in zip(plans, widths)]
+  value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
+  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    tree)
+  n_passes = jnp.where(refresh, 2 * (config.power_iters + 1), 1)
 
-      def short_pass():   # Q = qr(Gl Omega)
-        return [None if y is None else qr(y) for y in passes.short(omega)], omega
+  def body(carry):
+    i, q, small, _, _ = carry
 
-      def long_pass():    # Omega = qr(Gl^T Q)
-        products = passes.long(q, products_only=True)[2]
-        return q, [None if s is None else qr(jnp.swapaxes(s, 1, 2))
-                   for s in products]
+    def short_pass():
+      omegas = [None if not plan.projected else jax.lax.cond(
+          i == 0, lambda plan=plan, k=k: first_omega(plan, k),
+          lambda s=s: qr(jnp.swapaxes(s, 1, 2)))
+                for plan, k, s in zip(plans, widths, small)]
+      value, dense, products = passes.short(omegas)
+      return value, dense, [None if y is None else qr(y) for y in products], small
 
-      return jax.lax.cond(i % 2 == 0, short_pass, long_pass)
+    def long_pass():
+      value, dense, products = passes.long(q)
+      return value, dense, q, products
 
-    q, _ = jax.lax.fori_loop(0, 1 + 2 * config.power_iters, body, (q0, omega0))
-    return q
+    value, dense, q, small = jax.lax.cond(refresh & (i % 2 == 0), short_pass,
+                                          long_pass)
+    return i + 1, q, small, value, dense
 
-  def stored():
-    return [None if not plan.projected
-            else jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank)))
-            for plan, p, k in zip(plans, old_projectors, widths)]
-
-  q = jax.lax.cond(refresh, range_finder, stored)
-  value, dense, small = passes.long(q)
+  _, q, small, value, dense = jax.lax.while_loop(
+      lambda carry: carry[0] < n_passes, body,
+      (jnp.zeros([], jnp.int32), q0, small0, zeros(value_shape),
+       zeros(dense_shape)))
 
   def finish(plan, q_BxLxK, small_BxKxS):
     if not plan.projected:
