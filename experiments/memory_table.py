@@ -1,8 +1,10 @@
 """Per-device train-step memory of dense Adam vs LoGRA on an 8-device mesh.
 
-For each model preset, compiles the real train step (abstract inputs, 8 CPU
-devices unless 8 accelerators are present) and reads XLA's memory analysis:
-seq 4096, micro-batch 1 per device, full remat, fsdp=8, LoGRA rank 64. The
+For each model preset (and `tiny`, the main job's model), compiles the real
+train step (abstract inputs, 8 CPU devices unless 8 accelerators are present)
+and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, full
+remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
+(`dense`, then projected) or sketch-direct ones (`sketch`, the default). The
 colocated-rollout columns add bf16 inference weights and the KV cache of 64
 sequences x 8192 tokens, spread over the 8 devices. Writes `memory_table.md`
 and `memory_table.csv`.
@@ -109,6 +111,9 @@ def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
   return _rss("VmHWM:") - before, report.total
 
 
+TINY = models.DecoderConfig.tiny(
+    vocab_size=100, hidden_size=128, intermediate_size=384, num_layers=4,
+    num_heads=4, num_kv_heads=2, head_dim=32)   # the `tiny` preset's policy
 CHECK_CONFIG = models.DecoderConfig.tiny(
     vocab_size=16384, hidden_size=1024, intermediate_size=3072, num_layers=8,
     num_heads=16, num_kv_heads=4, head_dim=64)
@@ -117,7 +122,7 @@ CHECK_CONFIG = models.DecoderConfig.tiny(
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+",
-                      default=list(memory.MODEL_PRESETS))
+                      default=["tiny", *memory.MODEL_PRESETS])
   parser.add_argument("--mesh", default="fsdp=8")
   parser.add_argument("--rank", type=int, default=64)
   parser.add_argument("--seq", type=int, default=4096)
@@ -144,16 +149,19 @@ def main() -> None:
 
   mesh = parallel.MeshConfig.parse(args.mesh)
   rows = []
+  arms = (("adam", "adam", "dense"), ("logra-dense", "logra", "dense"),
+          ("logra", "logra", "sketch"))
   for name in args.models:
-    for optimizer in ("adam", "logra"):
+    model = TINY if name == "tiny" else name
+    for arm, optimizer, gradient_mode in arms:
       report = memory.plan_memory(
-          name, mesh=mesh, optimizer=optimizer, rank=args.rank,
+          model, mesh=mesh, optimizer=optimizer, rank=args.rank,
           seq_len=args.seq, rollout_seqs=args.rollout_seqs,
           rollout_tokens=args.rollout_tokens,
-          device_memory_gib=args.device_memory_gib)
+          device_memory_gib=args.device_memory_gib,
+          gradient_mode=gradient_mode)
       train_total = report.total - report.rollout
-      rows.append({"model": name, "optimizer": optimizer,
-                   "params_b": round(report.num_params / 1e9, 2),
+      rows.append({"model": name, "optimizer": arm,
                    **{k: v for k, v in report.to_dict().items()
                       if isinstance(v, int)},
                    "train_total": train_total,
@@ -165,27 +173,34 @@ def main() -> None:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  gib = lambda b: f"{b / GIB:.1f}"
+  gib = lambda b: (f"{b / GIB:.1f}" if b >= GIB / 10
+                   else f"{b / 2**20:.1f} MiB")
   lines = [
       f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
       f"full remat, LoGRA rank {args.rank}, float32 master weights; rollout: "
       f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
       f"<= {args.device_memory_gib:g} GiB per device", "",
       "| model | params | Adam: state / grads / temps / train step | "
-      "LoGRA: state / grads / temps / train step | LoGRA vs Adam (train step) "
-      "| + rollout: Adam | + rollout: LoGRA |",
-      "|---|---:|---:|---:|---:|---:|---:|"]
+      "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
+      "temp + unaliased output: dense -> sketch gradients | LoGRA (sketch) vs Adam "
+      "(train step) | + rollout: Adam | + rollout: LoGRA (sketch) |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name in args.models:
-    adam, lo = (next(r for r in rows if r["model"] == name
-                     and r["optimizer"] == o) for o in ("adam", "logra"))
+    adam, dense, sketch = (next(r for r in rows if r["model"] == name
+                                and r["optimizer"] == arm)
+                           for arm, _, _ in arms)
+    size = (f"{adam['num_params'] / 1e9:.2f}B" if adam["num_params"] > 1e8
+            else f"{adam['num_params'] / 1e6:.2f}M")
     cell = lambda r: (f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
                       f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**")
     fits = lambda r: (f"{gib(r['total'])} "
                       f"({'fits' if r['fits_with_rollout'] else 'OOM'})")
+    step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
     lines.append(
-        f"| {name} | {adam['params_b']:.2f}B | {cell(adam)} | {cell(lo)} | "
-        f"{100 * (lo['train_total'] / adam['train_total'] - 1):+.1f}% | "
-        f"{fits(adam)} | {fits(lo)} |")
+        f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
+        f"{gib(step(dense))} -> {gib(step(sketch))} | "
+        f"{100 * (sketch['train_total'] / adam['train_total'] - 1):+.1f}% | "
+        f"{fits(adam)} | {fits(sketch)} |")
   table = "\n".join(lines)
   (out / "memory_table.md").write_text(table + "\n")
   print(table)
