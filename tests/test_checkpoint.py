@@ -247,15 +247,15 @@ def test_guard_names_each_non_finite_quantity():
   tx = learner.skip_non_finite(optax.scale(10.0))
   _, state = tx.update({"w": jnp.full(2, 3e38)}, tx.init(params), params)
   assert learner.non_finite_reasons(state.reason) == ["update"]
-  # A NaN predicted KL: the KL stage already zeroes the step; the guard
-  # also keeps the state and says why.
+  # A NaN predicted KL: the KL stage already zeroes the step (and counts
+  # it); the guard says why.
   tx = learner.skip_non_finite(logra.scale_by_predicted_kl(1e-3))
   state = tx.init(params)
   updates, new = tx.update(grads, state, params,
                            kl_predictor=lambda u: jnp.nan)
   assert learner.non_finite_reasons(new.reason) == ["predicted KL"]
   assert updates["w"].tolist() == [0.0, 0.0]
-  assert int(logra.predicted_kl_state(new).count) == 0   # state kept
+  assert int(logra.predicted_kl_state(new).skipped_steps) == 1
   _, new = tx.update(grads, state, params, kl_predictor=lambda u: 0.5)
   assert int(new.reason) == 0 and int(new.consecutive_skips) == 0
 

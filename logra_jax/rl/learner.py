@@ -109,11 +109,14 @@ def skip_non_finite(inner: optax.GradientTransformation
                     ) -> optax.GradientTransformationExtraArgs:
   """Skips any update whose inputs or outputs are not finite.
 
-  Runs ``inner`` and keeps its result only if the gradients, the resulting
+  Runs ``inner`` and keeps its update only if the gradients, the resulting
   update, the optional ``loss`` extra argument and, when a ``kl_predictor``
   is given, the predicted KL recorded by ``logra.scale_by_predicted_kl`` are
-  all finite. Otherwise the update is zero and ``inner``'s state is the one
-  from before, so params and moments are untouched; the skip is counted in
+  all finite; otherwise the update is zero, so params are untouched. A
+  non-finite loss or gradient skips ``inner`` altogether (``lax.cond``), so
+  its state stays as it was at no memory cost; after a non-finite predicted
+  KL or update (with finite gradients) the state advances as ``inner`` left
+  it. Each skip is counted in
   :class:`SkipNonFiniteState` (read it on the host with
   :func:`non_finite_state`). Like ``optax.apply_if_finite``, but it also
   looks at the loss and the predicted KL and reports why.
@@ -135,7 +138,7 @@ def skip_non_finite(inner: optax.GradientTransformation
     >>> updates["w"].tolist(), int(state.skipped_steps)
     ([0.0, 0.0, 0.0], 1)
     >>> non_finite_reasons(state.reason)
-    ['gradients', 'update']
+    ['gradients']
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -146,15 +149,24 @@ def skip_non_finite(inner: optax.GradientTransformation
                               reason=zero())
 
   def update_fn(updates, state, params=None, *, loss=None, **extra_args):
-    grads_ok = _all_finite(updates)
-    new_updates, new_inner = inner.update(updates, state.inner_state, params,
-                                          **extra_args)
+    # Decided from the inputs, before the update, with lax.cond: the state is
+    # then updated in place (a select between the new and the old state after
+    # the update keeps a second copy of the whole state alive: +15 GiB per
+    # device for Adam at 27B on fsdp=8).
     loss_ok = jnp.asarray(True) if loss is None else _all_finite(loss)
+    grads_ok = _all_finite(updates)
+    inputs_ok = loss_ok & grads_ok
+    apply = lambda: inner.update(updates, state.inner_state, params,
+                                 **extra_args)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(apply)[0])
+    new_updates, new_inner = jax.lax.cond(
+        inputs_ok, apply, lambda: (zeros, state.inner_state))
     kl_ok = jnp.asarray(True)
     if extra_args.get("kl_predictor") is not None:
       kl_state = logra.predicted_kl_state(new_inner)
       if kl_state is not None:
-        kl_ok = jnp.isfinite(kl_state.predicted_kl)
+        kl_ok = jnp.isfinite(kl_state.predicted_kl) | ~inputs_ok
     update_ok = _all_finite(new_updates)
     checks = (loss_ok, grads_ok, kl_ok, update_ok)
     reason = sum(jnp.where(ok, 0, 1 << i).astype(jnp.int32)
@@ -162,8 +174,6 @@ def skip_non_finite(inner: optax.GradientTransformation
     ok = reason == 0
     new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)),
                                new_updates)
-    new_inner = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                             new_inner, state.inner_state)
     skipped = (~ok).astype(jnp.int32)
     return new_updates, SkipNonFiniteState(
         count=optax.safe_increment(state.count), inner_state=new_inner,
