@@ -104,7 +104,7 @@ def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
     params = jax.tree.map(jnp.copy, policy.params)
     step = learner.make_train_step(policy.graphdef, tx, config)
     results[mode] = step(params, tx.init(params), batch)
-  (p_s, s_s, m_s), (p_d, s_d, m_d) = results["sketch"], results["dense"]
+  (p_s, _, m_s), (p_d, _, m_d) = results["sketch"], results["dense"]
   for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p_s,
                                                       p_d))):
     # Relative to the step (params round at ~1e-9 absolute).
