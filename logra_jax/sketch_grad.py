@@ -174,7 +174,7 @@ def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
 
     first = jax.tree.map(lambda x: x[0], micro)
     _, grads_shape = jax.eval_shape(grad_fn, *fixed, *first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads_shape)
+    zeros = jax.tree.map(jnp.zeros_like, grads_shape)
     grad_sum, values = jax.lax.scan(body, zeros, micro)
     return values, grad_sum
 
@@ -293,7 +293,7 @@ def project_state(opt_state) -> transforms.ProjectState | None:
   Raises:
     ValueError: if there is more than one.
   """
-  found = transforms._find_states(opt_state, transforms.ProjectState)
+  found = transforms.find_states(opt_state, transforms.ProjectState)
   if len(found) > 1:
     raise ValueError("sketch-direct gradients need at most one logra.project "
                      f"stage in the optimizer state; found {len(found)}")
@@ -401,8 +401,7 @@ class _Passes:
       g = g.reshape((plan.batch,) + g.shape[-2:])
       # long pass: rows gives F^T G = [k, n] = Q^T Gl (left); cols gives
       # G F = [m, k] = (Q^T Gl)^T (right). Short pass: the mirror image.
-      want_k_first = long_side
-      products.append(g if r == want_k_first else jnp.swapaxes(g, 1, 2))
+      products.append(g if r == long_side else jnp.swapaxes(g, 1, 2))
     return value, dense_grads, products
 
   def _split_large_axis(self, x, axis: int):
@@ -464,8 +463,6 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
   small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
             if plan.projected else None for plan, k in zip(plans, widths)]
   value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
-  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    tree)
   n_passes = jnp.where(refresh, 2 * (config.power_iters + 1), 1)
 
   def body(carry):
@@ -489,8 +486,9 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
 
   _, q, small, value, dense = jax.lax.while_loop(
       lambda carry: carry[0] < n_passes, body,
-      (jnp.zeros([], jnp.int32), q0, small0, zeros(value_shape),
-       zeros(dense_shape)))
+      (jnp.zeros([], jnp.int32), q0, small0,
+       jax.tree.map(jnp.zeros_like, value_shape),
+       jax.tree.map(jnp.zeros_like, dense_shape)))
 
   def finish(plan, q_BxLxK, small_BxKxS):
     if not plan.projected:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.transforms import FactoredUpdate, _find_states
+from logra_jax.optim.transforms import FactoredUpdate, find_states
 
 KL_MODES = ("clamp", "target")
 
@@ -382,7 +382,7 @@ def predicted_kl_state(opt_state: optax.OptState
                        ) -> Optional[ScaleByPredictedKLState]:
   """The state of the ``scale_by_predicted_kl`` stage inside ``opt_state``,
   or None if the optimizer has none."""
-  found = _find_states(opt_state, ScaleByPredictedKLState)
+  found = find_states(opt_state, ScaleByPredictedKLState)
   if len(found) > 1:
     raise ValueError("the optimizer state holds more than one "
                      "scale_by_predicted_kl stage")

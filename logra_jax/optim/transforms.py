@@ -665,7 +665,8 @@ def unproject(scale: float = 1.0,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _find_states(state, cls) -> list:
+def find_states(state, cls) -> list:
+  """Every sub-state of type ``cls`` in a (possibly nested) optax state."""
   found = []
 
   def walk(node):
@@ -701,8 +702,8 @@ def factored_updates(opt_state: optax.OptState) -> Any:
   Raises:
     ValueError: if the state holds no such pair of stages.
   """
-  projects = _find_states(opt_state, ProjectState)
-  unprojects = [s for s in _find_states(opt_state, UnprojectState)
+  projects = find_states(opt_state, ProjectState)
+  unprojects = [s for s in find_states(opt_state, UnprojectState)
                 if s.factors is not None]
   if len(projects) != 1 or len(unprojects) != 1:
     raise ValueError(

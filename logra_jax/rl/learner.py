@@ -22,6 +22,7 @@ from logra_jax import models
 from logra_jax import sketch_grad
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
+from logra_jax.optim.transforms import find_states
 from logra_jax.rl import algo
 
 
@@ -158,8 +159,7 @@ def skip_non_finite(inner: optax.GradientTransformation
     inputs_ok = loss_ok & grads_ok
     apply = lambda: inner.update(updates, state.inner_state, params,
                                  **extra_args)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(apply)[0])
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(apply)[0])
     new_updates, new_inner = jax.lax.cond(
         inputs_ok, apply, lambda: (zeros, state.inner_state))
     kl_ok = jnp.asarray(True)
@@ -187,14 +187,8 @@ def skip_non_finite(inner: optax.GradientTransformation
 def non_finite_state(opt_state: optax.OptState
                      ) -> SkipNonFiniteState | None:
   """The :func:`skip_non_finite` state inside ``opt_state``, or None."""
-  if isinstance(opt_state, SkipNonFiniteState):
-    return opt_state
-  if isinstance(opt_state, (tuple, list)):
-    for child in opt_state:
-      found = non_finite_state(child)
-      if found is not None:
-        return found
-  return None
+  found = find_states(opt_state, SkipNonFiniteState)
+  return found[0] if found else None
 
 
 def non_finite_reasons(reason: int) -> list[str]:

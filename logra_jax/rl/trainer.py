@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import pathlib
 import shutil
 import signal
@@ -364,11 +363,11 @@ def _learner_step(config: TrainConfig, policy: Policy,
   return params, tx, state_sharding, place_batch, train_step
 
 
-def _check_finite(step: int, metrics: dict[str, float], skipped: set[str],
+def _check_finite(step: int, skipped: set[str],
                   guard: learner_lib.SkipNonFiniteState, limit: int,
                   latest: Optional[int], log: Log) -> None:
-  """Logs a skipped step; raises after ``limit`` in a row, or for a
-  non-finite loss whose update was applied."""
+  """Logs a skipped step (the optimizer's guard sees the loss too, so a
+  non-finite loss is always skipped); raises after ``limit`` in a row."""
   if skipped:
     run = int(guard.consecutive_skips)
     what = ", ".join(sorted(skipped))
@@ -379,11 +378,6 @@ def _check_finite(step: int, metrics: dict[str, float], skipped: set[str],
           f"step {step}: {run} consecutive steps skipped for non-finite "
           f"{what} (max_consecutive_skips={limit}); the weights are those "
           f"after step {step - run}; latest checkpoint: step {latest}")
-  elif not math.isfinite(metrics["loss"]):
-    raise FloatingPointError(
-        f"step {step}: non-finite loss {metrics['loss']} with finite "
-        f"gradients, so the update was applied; stopping (latest checkpoint: "
-        f"step {latest})")
 
 
 def _train(config: TrainConfig, out: pathlib.Path,
@@ -523,7 +517,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
         if tensorboard is not None:
           for name, value in metrics.items():
             tensorboard.add_scalar(name, value, done)
-        _check_finite(done, metrics, skipped, guard,
+        _check_finite(done, skipped, guard,
                       config.max_consecutive_skips,
                       checkpointer.latest_step(), log)
         if stop.received:

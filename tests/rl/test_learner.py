@@ -89,22 +89,27 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   assert float(metrics["kl/realized_k3"]) > 0
 
 
+def _one_step(policy, batch, overrides):
+  """One learner step of the smoke config with ``overrides`` from the
+  policy's weights: ``(params, opt_state, metrics)``."""
+  config = train_config.apply_overrides(SMOKE, overrides)
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  params = jax.tree.map(jnp.copy, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, config)
+  return step(params, tx.init(params), batch)
+
+
 def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
   """LoGRA's learner step with sketch-direct gradients (micro-batched)
   against projecting full gradients."""
   policy, batch, _ = rollout_batch
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
                                                   batch.batch_size))
-  results = {}
-  for mode in ("sketch", "dense"):
-    config = train_config.apply_overrides(SMOKE, [
-        f"optimizer.gradient_mode={mode}", "optimizer.kind=random",
-        "optimizer.max_grad_norm=0", "micro_batches=2"])
-    tx = learner.make_optimizer(config.optimizer, policy.params)
-    params = jax.tree.map(jnp.copy, policy.params)
-    step = learner.make_train_step(policy.graphdef, tx, config)
-    results[mode] = step(params, tx.init(params), batch)
-  (p_s, _, m_s), (p_d, _, m_d) = results["sketch"], results["dense"]
+  (p_s, _, m_s), (p_d, _, m_d) = (
+      _one_step(policy, batch, [f"optimizer.gradient_mode={mode}",
+                                "optimizer.kind=random",
+                                "optimizer.max_grad_norm=0", "micro_batches=2"])
+      for mode in ("sketch", "dense"))
   for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p_s,
                                                       p_d))):
     # Relative to the step (params round at ~1e-9 absolute).
@@ -120,13 +125,9 @@ def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
                                                   batch.batch_size))
-  config = train_config.apply_overrides(SMOKE, [
+  _, _, metrics = _one_step(policy, batch, [
       f"optimizer.name={optimizer}", "optimizer.learning_rate=0.1",
       "optimizer.target_kl=1e-5", "optimizer.kl_subsample=8"])
-  tx = learner.make_optimizer(config.optimizer, policy.params)
-  params = jax.tree.map(jnp.copy, policy.params)
-  step = learner.make_train_step(policy.graphdef, tx, config)
-  _, _, metrics = step(params, tx.init(params), batch)
   assert 0 < float(metrics["kl/scale"]) < 1
   np.testing.assert_allclose(float(metrics["kl/predicted"]), 1e-5, rtol=1e-3)
   assert int(metrics["kl/skipped"]) == 0
