@@ -243,9 +243,17 @@ def test_guard_names_each_non_finite_quantity():
   tx = learner.skip_non_finite(optax.sgd(1.0))
   _, state = tx.update(grads, tx.init(params), params, loss=jnp.inf)
   assert learner.non_finite_reasons(state.reason) == ["loss"]
-  tx = learner.skip_non_finite(optax.scale(10.0))
-  _, state = tx.update({"w": jnp.full(2, 3e38)}, tx.init(params), params)
-  assert learner.non_finite_reasons(state.reason) == ["update"]
+  tx = learner.skip_non_finite(optax.sgd(1.0))
+  _, state = tx.update({"w": jnp.array([1.0, -jnp.inf])}, tx.init(params),
+                       params)
+  assert learner.non_finite_reasons(state.reason) == ["gradients"]
+  # With apply_fn, the update is applied inside the guard (zeros if skipped).
+  apply = lambda u: optax.apply_updates(params, u)
+  new_params, _ = tx.update(grads, tx.init(params), params, apply_fn=apply)
+  assert new_params["w"].tolist() == [0.0, 0.0]
+  new_params, state = tx.update(grads, tx.init(params), params, loss=jnp.nan,
+                                apply_fn=apply)
+  assert new_params["w"].tolist() == [1.0, 1.0] and int(state.reason) == 1
   # A NaN predicted KL: the KL stage already zeroes the step (and counts
   # it); the guard says why.
   tx = learner.skip_non_finite(logra.scale_by_predicted_kl(1e-3))

@@ -27,11 +27,12 @@ from logra_jax.sketch_grad import matmul
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
-# Logical axis names of every parameter, by path (the sharding hook).
+# Logical axis names of every parameter, by path (the sharding hook). The
+# vocabulary tables are split along the vocabulary only (see PARTITION_RULES).
 LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
-  ("embed",): ("vocab", "embed"),
+  ("embed",): ("vocab", None),
   ("final_norm",): ("embed",),
-  ("lm_head",): ("embed", "vocab"),
+  ("lm_head",): (None, "vocab"),
   ("layers", "attn_norm"): ("layers", "embed"),
   ("layers", "q_proj"): ("layers", "embed", "heads"),
   ("layers", "k_proj"): ("layers", "embed", "kv_heads"),

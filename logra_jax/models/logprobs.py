@@ -48,10 +48,8 @@ def completion_hidden_states(
                               completion_mask_BxN.astype(bool)], axis=1)
   hidden_BxTxD, _ = model.hidden_states(ids_BxT.astype(jnp.int32),
                                         attention_mask=mask_BxT)
-  # Under a mesh: the unembedding is gathered once (not per chunk) and the
-  # hidden states stay split by batch.
   return (constrain(hidden_BxTxD[:, P - 1:P + N - 1], ("batch", None, None)),
-          constrain(model.unembedding(), (None, None)))
+          model.unembedding())
 
 
 def token_logprobs(
@@ -125,10 +123,19 @@ def token_logprobs(
   @jax.checkpoint
   def chunk(args):
     hidden_BxCxD, targets_BxC = args
-    logp_BxCxV = jax.nn.log_softmax(
-        project_logits(hidden_BxCxD, w_DxV) / scale, axis=-1)
-    logprobs_BxC = jnp.take_along_axis(
-        logp_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
+    # Under a mesh the unembedding is split along the vocabulary: gather this
+    # chunk's hidden states over the model axes instead of the weight, so
+    # each device computes its vocabulary slice of the logits (and of the
+    # weight's gradient) for all of them.
+    hidden_BxCxD = constrain(hidden_BxCxD, ("vocab_batch", None, None))
+    logits_BxCxV = constrain(project_logits(hidden_BxCxD, w_DxV) / scale,
+                             ("vocab_batch", None, "vocab"))
+    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
+    # A masked sum rather than a gather: it stays split by vocabulary.
+    is_target_BxCxV = (jnp.arange(logp_BxCxV.shape[-1])
+                       == targets_BxC[..., None])
+    logprobs_BxC = jnp.sum(jnp.where(is_target_BxCxV, logp_BxCxV, 0.0),
+                           axis=-1)
     if not return_entropy:
       return (logprobs_BxC,)
     entropy_BxC = -jnp.sum(jnp.exp(logp_BxCxV) * logp_BxCxV, axis=-1)

@@ -27,16 +27,27 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("dp", "fsdp", "tp")
 
 # Logical axis -> mesh axes. Weights: the hidden axis is split by fsdp, the
-# head / MLP / vocabulary axes by tp, the stacked-layer axis never. Activations:
-# the batch axis is split over every data axis.
+# head / MLP axes by tp, the stacked-layer axis never. The vocabulary tables
+# (embeddings, LM head) are split along the vocabulary over fsdp and tp, so the
+# output layer runs vocabulary-parallel: each device computes its vocabulary
+# slice of the logits for the whole fsdp group's tokens ("vocab_batch": the
+# batch axis there), and no device holds a whole [D, V] weight or gradient.
+# Activations: the batch axis is split over every data axis.
 PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "layers": None,
     "embed": "fsdp",
     "heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
-    "vocab": "tp",
+    "vocab": ("fsdp", "tp"),
     "batch": ("dp", "fsdp"),
+    "vocab_batch": "dp",
+}
+
+# Used for a dimension that its PARTITION_RULES axes do not divide (e.g.
+# GPT-2's 50257 tokens over fsdp=8); the dimension is then split as here.
+FALLBACK_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
+    "vocab": "tp",
 }
 
 
@@ -115,6 +126,15 @@ def _mesh_axes_size(mesh: Mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def _present_axes(mesh: Mesh, axes):
+  """``axes`` without the mesh axes of size 1 (they shard nothing)."""
+  if axes is None:
+    return None
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+               if mesh.shape[a] > 1)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def logical_sharding(name: str, shape: Sequence[int],
                      logical_axes: Sequence[Optional[str]], mesh: Mesh,
                      rules: Optional[dict] = None) -> NamedSharding:
@@ -127,12 +147,9 @@ def logical_sharding(name: str, shape: Sequence[int],
   rules = PARTITION_RULES if rules is None else rules
   spec = []
   for dim, (size, logical) in enumerate(zip(shape, logical_axes)):
-    axes = None if logical is None else rules.get(logical)
-    # A mesh axis of size 1 shards nothing; leave it out of the spec.
-    if axes is not None:
-      kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
-                   if mesh.shape[a] > 1)
-      axes = None if not kept else kept[0] if len(kept) == 1 else kept
+    axes = _present_axes(mesh, None if logical is None else rules.get(logical))
+    if size % _mesh_axes_size(mesh, axes) and logical in FALLBACK_RULES:
+      axes = _present_axes(mesh, FALLBACK_RULES[logical])
     parts = _mesh_axes_size(mesh, axes)
     if size % parts:
       raise ValueError(
@@ -172,10 +189,7 @@ def batch_sharding(mesh: Mesh, ndim: int,
                    rules: Optional[dict] = None) -> NamedSharding:
   """Leading (batch) axis split over the data axes; the rest replicated."""
   rules = PARTITION_RULES if rules is None else rules
-  axes = rules["batch"]
-  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
-               if mesh.shape[a] > 1)
-  lead = None if not kept else kept[0] if len(kept) == 1 else kept
+  lead = _present_axes(mesh, rules["batch"])
   return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
 
 

@@ -36,8 +36,8 @@ def make_optimizer(config: OptimizerConfig,
   head and vectors stay dense (AdamW) in both. With ``config.target_kl``,
   every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
   Adam with KL control is available as an ablation). The whole chain is
-  wrapped in :func:`skip_non_finite`: an update with a non-finite gradient,
-  update or predicted KL leaves params and optimizer state unchanged.
+  wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
+  gradient or predicted KL leaves params unchanged.
   """
   schedule = (optax.linear_schedule(0.0, config.learning_rate,
                                     config.warmup_steps)
@@ -76,7 +76,7 @@ def make_optimizer(config: OptimizerConfig,
 
 
 # What `SkipNonFiniteState.reason` bits stand for, lowest bit first.
-NON_FINITE_REASONS = ("loss", "gradients", "predicted KL", "update")
+NON_FINITE_REASONS = ("loss", "gradients", "predicted KL")
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -90,7 +90,7 @@ class SkipNonFiniteState(NamedTuple):
       when the last one was applied).
     reason: what was non-finite in the current run of skipped updates, as
       bits of :data:`NON_FINITE_REASONS` (1 loss, 2 gradients, 4 predicted
-      KL, 8 update); 0 when the last update was applied.
+      KL); 0 when the last update was applied.
   """
 
   count: jax.Array
@@ -108,19 +108,26 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def skip_non_finite(inner: optax.GradientTransformation
                     ) -> optax.GradientTransformationExtraArgs:
-  """Skips any update whose inputs or outputs are not finite.
+  """Skips any update whose loss, gradients or predicted KL are not finite.
 
-  Runs ``inner`` and keeps its update only if the gradients, the resulting
-  update, the optional ``loss`` extra argument and, when a ``kl_predictor``
-  is given, the predicted KL recorded by ``logra.scale_by_predicted_kl`` are
-  all finite; otherwise the update is zero, so params are untouched. A
-  non-finite loss or gradient skips ``inner`` altogether (``lax.cond``), so
-  its state stays as it was at no memory cost; after a non-finite predicted
-  KL or update (with finite gradients) the state advances as ``inner`` left
-  it. Each skip is counted in
+  The loss (the optional ``loss`` extra argument) and the gradients are
+  checked before ``inner`` runs: if either is not finite, ``inner`` is
+  skipped altogether (``lax.cond``), so the update is zero and its state
+  stays as it was, at no memory cost. A non-finite predicted KL (when a
+  ``kl_predictor`` is given, as recorded by ``logra.scale_by_predicted_kl``,
+  which then zeroes the step itself) counts as a skip too, with the state
+  advanced as ``inner`` left it. Each skip is counted in
   :class:`SkipNonFiniteState` (read it on the host with
   :func:`non_finite_state`). Like ``optax.apply_if_finite``, but it also
-  looks at the loss and the predicted KL and reports why.
+  looks at the loss and the predicted KL, reports why, and never holds a
+  second copy of the state.
+
+  The keyword argument ``apply_fn`` (taken here, not passed on) is applied to
+  the update inside the guard, and ``update`` then returns its result in
+  place of the update, e.g. ``apply_fn=lambda u: optax.apply_updates(params,
+  u)`` returns new params; a skipped update reaches it as zeros. The update
+  of every parameter then never exists at once: XLA applies each as soon as
+  it is computed (a low-rank update ``P N`` is as large as its parameter).
 
   Args:
     inner: the optimizer to guard (any optax transformation; extra arguments
@@ -149,33 +156,39 @@ def skip_non_finite(inner: optax.GradientTransformation
                               skipped_steps=zero(), consecutive_skips=zero(),
                               reason=zero())
 
-  def update_fn(updates, state, params=None, *, loss=None, **extra_args):
-    # Decided from the inputs, before the update, with lax.cond: the state is
-    # then updated in place (a select between the new and the old state after
-    # the update keeps a second copy of the whole state alive: +15 GiB per
-    # device for Adam at 27B on fsdp=8).
+  def update_fn(updates, state, params=None, *, loss=None, apply_fn=None,
+                **extra_args):
+    apply_fn = (lambda u: u) if apply_fn is None else apply_fn
     loss_ok = jnp.asarray(True) if loss is None else _all_finite(loss)
     grads_ok = _all_finite(updates)
     inputs_ok = loss_ok & grads_ok
-    apply = lambda: inner.update(updates, state.inner_state, params,
-                                 **extra_args)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(apply)[0])
-    new_updates, new_inner = jax.lax.cond(
-        inputs_ok, apply, lambda: (zeros, state.inner_state))
-    kl_ok = jnp.asarray(True)
-    if extra_args.get("kl_predictor") is not None:
-      kl_state = logra.predicted_kl_state(new_inner)
+
+    inner_update = lambda: inner.update(updates, state.inner_state, params,
+                                        **extra_args)
+
+    def run():
+      new_updates, new_inner = inner_update()
+      kl_ok = jnp.asarray(True)
+      kl_state = (logra.predicted_kl_state(new_inner)
+                  if extra_args.get("kl_predictor") is not None else None)
       if kl_state is not None:
-        kl_ok = jnp.isfinite(kl_state.predicted_kl) | ~inputs_ok
-    update_ok = _all_finite(new_updates)
-    checks = (loss_ok, grads_ok, kl_ok, update_ok)
+        kl_ok = jnp.isfinite(kl_state.predicted_kl)
+      return apply_fn(new_updates), new_inner, kl_ok
+
+    def skip():
+      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(inner_update)[0])
+      return apply_fn(zeros), state.inner_state, jnp.asarray(True)
+
+    # Decided from the inputs, before the update, with lax.cond: the state is
+    # updated in place (a select between the new and the old state keeps a
+    # second copy of the state alive: +15 GiB per device for Adam at 27B).
+    out, new_inner, kl_ok = jax.lax.cond(inputs_ok, run, skip)
+    checks = (loss_ok, grads_ok, kl_ok)
     reason = sum(jnp.where(ok, 0, 1 << i).astype(jnp.int32)
                  for i, ok in enumerate(checks))
     ok = reason == 0
-    new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)),
-                               new_updates)
     skipped = (~ok).astype(jnp.int32)
-    return new_updates, SkipNonFiniteState(
+    return out, SkipNonFiniteState(
         count=optax.safe_increment(state.count), inner_state=new_inner,
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=jnp.where(ok, 0, state.consecutive_skips + 1),
@@ -287,9 +300,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     num, den = nums.sum(), dens.sum()
     metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics)
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    updates, opt_state = tx.update(grads, opt_state, params,
-                                   loss=algo.finalize(num, den), **extra)
-    new_params = optax.apply_updates(params, updates)
+    if not isinstance(opt_state, SkipNonFiniteState):
+      raise TypeError("make_train_step needs an optimizer wrapped in "
+                      "skip_non_finite (make_optimizer wraps it), got a state "
+                      f"of type {type(opt_state).__name__}")
+    # The update is applied inside the optimizer's guard, leaf by leaf.
+    (new_params, update_norm), opt_state = tx.update(
+        grads, opt_state, params, loss=algo.finalize(num, den),
+        apply_fn=lambda u: (optax.apply_updates(params, u),
+                            optax.global_norm(u)), **extra)
 
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
     logp_before_BxT = logp_before.reshape(mask_BxT.shape)
@@ -300,7 +319,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     out.update({
         "loss": algo.finalize(num, den),
         "grad_norm": optax.global_norm(grads),
-        "update_norm": optax.global_norm(updates),
+        "update_norm": update_norm,
         "kl/realized": log_ratio_BxT.sum() / tokens,
         "kl/realized_k3": jnp.sum((jnp.expm1(-log_ratio_BxT) + log_ratio_BxT)
                                   * mask_BxT) / tokens,

@@ -166,7 +166,7 @@ def test_param_layout_and_sharding_metadata():
       check, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
   assert axes["layers"]["q_proj"] == ("layers", "embed", "heads")
   assert axes["layers"]["down_proj"] == ("layers", "mlp", "embed")
-  assert axes["embed"] == ("vocab", "embed")
+  assert axes["embed"] == ("vocab", None)
 
 
 def test_matrix_dimension_numbers():

@@ -147,6 +147,66 @@ def test_sampler_runs_sharded():
       ("dp", "fsdp"), None)
 
 
+def test_vocabulary_tables_split_along_the_vocabulary():
+  _, params = models.split_model(
+      jax.eval_shape(lambda: models.init_model(CONFIG, rngs=0)))
+  mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
+  spec = parallel.param_shardings(params, mesh)["embed"].value.spec
+  assert spec == jax.sharding.PartitionSpec(("fsdp", "tp"), None)
+  # A vocabulary that fsdp * tp does not divide (GPT-2's 50257 on fsdp=8)
+  # falls back to tp alone.
+  odd = dataclasses.replace(CONFIG, vocab_size=34)
+  _, params = models.split_model(
+      jax.eval_shape(lambda: models.init_model(odd, rngs=0)))
+  shardings = parallel.param_shardings(params, mesh)
+  assert shardings["embed"].value.spec == jax.sharding.PartitionSpec("tp",
+                                                                     None)
+  # ... and the log-probs still run split that way, with the same numbers.
+  graphdef, params = models.split_model(models.init_model(odd, rngs=0))
+  batch = _batch()
+
+  def logprobs(params, batch):
+    return models.token_logprobs(
+        graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT, batch.completion_mask_BxT)
+
+  def sharded(params, batch):
+    with models.activation_sharding(mesh, parallel.PARTITION_RULES):
+      return logprobs(params, batch)
+
+  got = jax.jit(sharded, in_shardings=(
+      shardings, parallel.data_shardings(batch, mesh)))(params, batch)
+  np.testing.assert_allclose(got, logprobs(params, batch), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_output_layer_never_holds_the_whole_unembedding():
+  # Vocabulary-parallel log-probs on fsdp=8: the compiled per-device program
+  # has the [V/8, D] slices of the table and its gradient, never [V, D] or
+  # [D, V], in the forward or the backward pass.
+  vocab, hidden = 4096, CONFIG.hidden_size
+  config = dataclasses.replace(CONFIG, vocab_size=vocab)
+  graphdef, params = models.split_model(models.init_model(config, rngs=0))
+  mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=8))
+  shardings = parallel.param_shardings(params, mesh)
+  batch = _batch()
+
+  def loss(params, batch):
+    with models.activation_sharding(mesh, parallel.PARTITION_RULES):
+      return models.token_logprobs(
+          graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
+          batch.completion_tokens_BxT, batch.completion_mask_BxT).sum()
+
+  grad = jax.jit(jax.grad(loss), in_shardings=(
+      shardings, parallel.data_shardings(batch, mesh)), out_shardings=shardings)
+  hlo = grad.lower(params, batch).compile().as_text()
+  assert f"[{vocab // 8},{hidden}]" in hlo
+  assert f"[{vocab},{hidden}]" not in hlo and f"[{hidden},{vocab}]" not in hlo
+  expected = jax.jit(jax.grad(loss))(params, batch)
+  np.testing.assert_allclose(grad(params, batch)["embed"].value,
+                             expected["embed"].value, rtol=1e-5, atol=1e-7)
+
+
 def test_mesh_size_must_match_devices():
   with pytest.raises(ValueError, match="needs 8 devices, but 4 are given"):
     parallel.make_mesh(parallel.MeshConfig(fsdp=8), jax.devices()[:4])
@@ -168,9 +228,9 @@ def test_axis_that_does_not_divide_names_tensor_axis_and_sizes():
   config = dataclasses.replace(CONFIG, hidden_size=60)
   _, params = models.split_model(
       jax.eval_shape(lambda: models.init_model(config, rngs=0)))
-  with pytest.raises(ValueError, match=r"cannot shard \['embed'\] \(shape "
-                     r"\(32, 60\)\): dimension 1 \('embed', size 60\) is not "
-                     r"divisible by mesh axis fsdp of size 8"):
+  with pytest.raises(ValueError, match=r"cannot shard \['final_norm'\] "
+                     r"\(shape \(60,\)\): dimension 0 \('embed', size 60\) is "
+                     r"not divisible by mesh axis fsdp of size 8"):
     parallel.param_shardings(params, mesh)
 
 

@@ -57,7 +57,7 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
   # Non-trivial advantages, so that the gradient is not zero.
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
                                                   batch.batch_size))
-  tx = optax.sgd(1.0)  # params move by exactly the gradient
+  tx = learner.skip_non_finite(optax.sgd(1.0))  # params move by the gradient
   results = []
   for micro in (1, 4):
     config = dataclasses.replace(SMOKE, micro_batches=micro)
@@ -71,6 +71,12 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
                "entropy"):
     np.testing.assert_allclose(m1[name], m4[name], rtol=1e-4, atol=1e-6)
   assert float(m1["grad_norm"]) > 0
+  # The step applies updates inside the non-finite guard; it says so when
+  # the optimizer has none.
+  with pytest.raises(TypeError, match="skip_non_finite"):
+    step = learner.make_train_step(policy.graphdef, optax.sgd(1.0), SMOKE)
+    step(jax.tree.map(jnp.copy, policy.params), optax.sgd(1.0).init(
+        policy.params), batch)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "logra", "galore"])
