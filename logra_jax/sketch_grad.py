@@ -452,7 +452,7 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
   plans = spec.plans
   widths = [min(plan.rank + config.oversample, plan.short)
             if plan.projected else 0 for plan in plans]
-  qr = lambda y: jnp.linalg.qr(y)[0]
+  qr = proj_lib.orthonormal_columns
 
   def first_omega(plan: LeafPlan, k):
     key = proj_lib.window_key(config.seed, plan.index, window)
@@ -495,7 +495,7 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
       return None, None
 
     def rotate():
-      u_BxKxK, _, _ = jnp.linalg.svd(small_BxKxS, full_matrices=False)
+      u_BxKxK, _, _ = proj_lib.thin_svd(small_BxKxS)
       u_BxKxR = u_BxKxK[:, :, :plan.rank]
       return q_BxLxK @ u_BxKxR, jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS
 

@@ -1,6 +1,9 @@
 """The LoGRA chain against optax's own transforms and hand-derived values."""
 
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +171,25 @@ def test_reset_and_keep_policies():
   mu0 = states["keep"][0]
   np.testing.assert_allclose(states["keep"][1][1].inner_state.mu["w"],
                              0.9 * mu0 + 0.1 * s1, rtol=1e-5, atol=1e-7)
+
+
+def test_many_projectors_at_once_do_not_deadlock():
+  # Independent batched QRs in one program (one per weight, as every step of
+  # kind="random" computes them) used to hang XLA:CPU: each jaxlib LAPACK
+  # call blocked a thread of the small intra-op pool waiting for its own
+  # pieces. Run in a subprocess, so that a hang fails instead of blocking.
+  code = """
+import jax
+from logra_jax.optim import projectors
+make = jax.jit(lambda key: [projectors.random_projector(
+    jax.random.fold_in(key, i), 4, 384, 32) for i in range(12)])
+for step in range(5):
+  jax.block_until_ready(make(jax.random.key(step)))
+print("done")
+"""
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=240)
+  assert result.returncode == 0 and "done" in result.stdout, result.stderr
 
 
 def test_random_projector_is_regenerated_not_stored():
