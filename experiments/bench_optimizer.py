@@ -10,7 +10,9 @@ a markdown table of
   arrays; for the 1B tree on its first `--layers-1b` transformer blocks (all
   blocks have the same shapes, so per-block time scales linearly);
 
-each as a ratio to `optax.adam` measured in the same run. Embeddings and the
+each as a ratio to `optax.adam` measured in the same run, and the time of only
+the two rank-r products of every projected matrix (`P^T G`, `P S`), the floor of
+a non-refresh LoGRA step that takes full gradients. Embeddings and the
 LM head stay dense for GaLore and LoGRA alike; every transformer-block matrix
 is projected at the same rank.
 
@@ -118,6 +120,39 @@ def time_steps(tx, shapes, repeats: int) -> float:
   return statistics.median(times)
 
 
+def time_products(shapes, rank: int, repeats: int) -> float:
+  """Median seconds of only the two rank-``rank`` products of every projected
+  block matrix, ``S = P^T G`` and ``P S`` (on the longer side): the floor of a
+  non-refresh LoGRA step that receives full gradients, whatever the rest."""
+  specs = jax.tree.leaves(block_dimension_numbers(shapes), is_leaf=lambda x: (
+      x is None or isinstance(x, optax.contrib.GaLoreDimensionNumbers)))
+  matrices = [s for s, spec in zip(jax.tree.leaves(shapes), specs)
+              if spec is not None]
+  keys = jax.random.split(jax.random.key(0), 2 * len(matrices))
+  grads = [jax.random.normal(k, s.shape) for k, s in zip(keys, matrices)]
+  projectors = [jnp.linalg.qr(jax.random.normal(
+      k, (max(s.shape), rank)))[0] for k, s in zip(keys[len(matrices):],
+                                                    matrices)]
+
+  @jax.jit
+  def products(projectors, grads):
+    out = []
+    for p, g in zip(projectors, grads):
+      if g.shape[0] >= g.shape[1]:
+        out.append(p @ (p.T @ g))
+      else:
+        out.append((g @ p) @ p.T)
+    return out
+
+  jax.block_until_ready(products(projectors, grads))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(products(projectors, grads))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rank", type=int, default=64)
@@ -157,6 +192,9 @@ def main() -> None:
             f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
             f"{step / adam_step:.2f} | {1e3 * refresh:,.1f} | "
             f"{refresh / adam_step:.2f} |")
+    floor = time_products(timed, args.rank, args.repeats)
+    print(f"| {tree_name} | rank-{args.rank} products `P^T G`, `P S` only | - "
+          f"| - | {1e3 * floor:,.1f} | {floor / adam_step:.2f} | - | - |")
 
 
 if __name__ == "__main__":
