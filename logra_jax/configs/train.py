@@ -264,8 +264,7 @@ class TrainConfig:
     seed: seed of sampling and batching.
     checkpoint: when the run's state is saved and what is kept.
     max_consecutive_skips: consecutive steps skipped for a non-finite loss,
-      gradient, update or predicted KL after which the run stops with an
-      error.
+      gradient or predicted KL after which the run stops with an error.
   """
 
   task: TaskConfig = TaskConfig()

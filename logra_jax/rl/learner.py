@@ -113,21 +113,23 @@ def skip_non_finite(inner: optax.GradientTransformation
   The loss (the optional ``loss`` extra argument) and the gradients are
   checked before ``inner`` runs: if either is not finite, ``inner`` is
   skipped altogether (``lax.cond``), so the update is zero and its state
-  stays as it was, at no memory cost. A non-finite predicted KL (when a
+  stays as it was. A non-finite predicted KL (when a
   ``kl_predictor`` is given, as recorded by ``logra.scale_by_predicted_kl``,
   which then zeroes the step itself) counts as a skip too, with the state
   advanced as ``inner`` left it. Each skip is counted in
   :class:`SkipNonFiniteState` (read it on the host with
   :func:`non_finite_state`). Like ``optax.apply_if_finite``, but it also
-  looks at the loss and the predicted KL, reports why, and never holds a
-  second copy of the state.
+  looks at the loss and the predicted KL, reports why, and decides before
+  the update, so no select between the new and the old state keeps a second
+  copy of it.
 
   The keyword argument ``apply_fn`` (taken here, not passed on) is applied to
   the update inside the guard, and ``update`` then returns its result in
   place of the update, e.g. ``apply_fn=lambda u: optax.apply_updates(params,
-  u)`` returns new params; a skipped update reaches it as zeros. The update
-  of every parameter then never exists at once: XLA applies each as soon as
-  it is computed (a low-rank update ``P N`` is as large as its parameter).
+  u)`` returns new params; a skipped update reaches it as zeros. XLA can then
+  apply each leaf's update as soon as it is computed instead of holding the
+  update of every parameter at once (a low-rank update ``P N`` is as large as
+  its parameter).
 
   Args:
     inner: the optimizer to guard (any optax transformation; extra arguments
@@ -285,6 +287,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     return num, (den, metrics, jax.lax.stop_gradient(logp_BxT))
 
   def train_step(params, opt_state, batch: algo.RolloutBatch):
+    if not isinstance(opt_state, SkipNonFiniteState):
+      raise TypeError("make_train_step needs an optimizer wrapped in "
+                      "skip_non_finite (make_optimizer wraps it), got a state "
+                      f"of type {type(opt_state).__name__}")
     micro = batch.micro_batches(config.micro_batches)
     extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
     low_rank = sketch_grad.project_state(opt_state) is not None
@@ -301,17 +307,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     num, den = nums.sum(), dens.sum()
     metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics)
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    if not isinstance(opt_state, SkipNonFiniteState):
-      raise TypeError("make_train_step needs an optimizer wrapped in "
-                      "skip_non_finite (make_optimizer wraps it), got a state "
-                      f"of type {type(opt_state).__name__}")
     loss = algo.finalize(num, den)
     if low_rank:
       # LoGRA's updates P N are expanded and applied inside the guard, leaf by
-      # leaf, so that they never all exist at once (7B, fsdp=8: -0.7 GiB per
-      # device). A dense optimizer's update is cheaper returned (+0.3 GiB at
-      # 7B, +4.3 GiB at 27B when applied inside: the guard's outputs cannot
-      # reuse the params' buffers).
+      # leaf, so that they need not all exist at once (7B, fsdp=8: -0.7 GiB
+      # per device, `logra memory`). A dense optimizer's update is cheaper
+      # returned: applied inside, it cost Adam +0.3 GiB at 7B, +4.3 at 27B.
       (new_params, update_norm), opt_state = tx.update(
           grads, opt_state, params, loss=loss,
           apply_fn=lambda u: (optax.apply_updates(params, u),
@@ -329,7 +330,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
     out = algo.finalize_metrics(metrics)
     out.update({
-        "loss": algo.finalize(num, den),
+        "loss": loss,
         "grad_norm": optax.global_norm(grads),
         "update_norm": update_norm,
         "kl/realized": log_ratio_BxT.sum() / tokens,

@@ -283,10 +283,10 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   ``config.checkpoint`` says and after the last step; ``resume`` continues
   from the newest readable checkpoint there and gives the same numbers as a
   run that was never stopped. SIGTERM or SIGINT stop the run after the
-  current step, with a checkpoint saved. A step whose loss, gradients,
-  update or predicted KL is not finite is skipped (weights and optimizer
-  state unchanged) and logged; ``config.max_consecutive_skips`` in a row
-  stop the run.
+  current step, with a checkpoint saved. A step whose loss, gradients or
+  predicted KL is not finite is skipped (weights unchanged, and the optimizer
+  state too for a non-finite loss or gradient) and logged;
+  ``config.max_consecutive_skips`` in a row stop the run.
 
   Args:
     config: the run.
