@@ -4,7 +4,8 @@ For each model preset (and `tiny`, the main job's model), compiles the real
 train step (abstract inputs, 8 CPU devices unless 8 accelerators are present)
 and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, full
 remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
-(`dense`, then projected) or sketch-direct ones (`sketch`, the default). The
+(`dense`, then projected) or sketch-direct ones (`sketch`, the default), and
+in sketch mode with the embedding table and LM head projected too. The
 colocated-rollout columns add bf16 inference weights and the KV cache of 64
 sequences x 8192 tokens, spread over the 8 devices. Writes `memory_table.md`
 and `memory_table.csv`.
@@ -149,17 +150,19 @@ def main() -> None:
 
   mesh = parallel.MeshConfig.parse(args.mesh)
   rows = []
-  arms = (("adam", "adam", "dense"), ("logra-dense", "logra", "dense"),
-          ("logra", "logra", "sketch"))
+  arms = (("adam", "adam", "dense", False),
+          ("logra-dense", "logra", "dense", False),
+          ("logra", "logra", "sketch", False),
+          ("logra-embeddings", "logra", "sketch", True))
   for name in args.models:
     model = TINY if name == "tiny" else name
-    for arm, optimizer, gradient_mode in arms:
+    for arm, optimizer, gradient_mode, project_embeddings in arms:
       report = memory.plan_memory(
           model, mesh=mesh, optimizer=optimizer, rank=args.rank,
           seq_len=args.seq, rollout_seqs=args.rollout_seqs,
           rollout_tokens=args.rollout_tokens,
           device_memory_gib=args.device_memory_gib,
-          gradient_mode=gradient_mode)
+          gradient_mode=gradient_mode, project_embeddings=project_embeddings)
       train_total = report.total - report.rollout
       rows.append({"model": name, "optimizer": arm,
                    **{k: v for k, v in report.to_dict().items()
@@ -182,13 +185,15 @@ def main() -> None:
       f"<= {args.device_memory_gib:g} GiB per device", "",
       "| model | params | Adam: state / grads / temps / train step | "
       "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
-      "temp + unaliased output: dense -> sketch gradients | LoGRA (sketch) vs Adam "
-      "(train step) | + rollout: Adam | + rollout: LoGRA (sketch) |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "LoGRA, sketch-direct, embeddings projected: same | "
+      "temp + unaliased output: dense -> sketch gradients | train step vs "
+      "Adam: LoGRA (sketch) / embeddings projected | + rollout: Adam | "
+      "+ rollout: LoGRA (sketch) / embeddings projected |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name in args.models:
-    adam, dense, sketch = (next(r for r in rows if r["model"] == name
-                                and r["optimizer"] == arm)
-                           for arm, _, _ in arms)
+    adam, dense, sketch, embeddings = (
+        next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
+        for arm, *_ in arms)
     size = (f"{adam['num_params'] / 1e9:.2f}B" if adam["num_params"] > 1e8
             else f"{adam['num_params'] / 1e6:.2f}M")
     cell = lambda r: (f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
@@ -196,11 +201,12 @@ def main() -> None:
     fits = lambda r: (f"{gib(r['total'])} "
                       f"({'fits' if r['fits_with_rollout'] else 'OOM'})")
     step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
+    change = lambda r: f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
     lines.append(
         f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
-        f"{gib(step(dense))} -> {gib(step(sketch))} | "
-        f"{100 * (sketch['train_total'] / adam['train_total'] - 1):+.1f}% | "
-        f"{fits(adam)} | {fits(sketch)} |")
+        f"{cell(embeddings)} | {gib(step(dense))} -> {gib(step(sketch))} | "
+        f"{change(sketch)} / {change(embeddings)} | {fits(adam)} | "
+        f"{fits(sketch)} / {fits(embeddings)} |")
   table = "\n".join(lines)
   (out / "memory_table.md").write_text(table + "\n")
   print(table)

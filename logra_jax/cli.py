@@ -58,7 +58,8 @@ def _memory(args: argparse.Namespace) -> int:
       micro_batch=args.micro_batch, remat=args.remat,
       rollout_seqs=args.rollout_seqs, rollout_tokens=args.rollout_tokens,
       device_memory_gib=args.device_memory_gib,
-      gradient_mode=args.gradient_mode)
+      gradient_mode=args.gradient_mode,
+      project_embeddings=args.project_embeddings)
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--gradient-mode", choices=["sketch", "dense"],
                     default="sketch",
                     help="LoGRA: sketch-direct gradients or full ones")
+  plan.add_argument("--project-embeddings", action="store_true",
+                    help="LoGRA: project the embedding table and LM head too")
   plan.add_argument("--seq", type=int, default=4096,
                     help="tokens per sequence")
   plan.add_argument("--micro-batch", type=int, default=1,

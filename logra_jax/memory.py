@@ -223,6 +223,7 @@ def plan_memory(
     rollout_tokens: int = 0,
     device_memory_gib: Optional[float] = None,
     gradient_mode: str = "sketch",
+    project_embeddings: bool = False,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -245,6 +246,8 @@ def plan_memory(
       are not sharded, and the dense leaves' gradients) or ``"dense"`` (a full
       float32 gradient laid out like the params, then projected). Adam always
       takes dense gradients.
+    project_embeddings: LoGRA also projects the embedding table and LM head
+      (their gradients and moments become low-rank too).
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
@@ -289,7 +292,8 @@ def plan_memory(
 
   opt_config = train_config.OptimizerConfig(name=optimizer, rank=rank,
                                             warmup_steps=0,
-                                            gradient_mode=gradient_mode)
+                                            gradient_mode=gradient_mode,
+                                            project_embeddings=project_embeddings)
   tx = learner.make_optimizer(opt_config, params)
   state = jax.eval_shape(tx.init, params)
   state_sharding = parallel.optimizer_state_shardings(
@@ -332,6 +336,7 @@ def plan_memory(
       f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {optimizer}"
       + (f" rank {rank}, {gradient_mode} gradients" if optimizer == "logra"
          else "")
+      + (", embeddings projected" if project_embeddings else "")
       + f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
       + (f", rollout {rollout_seqs}x{rollout_tokens} tokens"
          if rollout_seqs else ""))

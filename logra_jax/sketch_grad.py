@@ -83,6 +83,19 @@ class LowRankDelta:
   def dtype(self):
     return self.base.dtype
 
+  @property
+  def T(self) -> "LowRankDelta":  # noqa: N802 (mirrors jax.Array.T)
+    r"""The transpose over the last two axes, still in coordinates ``Z``.
+
+    :math:`(W + F Z)^\top = W^\top + Z^\top F^\top` and
+    :math:`(W + Z F^\top)^\top = W^\top + F Z^\top`: the other form, with
+    the same factor and transposed coordinates (e.g. a tied embedding table
+    used as the unembedding).
+    """
+    swap = lambda a: jnp.swapaxes(a, -1, -2)
+    return LowRankDelta(swap(self.base), self.factor, swap(self.coords),
+                        rows=not self.rows, path=self.path)
+
   def __getitem__(self, key):
     if key is Ellipsis:   # nnx.Variable[...] hands back its value
       return self
@@ -93,13 +106,14 @@ class LowRankDelta:
 
   def _misuse(self, what: str) -> str:
     return (f"parameter {self.path!r} is differentiated in sketch-direct "
-            f"mode and only supports logra_jax.sketch_grad.matmul(x, w), not "
-            f"{what}; multiply it with that function in the model, or use "
+            f"mode and only supports logra_jax.sketch_grad.matmul(x, w) and "
+            f"take(w, ids), not {what}; apply it with those in the model, or use "
             "dense gradients (gradient_mode='dense') for this model")
 
 
 def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
-           dtype: Any = None) -> jax.Array:
+           dtype: Any = None, preferred_element_type: Any = None
+           ) -> jax.Array:
   r"""``x @ w`` over the last axis of ``x``, for a weight or a :class:`LowRankDelta`.
 
   For an array ``w`` this is ``jnp.dot(x, w.astype(dtype))``. For a
@@ -117,6 +131,9 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
     w: ``[m, n]`` weight or ``LowRankDelta``.
     dtype: compute dtype the weight (and low-rank factors) are cast to;
       default: the weight's.
+    preferred_element_type: accumulation and result dtype of the products
+      with the weight (as in ``jnp.dot``), e.g. float32 logits from bfloat16
+      operands.
 
   Returns:
     ``[..., n]``.
@@ -126,21 +143,65 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
     >>> matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
   """
+  dot = lambda a, b: jnp.dot(a, b,
+                             preferred_element_type=preferred_element_type)
   if not isinstance(w, LowRankDelta):
-    return jnp.dot(x, w if dtype is None else w.astype(dtype))
+    return dot(x, w if dtype is None else w.astype(dtype))
+  _consume(w, "matmul")
+  dtype = w.dtype if dtype is None else dtype
+  cast = lambda a: a.astype(dtype)
+  y = dot(x, cast(jax.lax.stop_gradient(w.base)))
+  if w.rows:
+    return y + dot(jnp.dot(x, cast(w.factor)), cast(w.coords))
+  return y + dot(jnp.dot(x, cast(w.coords)), cast(w.factor).T)
+
+
+def take(w: jax.Array | LowRankDelta, ids: jax.Array,
+         dtype: Any = None) -> jax.Array:
+  r"""Rows ``w[ids]`` of an embedding table or a :class:`LowRankDelta`.
+
+  For an array this is ``jnp.take(w, ids, axis=0)`` cast to ``dtype``. For a
+  ``LowRankDelta`` ``[V, D]`` it gathers the rows of each term,
+
+  .. math:: \mathrm{sg}(W)_{ids} + F_{ids} Z \quad\text{or}\quad
+            \mathrm{sg}(W)_{ids} + Z_{ids} F^\top,
+
+  so the gradient with respect to ``Z`` is ``F_{ids}^T dY`` (``[k, D]``) or
+  a scatter of ``dY F`` into ``[V, k]``: never a ``[V, D]`` gradient.
+
+  Args:
+    w: ``[V, D]`` table or ``LowRankDelta``.
+    ids: integer indices, any shape.
+    dtype: dtype of the result; default: the table's.
+
+  Returns:
+    ``[*ids.shape, D]``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> take(jnp.eye(3), jnp.array([2, 0])).tolist()
+    [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
+  """
+  dtype = w.dtype if dtype is None else dtype
+  if not isinstance(w, LowRankDelta):
+    return jnp.take(w, ids, axis=0).astype(dtype)
+  _consume(w, "take")
+  rows = lambda a: jnp.take(a, ids, axis=0).astype(dtype)
+  y = rows(jax.lax.stop_gradient(w.base))
+  if w.rows:
+    return y + jnp.dot(rows(w.factor), w.coords.astype(dtype))
+  return y + jnp.dot(rows(w.coords), w.factor.astype(dtype).T)
+
+
+def _consume(w: LowRankDelta, fn: str) -> None:
+  """Checks ``w`` is one matrix and records that the loss used it."""
   if w.ndim != 2:
     raise ValueError(
-        f"matmul takes one [in, out] matrix; parameter {w.path!r} has shape "
+        f"{fn} takes one [in, out] matrix; parameter {w.path!r} has shape "
         f"{w.shape} (slice its layer axis first, e.g. with lax.scan)")
   consumed = _CONSUMED.get()
   if consumed is not None:
     consumed.add(w.path)
-  dtype = w.dtype if dtype is None else dtype
-  cast = lambda a: a.astype(dtype)
-  y = jnp.dot(x, cast(jax.lax.stop_gradient(w.base)))
-  if w.rows:
-    return y + jnp.dot(jnp.dot(x, cast(w.factor)), cast(w.coords))
-  return y + jnp.dot(jnp.dot(x, cast(w.coords)), cast(w.factor).T)
 
 
 def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
@@ -385,10 +446,10 @@ class _Passes:
                 if plan.projected and plan.path not in consumed]
       if unused:
         raise ValueError(
-            f"the loss never multiplied projected parameters {unused[:5]} "
-            "through logra_jax.sketch_grad.matmul: it must take the params as "
+            f"the loss never used projected parameters {unused[:5]} through "
+            "logra_jax.sketch_grad.matmul or take: it must take the params as "
             "its first argument and use them (not close over another copy), "
-            "and the model must apply those weights with matmul")
+            "and the model must apply those weights with matmul or take")
       return out
 
     value, (dense_grads, coord_grads) = self._grad(lifted_loss,

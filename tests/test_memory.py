@@ -49,6 +49,25 @@ def test_parts_add_up_and_logra_holds_less_state(reports):
   assert reports["logra"].params == reports["adam"].params
 
 
+def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
+  config = models.DecoderConfig.tiny(vocab_size=512)
+  default, projected = (
+      memory.plan_memory(config, mesh=FSDP8, rank=8, seq_len=64,
+                         project_embeddings=flag) for flag in (False, True))
+  # The [512, 64] table and head: a float32 gradient and two moments each,
+  # split over 8 devices, become [8, 64] sketches and two [8, 64] moments
+  # each (whole on every device) plus [512, 8] projectors (split).
+  embeddings = 2 * 512 * 64 * 4 // 8
+  sketches = 2 * 8 * 64 * 4
+  projectors = 2 * 512 * 8 * 4 // 8
+  assert default.grads - projected.grads == embeddings - sketches
+  assert (default.optimizer_state - projected.optimizer_state
+          == 2 * embeddings - 2 * sketches - projectors)
+  assert "embeddings projected" in projected.description
+  with pytest.raises(ValueError, match="project_embeddings applies to logra"):
+    memory.plan_memory(config, optimizer="adam", project_embeddings=True)
+
+
 def test_rollout_reservation_is_weights_plus_kv_cache():
   report = memory.plan_memory(TINY, mesh=FSDP8, seq_len=32, rollout_seqs=4,
                               rollout_tokens=128, device_memory_gib=1e-6)

@@ -14,12 +14,9 @@ from logra_jax.optim import projectors as proj_lib
 VOCAB = 32
 
 
-@pytest.fixture(scope="module")
-def decoder():
-  # Tied embeddings: the embedding is used by a gather and the LM head, never
-  # by `matmul`, and stays a dense leaf. q/k/v/o [2, 64, 64] and down
-  # [2, 128, 64] are projected on the left, gate/up [2, 64, 128] on the right.
-  config = models.DecoderConfig.tiny(vocab_size=VOCAB, tie_word_embeddings=True)
+def _decoder(tie_word_embeddings: bool):
+  config = models.DecoderConfig.tiny(vocab_size=VOCAB,
+                                     tie_word_embeddings=tie_word_embeddings)
   graphdef, params = models.split_model(models.init_model(config, rngs=0))
   ids_BxT = jax.random.randint(jax.random.key(1), (4, 9), 0, VOCAB)
 
@@ -31,9 +28,18 @@ def decoder():
   return params, ids_BxT, loss
 
 
-def _optimizer(params, **kwargs):
-  return logra.logra(1e-2, rank=8, refresh_every=2,
-                     dimension_numbers=models.matrix_dimension_numbers(params),
+@pytest.fixture(scope="module")
+def decoder():
+  # Tied embeddings: the table [32, 64] is gathered (`take`) and used as the
+  # LM head (`matmul` of its transpose). q/k/v/o [2, 64, 64] and down
+  # [2, 128, 64] are projected on the left, gate/up [2, 64, 128] on the right.
+  return _decoder(tie_word_embeddings=True)
+
+
+def _optimizer(params, include_embeddings=False, **kwargs):
+  dims = models.matrix_dimension_numbers(
+      params, include_embeddings=include_embeddings)
+  return logra.logra(1e-2, rank=8, refresh_every=2, dimension_numbers=dims,
                      **kwargs)
 
 
@@ -45,14 +51,14 @@ def _relative(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-@pytest.mark.parametrize("kind", ["range", "random", "svd"])
-def test_sketch_equals_projected_dense_gradient(decoder, kind):
-  params, ids_BxT, loss = decoder
-  tx = _optimizer(params, kind=kind)
+def _check_sketches(params, ids_BxT, loss, tx, kind):
+  """Two steps (a refresh, then the stored projector): each sketch equals the
+  dense gradient projected; returns the projected leaves' paths and sides."""
   opt_state = tx.init(params)
   fn = jax.jit(logra.value_and_sketch_grad(loss))
   loss_value, dense_grads = jax.jit(jax.value_and_grad(loss))(params, ids_BxT)
   sides = set()
+  projected = set()
   for step in range(2):   # a refresh step, then one with the stored projector
     value, grads, projectors = fn(params, opt_state, ids_BxT)
     np.testing.assert_allclose(value, loss_value, rtol=1e-6)
@@ -65,10 +71,12 @@ def test_sketch_equals_projected_dense_gradient(decoder, kind):
         assert _relative(s, g) <= 1e-6, plan.path
         continue
       sides.add(plan.left)
-      assert s.shape == (2, 8, plan.short) and p.shape == (2, plan.long, 8)
-      np.testing.assert_allclose(jnp.swapaxes(p, 1, 2) @ p,
-                                 jnp.broadcast_to(jnp.eye(8), (2, 8, 8)),
-                                 atol=1e-5)
+      projected.add(plan.path.removesuffix(".value"))
+      assert s.shape == (plan.batch, 8, plan.short)
+      assert p.shape == (plan.batch, plan.long, 8)
+      np.testing.assert_allclose(
+          jnp.swapaxes(p, 1, 2) @ p,
+          jnp.broadcast_to(jnp.eye(8), (plan.batch, 8, 8)), atol=1e-5)
       assert _relative(s, plan.sketch(p, g)) <= 1e-5, (kind, step, plan.path)
       if step == 0 and kind == "range":
         # The refresh from thin products is the dense range finder's.
@@ -80,9 +88,29 @@ def test_sketch_equals_projected_dense_gradient(decoder, kind):
         np.testing.assert_allclose(jnp.abs(p), jnp.abs(reference), atol=1e-4)
     _, opt_state = jax.jit(tx.update)(grads, opt_state, params,
                                       projectors=projectors)
+  return projected, sides
+
+
+@pytest.mark.parametrize("kind", ["range", "random", "svd"])
+def test_sketch_equals_projected_dense_gradient(decoder, kind):
+  params, ids_BxT, loss = decoder
+  projected, sides = _check_sketches(params, ids_BxT, loss,
+                                     _optimizer(params, kind=kind), kind)
   assert sides == {True, False}
-  embed = [p for p in _plans(opt_state).plans if "embed" in p.path]
-  assert embed and not embed[0].projected
+  assert "['embed']" not in projected and len(projected) == 7
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_sketches_of_projected_embeddings(tie_word_embeddings):
+  # The table [32, 64] (projected on the right; the range finder's refresh
+  # passes use both forms of the low-rank term) is gathered by `take` and,
+  # when tied, is also the LM head (`matmul` of `.T`); an untied LM head
+  # [64, 32] is projected on the left.
+  params, ids_BxT, loss = _decoder(tie_word_embeddings)
+  tx = _optimizer(params, include_embeddings=True, kind="range")
+  projected, _ = _check_sketches(params, ids_BxT, loss, tx, "range")
+  assert "['embed']" in projected
+  assert ("['lm_head']" in projected) == (not tie_word_embeddings)
 
 
 @pytest.mark.parametrize("kind,tolerance", [("random", 1e-5),
@@ -156,6 +184,14 @@ def test_matmul_of_a_low_rank_delta():
   cols = sketch_grad.LowRankDelta(w, z.T, f, rows=False, path="w")
   np.testing.assert_allclose(sketch_grad.matmul(x, cols), x @ (w + f @ z),
                              rtol=1e-5)
+  y = jax.random.normal(keys[3], (3, 5))
+  for delta in (rows, cols):
+    np.testing.assert_allclose(sketch_grad.matmul(y, delta.T),
+                               y @ (w + f @ z).T, rtol=1e-5)
+  ids = jnp.array([[5, 0], [2, 5]])
+  for delta in (rows, cols):
+    np.testing.assert_allclose(sketch_grad.take(delta, ids), (w + f @ z)[ids],
+                               rtol=1e-5)
   with pytest.raises(TypeError, match="parameter 'w'.*matmul"):
     jnp.sum(rows)
   with pytest.raises(ValueError, match="slice its layer axis"):
@@ -163,21 +199,37 @@ def test_matmul_of_a_low_rank_delta():
         w[None], f[None], z[None], rows=True, path="w"))
 
 
+def test_take_differentiates_the_coordinates_only():
+  # d/dZ sum(take(W + F Z, ids) * c) = F_ids^T c; W gets no gradient.
+  keys = jax.random.split(jax.random.key(1), 4)
+  w, f, c = (jax.random.normal(k, s) for k, s in
+             zip(keys, [(7, 3), (7, 2), (4, 3)]))
+  ids = jnp.array([6, 1, 6, 0])
+
+  def total(w, z):
+    delta = sketch_grad.LowRankDelta(w, f, z, rows=True, path="embed")
+    return jnp.sum(sketch_grad.take(delta, ids) * c)
+
+  dw, dz = jax.grad(total, argnums=(0, 1))(w, jnp.zeros((2, 3)))
+  np.testing.assert_array_equal(dw, jnp.zeros_like(w))
+  np.testing.assert_allclose(dz, f[ids].T @ c, rtol=1e-5)
+
+
 def test_a_loss_that_closes_over_params_is_refused(decoder):
   params, ids_BxT, loss = decoder
   tx = _optimizer(params)
   closed = lambda p, ids: loss(params, ids)
-  with pytest.raises(ValueError, match=r"never multiplied.*q_proj"):
+  with pytest.raises(ValueError, match=r"never used.*q_proj"):
     logra.value_and_sketch_grad(closed)(params, tx.init(params), ids_BxT)
 
 
-def test_weights_the_model_does_not_multiply_with_matmul_are_refused(decoder):
+def test_other_uses_of_a_projected_weight_are_refused(decoder):
   params, ids_BxT, loss = decoder
-  dims = models.matrix_dimension_numbers(params, include_embeddings=True)
-  tx = logra.logra(1e-2, rank=8, dimension_numbers=dims)
-  # The embedding is gathered, not multiplied: the error names it.
+  tx = _optimizer(params, include_embeddings=True)
+  # An L2 penalty reads the table directly: the error names it.
+  penalized = lambda p, ids: loss(p, ids) + jnp.sum(jnp.square(p["embed"][...]))
   with pytest.raises(TypeError, match=r"parameter \"\['embed'\].*matmul"):
-    logra.value_and_sketch_grad(loss)(params, tx.init(params), ids_BxT)
+    logra.value_and_sketch_grad(penalized)(params, tx.init(params), ids_BxT)
 
 
 def test_params_the_state_does_not_know_are_named(decoder):

@@ -174,6 +174,9 @@ class OptimizerConfig:
       gradient is ever held, see :mod:`logra_jax.sketch_grad`) or
       ``"dense"`` (full gradient, then projected). Other optimizers always
       take dense gradients.
+    project_embeddings: also project the embedding table and LM head
+      (logra, galore), whose dense Adam moments are otherwise the largest
+      optimizer state of a large-vocabulary model.
   """
 
   name: str = "logra"
@@ -191,6 +194,7 @@ class OptimizerConfig:
   kl_mode: str = "clamp"
   kl_subsample: Optional[int] = None
   gradient_mode: str = "sketch"
+  project_embeddings: bool = False
 
   def __post_init__(self):
     if self.name not in OPTIMIZERS:
@@ -211,6 +215,9 @@ class OptimizerConfig:
     if self.gradient_mode not in GRADIENT_MODES:
       raise ValueError(f"optimizer.gradient_mode must be one of "
                        f"{GRADIENT_MODES}, got {self.gradient_mode!r}")
+    if self.project_embeddings and self.name == "adam":
+      raise ValueError("optimizer.project_embeddings applies to logra and "
+                       "galore; adam keeps dense moments of every parameter")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,9 @@ import numpy as np
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.optim import DimensionNumbers
+from logra_jax.sketch_grad import LowRankDelta
 from logra_jax.sketch_grad import matmul
+from logra_jax.sketch_grad import take
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -415,7 +417,7 @@ def forward_hidden(
     mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
 
   x_BxTxD = constrain(
-      jnp.take(weights["embed"], input_ids_BxT, axis=0).astype(dt),
+      take(weights["embed"], input_ids_BxT, dt),
       ("batch", None, None))
 
   def body(x_BxTxD, layer):
@@ -445,17 +447,23 @@ def forward_hidden(
   return hidden_BxTxD, new_cache
 
 
-def unembedding(config: DecoderConfig, weights: dict[str, Any]) -> jax.Array:
-  """The output projection `[D, V]` in compute dtype (tied or not)."""
+def unembedding(config: DecoderConfig, weights: dict[str, Any]
+                ) -> jax.Array | LowRankDelta:
+  """The output projection `[D, V]` (tied or not), an array in compute dtype
+  or, under sketch-direct gradients, a `LowRankDelta` (cast when used)."""
   w_DxV = (weights["embed"].T if config.tie_word_embeddings
            else weights["lm_head"])
+  if isinstance(w_DxV, LowRankDelta):
+    return w_DxV
   return w_DxV.astype(config.dtype)
 
 
-def project_logits(hidden_BxTxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
-  """`hidden @ W` accumulated and returned in float32."""
-  return jnp.einsum("btd,dv->btv", hidden_BxTxD, w_DxV,
-                    preferred_element_type=jnp.float32)
+def project_logits(hidden_BxTxD: jax.Array,
+                   w_DxV: jax.Array | LowRankDelta) -> jax.Array:
+  """`hidden @ W` in the hidden states' dtype, accumulated and returned in
+  float32."""
+  return matmul(hidden_BxTxD, w_DxV, hidden_BxTxD.dtype,
+                preferred_element_type=jnp.float32)
 
 
 class Decoder(nnx.Module):

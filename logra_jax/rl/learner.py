@@ -32,8 +32,9 @@ def make_optimizer(config: OptimizerConfig,
 
   Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
   LoGRA. ``optax.contrib.galore`` has no batch axes, so under ``"galore"`` a
-  stacked weight is projected as one ``[L*m, n]`` matrix. Embeddings, the LM
-  head and vectors stay dense (AdamW) in both. With ``config.target_kl``,
+  stacked weight is projected as one ``[L*m, n]`` matrix. Vectors stay dense
+  (AdamW) in both, and so do embeddings and the LM head unless
+  ``config.project_embeddings``. With ``config.target_kl``,
   every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
   Adam with KL control is available as an ablation). The whole chain is
   wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
@@ -42,7 +43,8 @@ def make_optimizer(config: OptimizerConfig,
   schedule = (optax.linear_schedule(0.0, config.learning_rate,
                                     config.warmup_steps)
               if config.warmup_steps else config.learning_rate)
-  dims = models.matrix_dimension_numbers(params)
+  dims = models.matrix_dimension_numbers(
+      params, include_embeddings=config.project_embeddings)
   if config.name == "logra":
     core = logra.logra(
         schedule, rank=config.rank, kind=config.kind,

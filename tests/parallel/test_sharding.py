@@ -34,12 +34,12 @@ def _batch(rows=8, prompt=5, completion=6):
       num_generations=4)
 
 
-def _run(mesh_config, steps=3):
+def _run(mesh_config, steps=3, run=RUN):
   graphdef, params = models.split_model(models.init_model(CONFIG, rngs=0))
-  tx = learner.make_optimizer(RUN.optimizer, params)
+  tx = learner.make_optimizer(run.optimizer, params)
   batch = _batch()
   if mesh_config is None:
-    step = learner.make_train_step(graphdef, tx, RUN)
+    step = learner.make_train_step(graphdef, tx, run)
     state = tx.init(params)
   else:
     mesh = parallel.make_mesh(mesh_config, jax.devices()[:mesh_config.size])
@@ -48,7 +48,7 @@ def _run(mesh_config, steps=3):
                                                         params_sharding, mesh)
     batch_sharding = parallel.data_shardings(batch, mesh)
     step = learner.make_train_step(
-        graphdef, tx, RUN,
+        graphdef, tx, run,
         shardings=(params_sharding, state_sharding, batch_sharding),
         activation_rules=parallel.PARTITION_RULES)
     params = jax.device_put(params, params_sharding)
@@ -64,27 +64,41 @@ def unsharded():
   return _run(None)
 
 
+def _relative(a_tree, b_tree):
+  diff = sum(float(np.sum(np.square(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)))
+  return (diff / sum(float(np.sum(np.square(np.asarray(b))))
+                     for b in jax.tree.leaves(b_tree))) ** 0.5
+
+
 @pytest.mark.parametrize("mesh", ["fsdp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=8"])
 def test_sharded_logra_step_equals_unsharded(unsharded, mesh):
   params, _, metrics = _run(parallel.MeshConfig.parse(mesh))
   ref_params, _, ref_metrics = unsharded
 
-  def relative(a_tree, b_tree):
-    diff = sum(float(np.sum(np.square(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(a_tree),
-                               jax.tree.leaves(b_tree)))
-    return (diff / sum(float(np.sum(np.square(np.asarray(b))))
-                       for b in jax.tree.leaves(b_tree))) ** 0.5
-
   # Sharded reductions sum in another order; Adam's m / sqrt(v) turns those
   # float32 rounding differences of near-zero gradients into differences of
   # a few 1e-5 of single weights, so the bound is on the whole tree.
-  assert relative(params, ref_params) <= 1e-5
+  assert _relative(params, ref_params) <= 1e-5
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-    assert relative(a, b) <= 1e-4
+    assert _relative(a, b) <= 1e-4
   for name in ("loss", "grad_norm", "kl/realized_k3"):
     np.testing.assert_allclose(float(metrics[name]), float(ref_metrics[name]),
                                rtol=1e-4)
+
+
+def test_sharded_step_with_projected_embeddings_equals_unsharded():
+  # The vocabulary-split table and LM head, projected too: their sketches
+  # come from `take` and the vocabulary-parallel logits.
+  run = dataclasses.replace(RUN, optimizer=dataclasses.replace(
+      RUN.optimizer, project_embeddings=True))
+  params, state, _ = _run(parallel.MeshConfig.parse("fsdp=4,tp=2"), run=run)
+  ref_params, _, _ = _run(None, run=run)
+  assert _relative(params, ref_params) <= 1e-5
+  plans = jax.tree.leaves(
+      learner.sketch_grad.project_state(state).spec.plans)
+  assert {p.path for p in plans if p.projected} >= {"['embed'].value",
+                                                    "['lm_head'].value"}
 
 
 def test_derived_state_shardings_are_what_update_produces():

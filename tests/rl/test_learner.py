@@ -197,6 +197,8 @@ def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
     (["optimizer.kl_mode=exact"], "kl_mode must be one of"),
     (["optimizer.kl_subsample=99"], "exceeds the rollout batch"),
     (["optimizer.gradient_mode=full"], "gradient_mode must be one of"),
+    (["optimizer.name=adam", "optimizer.project_embeddings=true"],
+     "project_embeddings applies to logra and galore"),
 ])
 def test_bad_config_is_rejected_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
