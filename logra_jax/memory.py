@@ -262,9 +262,6 @@ def plan_memory(
   """
   if optimizer not in ("adam", "logra"):
     raise ValueError(f"optimizer must be 'adam' or 'logra', got {optimizer!r}")
-  if gradient_mode not in train_config.GRADIENT_MODES:
-    raise ValueError(f"gradient_mode must be one of "
-                     f"{train_config.GRADIENT_MODES}, got {gradient_mode!r}")
   sketch = optimizer == "logra" and gradient_mode == "sketch"
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got "
@@ -278,6 +275,10 @@ def plan_memory(
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
+  opt_config = train_config.OptimizerConfig(name=optimizer, rank=rank,
+                                            warmup_steps=0,
+                                            gradient_mode=gradient_mode,
+                                            project_embeddings=project_embeddings)
   config = model if isinstance(model, models.DecoderConfig) else (
       load_model_config(model))
   name = model if isinstance(model, str) else "custom"
@@ -290,10 +291,6 @@ def plan_memory(
       nnx.eval_shape(lambda: models.init_model(config, rngs=0)))
   params_sharding = parallel.param_shardings(params, device_mesh)
 
-  opt_config = train_config.OptimizerConfig(name=optimizer, rank=rank,
-                                            warmup_steps=0,
-                                            gradient_mode=gradient_mode,
-                                            project_embeddings=project_embeddings)
   tx = learner.make_optimizer(opt_config, params)
   state = jax.eval_shape(tx.init, params)
   state_sharding = parallel.optimizer_state_shardings(

@@ -131,6 +131,9 @@ def test_cli_json_and_errors(capsys):
   assert "not divisible by mesh axis fsdp of size 3" in capsys.readouterr().err
   assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "pp=8"]) == 2
   assert "expected axis=size" in capsys.readouterr().err
+  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--optimizer", "adam",
+                   "--project-embeddings"]) == 2
+  assert "project_embeddings applies to logra" in capsys.readouterr().err
   assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "fsdp=8",
                    "--seq", "64", "--json", "--device-memory-gib", "80"]) == 0
   report = json.loads(capsys.readouterr().out)
