@@ -14,6 +14,8 @@ A linear layer applies it as ``x sg(W) + (x P) Z`` (:func:`matmul`), so the
 backward pass computes ``(x P)^T dY`` directly: no ``m x n`` gradient exists,
 not even for one layer, and micro-batch sums and data-parallel reductions act
 on ``r x n`` sketches. Wide weights use ``W + Z P^T`` (``Z`` is ``m x r``).
+An embedding lookup of a projected table goes through :func:`take`
+(``W[ids] + P[ids] Z``), whose gradient is as thin.
 
 The projector refresh needs no full gradient either: the randomized range
 finder only multiplies the gradient by thin matrices, ``G Omega`` (the same
