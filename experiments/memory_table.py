@@ -201,7 +201,8 @@ def main() -> None:
     fits = lambda r: (f"{gib(r['total'])} "
                       f"({'fits' if r['fits_with_rollout'] else 'OOM'})")
     step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
-    change = lambda r: f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
+    change = lambda r: (
+        f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%")
     lines.append(
         f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
         f"{cell(embeddings)} | {gib(step(dense))} -> {gib(step(sketch))} | "

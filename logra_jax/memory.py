@@ -275,10 +275,9 @@ def plan_memory(
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
-  opt_config = train_config.OptimizerConfig(name=optimizer, rank=rank,
-                                            warmup_steps=0,
-                                            gradient_mode=gradient_mode,
-                                            project_embeddings=project_embeddings)
+  opt_config = train_config.OptimizerConfig(
+      name=optimizer, rank=rank, warmup_steps=0, gradient_mode=gradient_mode,
+      project_embeddings=project_embeddings)
   config = model if isinstance(model, models.DecoderConfig) else (
       load_model_config(model))
   name = model if isinstance(model, str) else "custom"

@@ -86,7 +86,7 @@ class LowRankDelta:
     return self.base.dtype
 
   @property
-  def T(self) -> "LowRankDelta":  # noqa: N802 (mirrors jax.Array.T)
+  def T(self) -> "LowRankDelta":
     r"""The transpose over the last two axes, still in coordinates ``Z``.
 
     :math:`(W + F Z)^\top = W^\top + Z^\top F^\top` and
@@ -109,8 +109,8 @@ class LowRankDelta:
   def _misuse(self, what: str) -> str:
     return (f"parameter {self.path!r} is differentiated in sketch-direct "
             f"mode and only supports logra_jax.sketch_grad.matmul(x, w) and "
-            f"take(w, ids), not {what}; apply it with those in the model, or use "
-            "dense gradients (gradient_mode='dense') for this model")
+            f"take(w, ids), not {what}; apply it with those in the model, or "
+            "use dense gradients (gradient_mode='dense') for this model")
 
 
 def matmul(x: jax.Array, w: jax.Array | LowRankDelta,

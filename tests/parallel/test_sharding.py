@@ -10,6 +10,7 @@ import pytest
 from logra_jax import configs
 from logra_jax import models
 from logra_jax import parallel
+from logra_jax import sketch_grad
 from logra_jax.rl import algo, learner
 
 VOCAB = 32
@@ -95,8 +96,7 @@ def test_sharded_step_with_projected_embeddings_equals_unsharded():
   params, state, _ = _run(parallel.MeshConfig.parse("fsdp=4,tp=2"), run=run)
   ref_params, _, _ = _run(None, run=run)
   assert _relative(params, ref_params) <= 1e-5
-  plans = jax.tree.leaves(
-      learner.sketch_grad.project_state(state).spec.plans)
+  plans = jax.tree.leaves(sketch_grad.project_state(state).spec.plans)
   assert {p.path for p in plans if p.projected} >= {"['embed'].value",
                                                     "['lm_head'].value"}
 
