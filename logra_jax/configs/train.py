@@ -13,18 +13,24 @@ import types
 import typing
 from typing import Any, Optional
 
-from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
-
+from logra_jax.checks import check_choice, check_range
 from logra_jax.optim.kl_control import KL_MODES
+from logra_jax.optim.projectors import KINDS
+from logra_jax.optim.transforms import MOMENT_POLICIES
+from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 
 OPTIMIZERS = ("logra", "adam", "galore")
 GRADIENT_MODES = ("sketch", "dense")
 
 
-def _positive(section: str, **values: float) -> None:
-  for name, value in values.items():
-    if value <= 0:
-      raise ValueError(f"{section}.{name} must be > 0, got {value}")
+def _check(section: str, config: Any, names: str, **bounds: float) -> None:
+  """:func:`check_range` on the fields ``names`` (space-separated) of
+  ``config`` that are not None, each named ``section.field`` (as ``--set``
+  spells it; the top-level fields have no section)."""
+  for name in names.split():
+    value = getattr(config, name)
+    if value is not None:
+      check_range(f"{section}.{name}" if section else name, value, **bounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +64,9 @@ class TaskConfig:
   max_digits: int = 1
 
   def __post_init__(self):
-    _positive("task", size=self.size, eval_size=self.eval_size)
-    if self.terms < 2 or self.max_digits < 1:
-      raise ValueError(f"task.terms must be >= 2 and task.max_digits >= 1, "
-                       f"got {self.terms} and {self.max_digits}")
+    _check("task", self, "size eval_size max_digits", ge=1)
+    _check("task", self, "seed", ge=0)
+    _check("task", self, "terms", ge=2)
     if self.eval_size >= self.size:
       raise ValueError(f"task.eval_size={self.eval_size} must be smaller than "
                        f"task.size={self.size}")
@@ -102,19 +107,22 @@ class PolicyConfig:
   cache_dir: str = "~/.cache/logra_jax/warm_start"
 
   def __post_init__(self):
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"policy.dtype must be 'float32' or 'bfloat16', got "
-                       f"{self.dtype!r}")
-    _positive("policy", hidden_size=self.hidden_size,
-              num_layers=self.num_layers, num_heads=self.num_heads,
-              num_kv_heads=self.num_kv_heads,
-              intermediate_size=self.intermediate_size,
-              warm_start_batch=self.warm_start_batch,
-              warm_start_lr=self.warm_start_lr,
-              warm_start_examples=self.warm_start_examples)
-    if self.warm_start_steps < 0:
-      raise ValueError("policy.warm_start_steps must be >= 0, got "
-                       f"{self.warm_start_steps}")
+    check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
+    _check("policy", self, "hidden_size num_layers num_heads num_kv_heads "
+           "intermediate_size warm_start_batch warm_start_examples", ge=1)
+    _check("policy", self, "warm_start_steps", ge=0)
+    _check("policy", self, "warm_start_lr", gt=0)
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"policy.num_heads={self.num_heads} must divide "
+                       f"policy.hidden_size={self.hidden_size}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"policy.num_kv_heads={self.num_kv_heads} must divide "
+                       f"policy.num_heads={self.num_heads}")
+    if (self.hidden_size // self.num_heads) % 2:
+      raise ValueError(
+          f"policy.hidden_size={self.hidden_size} / policy.num_heads="
+          f"{self.num_heads} = {self.hidden_size // self.num_heads} must be "
+          "even (the head size, for rotary embeddings)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +146,11 @@ class RolloutConfig:
   top_k: int = 0
 
   def __post_init__(self):
-    _positive("rollout", prompts_per_step=self.prompts_per_step,
-              max_new_tokens=self.max_new_tokens, temperature=self.temperature)
-    if self.num_generations < 2:
-      raise ValueError("rollout.num_generations must be >= 2 for group "
-                       f"advantages, got {self.num_generations}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+    _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
+    _check("rollout", self, "num_generations", ge=2)   # a group baseline
+    _check("rollout", self, "temperature", gt=0)
+    _check("rollout", self, "top_p", gt=0, le=1)
+    _check("rollout", self, "top_k", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,24 +203,17 @@ class OptimizerConfig:
   project_embeddings: bool = False
 
   def __post_init__(self):
-    if self.name not in OPTIMIZERS:
-      raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got "
-                       f"{self.name!r}")
-    _positive("optimizer", learning_rate=self.learning_rate, rank=self.rank,
-              refresh_every=self.refresh_every)
-    if self.max_grad_norm < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-      raise ValueError("optimizer.max_grad_norm, weight_decay and warmup_steps "
-                       "must be >= 0")
-    if self.target_kl is not None:
-      _positive("optimizer", target_kl=self.target_kl)
-    if self.kl_mode not in KL_MODES:
-      raise ValueError(f"optimizer.kl_mode must be one of {KL_MODES}, got "
-                       f"{self.kl_mode!r}")
-    if self.kl_subsample is not None:
-      _positive("optimizer", kl_subsample=self.kl_subsample)
-    if self.gradient_mode not in GRADIENT_MODES:
-      raise ValueError(f"optimizer.gradient_mode must be one of "
-                       f"{GRADIENT_MODES}, got {self.gradient_mode!r}")
+    check_choice("optimizer.name", self.name, OPTIMIZERS)
+    check_choice("optimizer.kind", self.kind, KINDS)
+    check_choice("optimizer.moment_policy", self.moment_policy,
+                 MOMENT_POLICIES)
+    check_choice("optimizer.kl_mode", self.kl_mode, KL_MODES)
+    check_choice("optimizer.gradient_mode", self.gradient_mode,
+                 GRADIENT_MODES)
+    _check("optimizer", self, "learning_rate target_kl", gt=0)
+    _check("optimizer", self, "rank refresh_every kl_subsample", ge=1)
+    _check("optimizer", self, "warmup_steps weight_decay max_grad_norm", ge=0)
+    _check("optimizer", self, "b1 b2", ge=0, lt=1)
     if self.project_embeddings and self.name == "adam":
       raise ValueError("optimizer.project_embeddings applies to logra and "
                        "galore; adam keeps dense moments of every parameter")
@@ -246,11 +245,8 @@ class CheckpointConfig:
   async_save: bool = True
 
   def __post_init__(self):
-    if self.every_steps < 0 or self.every_seconds < 0 or self.keep_best < 0:
-      raise ValueError(
-          "checkpoint.every_steps, every_seconds and keep_best must be >= 0, "
-          f"got {self.every_steps}, {self.every_seconds} and {self.keep_best}")
-    _positive("checkpoint", keep=self.keep)
+    _check("checkpoint", self, "every_steps every_seconds keep_best", ge=0)
+    _check("checkpoint", self, "keep", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,12 +285,10 @@ class TrainConfig:
   max_consecutive_skips: int = 3
 
   def __post_init__(self):
-    if self.advantage not in ADVANTAGE_ESTIMATORS:
-      raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
-                       f"{self.advantage!r}")
-    _positive("train", steps=self.steps, num_iterations=self.num_iterations,
-              micro_batches=self.micro_batches,
-              max_consecutive_skips=self.max_consecutive_skips)
+    check_choice("advantage", self.advantage, tuple(ADVANTAGE_ESTIMATORS))
+    _check("", self, "steps num_iterations micro_batches "
+           "max_consecutive_skips", ge=1)
+    _check("", self, "eval_every seed", ge=0)
     batch = self.rollout.prompts_per_step * self.rollout.num_generations
     if batch % self.micro_batches:
       raise ValueError(
@@ -304,8 +298,6 @@ class TrainConfig:
       raise ValueError(
           f"optimizer.kl_subsample={self.optimizer.kl_subsample} exceeds the "
           f"rollout batch of {batch} completions")
-    if self.eval_every < 0:
-      raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
 
 
 PRESETS: dict[str, TrainConfig] = {

@@ -19,6 +19,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from logra_jax.checks import check_range
+
 Array = jax.Array
 Metrics = dict[str, tuple[Array, Array]]
 
@@ -238,22 +240,18 @@ class LossConfig:
   max_len: int | None = None
 
   def __post_init__(self):
-    if self.eps_low < 0 or self.eps_high < 0:
-      raise ValueError(
-          f"clip ranges must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}.")
-    if self.eps_low >= 1:
-      raise ValueError(f"eps_low must be < 1 (ratio floor 1 - eps_low > 0), got {self.eps_low}.")
-    if self.beta < 0:
-      raise ValueError(f"beta (KL coefficient) must be >= 0, got {self.beta}.")
+    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)   # ratio floor > 0
+    check_range("loss.eps_high", self.eps_high, ge=0)
+    check_range("loss.beta", self.beta, ge=0)
+    check_range("loss.kl_clamp", self.kl_clamp, gt=0)
+    if self.max_len is not None:
+      check_range("loss.max_len", self.max_len, ge=1)
     if self.kl_estimator not in KL_ESTIMATORS:
       raise ValueError(
           f"unknown kl_estimator {self.kl_estimator!r}; valid: {list(KL_ESTIMATORS)}.")
-    if self.kl_clamp <= 0:
-      raise ValueError(f"kl_clamp must be > 0, got {self.kl_clamp}.")
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {list(AGGREGATIONS)}.")
-    if self.aggregation == "seq-mean-token-sum-norm" and (
-        self.max_len is None or self.max_len < 1):
+    if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
       raise ValueError(
           "aggregation 'seq-mean-token-sum-norm' needs max_len, the global constant token "
           f"normalizer (e.g. the max new tokens of generation), got max_len={self.max_len}.")
