@@ -73,10 +73,10 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   ``value`` is one of them.
 
   Example:
-    >>> check_choice("optimizer.kind", "qr", ("range", "random", "svd"))
+    >>> check_choice("optimizer.kind", "qr", ("range", "svd"))
     Traceback (most recent call last):
     ...
-    ValueError: optimizer.kind must be one of ('range', 'random', 'svd'), got 'qr'
+    ValueError: optimizer.kind must be one of ('range', 'svd'), got 'qr'
   """
   if value not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

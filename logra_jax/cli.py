@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -20,10 +21,14 @@ def _train(args: argparse.Namespace) -> int:
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
   from logra_jax import parallel
   mesh = parallel.MeshConfig.parse(args.mesh) if args.mesh else None
-  trainer.train(config, out, progress=not args.no_progress, mesh=mesh,
-                resume=args.resume, allow_reshard=args.allow_reshard)
+  summary = trainer.train(config, out, progress=not args.no_progress,
+                          mesh=mesh, resume=args.resume,
+                          allow_reshard=args.allow_reshard)
   print(f"outputs in {out}")
-  return 0
+  # Stopped by a signal, after saving: the shell's status for that signal
+  # (143 for SIGTERM, 130 for SIGINT), so that schedulers see the stop.
+  stopped = summary["stopped_by"]
+  return 128 + signal.Signals[stopped] if stopped else 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -141,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.run(args)
-  except (ValueError, FileExistsError, FileNotFoundError) as error:
-    # Bad input: config, checkpoint (CheckpointError), paths.
+  except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
+          IsADirectoryError, PermissionError) as error:
+    # Bad input: config, checkpoint (CheckpointError), a run folder in use,
+    # paths.
     print(f"logra {args.command}: error: {error}", file=sys.stderr)
     return 2
   except (FloatingPointError, MemoryError) as error:

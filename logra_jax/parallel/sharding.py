@@ -81,18 +81,29 @@ class MeshConfig:
 
   @classmethod
   def parse(cls, text: str | Sequence[str]) -> MeshConfig:
-    """From ``"dp=2,fsdp=4"`` or ``["dp=2", "fsdp=4"]`` (missing axes are 1)."""
+    """From ``"dp=2,fsdp=4"`` or ``["dp=2", "fsdp=4"]`` (missing axes are 1).
+
+    Raises:
+      ValueError: naming the entry that is not ``axis=size``, names an axis
+        not in :data:`MESH_AXES` or one given before, or whose size is not a
+        positive int.
+    """
     items = text.split(",") if isinstance(text, str) else list(text)
     sizes = {}
     for item in (i.strip() for i in items if i.strip()):
-      axis, sep, value = item.partition("=")
+      axis, sep, value = (part.strip() for part in item.partition("="))
       if not sep or axis not in MESH_AXES:
         raise ValueError(f"mesh entry {item!r}: expected axis=size with axis "
                          f"in {MESH_AXES}")
+      if axis in sizes:
+        raise ValueError(f"mesh entry {item!r}: axis {axis} is given twice "
+                         f"(already {axis}={sizes[axis]})")
       try:
         sizes[axis] = int(value)
       except ValueError:
         raise ValueError(f"mesh entry {item!r}: size must be an int") from None
+      if sizes[axis] < 1:
+        raise ValueError(f"mesh entry {item!r}: size must be a positive int")
     return cls(**sizes)
 
   def __str__(self) -> str:

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +62,28 @@ def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
   return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
 
 
+def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
+  """``folder`` as a path if it is a Hugging Face model folder (it holds
+  ``config.json``), else a one-line error naming it: FileNotFoundError or
+  NotADirectoryError, or a ValueError that points a training run's folder
+  to ``logra export``."""
+  folder = pathlib.Path(folder)
+  if not folder.exists():
+    raise FileNotFoundError(f"policy folder {folder} does not exist")
+  if not folder.is_dir():
+    raise NotADirectoryError(f"policy folder {folder} is a file, not a "
+                             "folder")
+  if (folder / "checkpoints").is_dir():
+    raise ValueError(
+        f"{folder} is the folder of a training run, not a policy: write its "
+        f"policy as a Hugging Face folder with `logra export --checkpoint "
+        f"{folder} --out <folder>` and use that")
+  if not (folder / "config.json").is_file():
+    raise FileNotFoundError(f"policy folder {folder} holds no config.json: "
+                            "it is not a Hugging Face model folder")
+  return folder
+
+
 @dataclasses.dataclass
 class Policy:
   """A policy on the host side: weights, tokenizer and a compiled sampler."""
@@ -76,7 +99,7 @@ class Policy:
            mesh: jax.sharding.Mesh | None = None) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh."""
-    folder = pathlib.Path(folder)
+    folder = check_policy_folder(folder)
     model = models.load_pretrained(folder, dtype=dtype)
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
@@ -184,6 +207,51 @@ class PromptStream:
     return next(self._batches)
 
 
+class RunFolderInUseError(ValueError):
+  """Another run holds the output folder (its lock, ``<out>/.lock``)."""
+
+
+@contextlib.contextmanager
+def _locked_run_folder(out: pathlib.Path) -> Iterator[None]:
+  """Creates ``out`` and holds an exclusive lock on it for the block, so
+  that two runs never write the same folder; the second is refused at once.
+  The lock dies with its process: a killed run leaves no stale lock."""
+  out.mkdir(parents=True, exist_ok=True)
+  lock = filelock.FileLock(out / ".lock")
+  try:
+    lock.acquire(timeout=0)
+  except filelock.Timeout:
+    raise RunFolderInUseError(
+        f"{out} is in use by another run (it holds {out / '.lock'}); wait "
+        "for it to end or choose another output folder") from None
+  try:
+    yield
+  finally:
+    lock.release()
+
+
+def _check_inputs(config: TrainConfig, out: pathlib.Path,
+                  mesh: parallel.MeshConfig | None, resume: bool
+                  ) -> tuple[tasks_lib.Task, jax.sharding.Mesh | None]:
+  """Checks what a run needs before anything is written to ``out``: the
+  policy folder, the checkpoint folder of a resumed run, the mesh and the
+  task. Returns the task and the device mesh."""
+  if config.policy.path:
+    check_policy_folder(config.policy.path)
+  if resume and not (out / "checkpoints").is_dir():
+    raise checkpoint.CheckpointError(
+        f"nothing to resume in {out}: no folder {out / 'checkpoints'}")
+  device_mesh = None
+  if mesh is not None:
+    device_mesh = parallel.make_mesh(mesh)
+    rows = config.rollout.prompts_per_step * config.rollout.num_generations
+    if rows % (mesh.dp * mesh.fsdp):
+      raise ValueError(
+          f"the rollout batch of {rows} completions is not divisible by the "
+          f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})")
+  return load_task(config), device_mesh
+
+
 class OutOfMemoryError(MemoryError):
   """The rollout or the train step does not fit in device memory."""
 
@@ -283,7 +351,10 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   ``config.checkpoint`` says and after the last step; ``resume`` continues
   from the newest readable checkpoint there and gives the same numbers as a
   run that was never stopped. SIGTERM or SIGINT stop the run after the
-  current step, with a checkpoint saved. A step whose loss, gradients or
+  current step, with a checkpoint saved and the summary's ``stopped_by``
+  naming the signal. Bad input (policy folder, mesh, task, nothing to
+  resume) is refused before ``out_dir`` is created; while the run lasts it
+  holds a lock on ``out_dir``. A step whose loss, gradients or
   predicted KL is not finite is skipped (weights unchanged, and the optimizer
   state too for a non-finite loss or gradient) and logged;
   ``config.max_consecutive_skips`` in a row stop the run.
@@ -314,6 +385,8 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
     checkpoint.CheckpointError: ``resume`` without a checkpoint, a
       checkpoint from another config, model or mesh, or checkpoints in
       ``out_dir`` without ``resume``.
+    RunFolderInUseError: another run holds ``out_dir``.
+    FileNotFoundError: ``config.policy.path`` is not a model folder.
     FloatingPointError: ``config.max_consecutive_skips`` steps in a row were
       not finite (the message names the step and the quantity).
     OutOfMemoryError: the step does not fit; the message gives the
@@ -321,13 +394,15 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   """
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  checkpointer = checkpoint.Checkpointer(out / "checkpoints", config.checkpoint)
-  try:
-    return _train(config, out, checkpointer, progress, log, mesh, resume,
-                  allow_reshard, start_time)
-  finally:
-    checkpointer.close()
+  task, device_mesh = _check_inputs(config, out, mesh, resume)
+  with _locked_run_folder(out):
+    checkpointer = checkpoint.Checkpointer(out / "checkpoints",
+                                           config.checkpoint)
+    try:
+      return _train(config, out, checkpointer, task, progress, log, mesh,
+                    device_mesh, resume, allow_reshard, start_time)
+    finally:
+      checkpointer.close()
 
 
 def _learner_step(config: TrainConfig, policy: Policy,
@@ -381,10 +456,11 @@ def _check_finite(step: int, skipped: set[str],
 
 
 def _train(config: TrainConfig, out: pathlib.Path,
-           checkpointer: checkpoint.Checkpointer, progress: bool, log: Log,
-           mesh: parallel.MeshConfig | None, resume: bool,
+           checkpointer: checkpoint.Checkpointer, task: tasks_lib.Task,
+           progress: bool, log: Log, mesh: parallel.MeshConfig | None,
+           device_mesh: jax.sharding.Mesh | None, resume: bool,
            allow_reshard: bool, start_time: float) -> dict[str, Any]:
-  """:func:`train` with its checkpoint folder open."""
+  """:func:`train` with its inputs checked and its folder locked."""
   if resume and checkpointer.latest_step() is None:
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no finished checkpoint in "
@@ -394,17 +470,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
         f"{out} holds checkpoints of an earlier run (steps "
         f"{checkpointer.all_steps()}); resume it (logra train --resume) or "
         f"choose another output folder")
-  task = load_task(config)
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
-  device_mesh = None
-  if mesh is not None:
-    device_mesh = parallel.make_mesh(mesh)
-    rows = config.rollout.prompts_per_step * config.rollout.num_generations
-    if rows % (mesh.dp * mesh.fsdp):
-      raise ValueError(
-          f"the rollout batch of {rows} completions is not divisible by the "
-          f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})")
   folder = policy_folder(config, train_examples, log)
   policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype),
                        mesh=device_mesh)
@@ -545,6 +612,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
       "eval_score_after": after["score"],
       "steps": len(history),
       "interrupted": len(history) < config.steps,
+      "stopped_by": stop.received,
       "resumed_from_step": first_step if resume else None,
       "skipped_steps": int(sum(h.get("skipped", 0.0) for h in history)),
       "checkpoint_steps": checkpointer.all_steps(),

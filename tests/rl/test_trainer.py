@@ -1,0 +1,70 @@
+"""The run in its folder: one run at a time, and a stop by SIGTERM that
+saves, writes its results and exits with SIGTERM's status."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from logra_jax import models
+from logra_jax.cli import main as cli_main
+from logra_jax.data.tokenizer import char_tokenizer
+
+WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
+
+
+@pytest.fixture(scope="module")
+def policy_folder(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("policy") / "tiny"
+  tokenizer = char_tokenizer()
+  config = models.DecoderConfig.tiny(
+      vocab_size=len(tokenizer), max_position_embeddings=64,
+      eos_token_ids=(tokenizer.eos_token_id,),
+      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+  models.save_pretrained(models.init_model(config, rngs=0), folder)
+  tokenizer.save_pretrained(folder)
+  return folder
+
+
+def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
+    policy_folder, tmp_path, capsys):
+  out = tmp_path / "run"
+  args = ["train", "--preset=smoke", "--no-progress", f"--out={out}",
+          f"--set=policy.path={policy_folder}", "--set=steps=1000",
+          "--set=checkpoint.every_steps=0"]
+  # A run in a child process, slowed so that it is mid-run for a while.
+  proc = subprocess.Popen(
+      [sys.executable, str(WORKER), "--step-delay", "0.2", "--", *args],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    lines = []
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("ROLLOUT"):
+        break
+    else:
+      pytest.fail(f"the run ended before its first step: {''.join(lines)}")
+    # 1. The same command again while the first runs: refused at once.
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err == (f"logra train: error: {out} is in use by another run (it "
+                   f"holds {out / '.lock'}); wait for it to end or choose "
+                   "another output folder\n")
+    # 2. SIGTERM: the run ends its step, saves, writes its results and
+    # exits with 128 + 15, as a process killed by SIGTERM would.
+    proc.send_signal(signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=600)[0]
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == 128 + signal.SIGTERM == 143, output
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["interrupted"] and summary["stopped_by"] == "SIGTERM"
+  assert summary["checkpoint_steps"] == [summary["steps"]]
+  # One writer: metrics.jsonl holds each finished step once, in order.
+  metrics = [json.loads(line)
+             for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))
