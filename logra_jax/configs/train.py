@@ -86,6 +86,9 @@ class PolicyConfig:
     warm_start_examples: training examples the warm start sees (the first
       ones of the training split); RL draws from the whole split.
     cache_dir: where warm-started policies are kept and reused.
+    reference_dtype: dtype of the frozen reference policy that a KL penalty
+      (``loss.beta > 0``) compares against: ``"bfloat16"`` (2 bytes per
+      parameter) or ``"float32"``.
   """
 
   path: str = ""
@@ -100,11 +103,13 @@ class PolicyConfig:
   warm_start_lr: float = 3e-3
   warm_start_examples: int = 1000
   cache_dir: str = "~/.cache/logra_jax/warm_start"
+  reference_dtype: str = "bfloat16"
 
   def __post_init__(self):
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"policy.dtype must be 'float32' or 'bfloat16', got "
-                       f"{self.dtype!r}")
+    for name in ("dtype", "reference_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16"):
+        raise ValueError(f"policy.{name} must be 'float32' or 'bfloat16', "
+                         f"got {getattr(self, name)!r}")
     _positive("policy", hidden_size=self.hidden_size,
               num_layers=self.num_layers, num_heads=self.num_heads,
               num_kv_heads=self.num_kv_heads,
