@@ -64,7 +64,8 @@ def _memory(args: argparse.Namespace) -> int:
       rollout_seqs=args.rollout_seqs, rollout_tokens=args.rollout_tokens,
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
-      project_embeddings=args.project_embeddings)
+      project_embeddings=args.project_embeddings,
+      reference_dtype=args.reference_dtype)
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LoGRA: sketch-direct gradients or full ones")
   plan.add_argument("--project-embeddings", action="store_true",
                     help="LoGRA: project the embedding table and LM head too")
+  plan.add_argument("--reference-dtype", choices=["bfloat16", "float32"],
+                    default=None,
+                    help="hold a frozen reference policy in this dtype (a "
+                         "run with loss.beta > 0); default: none")
   plan.add_argument("--seq", type=int, default=4096,
                     help="tokens per sequence")
   plan.add_argument("--micro-batch", type=int, default=1,

@@ -139,9 +139,10 @@ class MemoryReport:
   ``params`` and ``optimizer_state`` are the step's resident inputs;
   ``grads`` the gradient it materializes (full, or the sketches in
   sketch-direct mode); ``temporaries`` everything
-  else XLA allocates during the step (activations, workspace), so that
-  ``total = params + optimizer_state + batch + grads + temporaries +
-  outputs not aliased to inputs + rollout``.
+  else XLA allocates during the step (activations, workspace);
+  ``reference`` the frozen reference policy's weights of a KL penalty, so
+  that ``total = params + optimizer_state + batch + grads + temporaries +
+  outputs not aliased to inputs + reference + rollout``.
   """
 
   params: int
@@ -150,6 +151,7 @@ class MemoryReport:
   batch: int
   temporaries: int
   outputs: int
+  reference: int
   rollout: int
   total: int
   device_memory: Optional[int]
@@ -164,7 +166,8 @@ class MemoryReport:
   def to_dict(self) -> dict[str, Any]:
     return {"params": self.params, "grads": self.grads,
             "optimizer_state": self.optimizer_state,
-            "temporaries": self.temporaries, "rollout": self.rollout,
+            "temporaries": self.temporaries, "reference": self.reference,
+            "rollout": self.rollout,
             "total": self.total, "fits": self.fits, "batch": self.batch,
             "outputs": self.outputs, "device_memory": self.device_memory,
             "num_params": self.num_params, "description": self.description}
@@ -174,6 +177,7 @@ class MemoryReport:
             ("optimizer state", self.optimizer_state),
             ("batch", self.batch), ("temporaries", self.temporaries),
             ("outputs (not aliased)", self.outputs),
+            ("reference policy", self.reference),
             ("rollout reservation", self.rollout), ("total", self.total)]
     lines = [self.description, "per device:"]
     lines += [f"  {name:<22} {value / GIB:9.2f} GiB" for name, value in rows]
@@ -224,6 +228,7 @@ def plan_memory(
     device_memory_gib: Optional[float] = None,
     gradient_mode: str = "sketch",
     project_embeddings: bool = False,
+    reference_dtype: Optional[str] = None,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -248,6 +253,12 @@ def plan_memory(
       takes dense gradients.
     project_embeddings: LoGRA also projects the embedding table and LM head
       (their gradients and moments become low-rank too).
+    reference_dtype: hold a frozen reference policy in this dtype
+      (``"bfloat16"`` or ``"float32"``), as a run with ``loss.beta > 0``
+      does: its weights, laid out like the params, stay resident, and the
+      batch carries its log-probabilities. Its forward pass runs in a
+      program of its own, before the step, with fewer temporaries than the
+      step. None: no reference (``loss.beta = 0``).
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
@@ -272,6 +283,9 @@ def plan_memory(
       raise ValueError(f"{name} must be >= 1, got {value}")
   if rollout_seqs < 0 or rollout_tokens < 0:
     raise ValueError("rollout_seqs and rollout_tokens must be >= 0")
+  if reference_dtype not in (None, "bfloat16", "float32"):
+    raise ValueError(f"reference_dtype must be 'bfloat16' or 'float32', got "
+                     f"{reference_dtype!r}")
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
@@ -305,10 +319,14 @@ def plan_memory(
       completion_mask_BxT=sds((rows, completion_len), jnp.int32),
       old_logp_BxT=sds((rows, completion_len), jnp.float32),
       advantages_B=sds((rows,), jnp.float32),
-      num_generations=rows)
+      num_generations=rows,
+      ref_logp_BxT=(None if reference_dtype is None
+                    else sds((rows, completion_len), jnp.float32)))
   batch_sharding = parallel.data_shardings(batch, device_mesh)
-  run_config = dataclasses.replace(train_config.TrainConfig(),
-                                   optimizer=opt_config, micro_batches=1)
+  run_config = dataclasses.replace(
+      train_config.TrainConfig(), optimizer=opt_config, micro_batches=1,
+      loss=dataclasses.replace(train_config.TrainConfig().loss,
+                               beta=0.0 if reference_dtype is None else 0.04))
   step = learner.make_train_step(
       graphdef, tx, run_config,
       shardings=(params_sharding, state_sharding, batch_sharding),
@@ -323,23 +341,27 @@ def plan_memory(
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
   temporaries = stats.temp_size_in_bytes - grads_bytes
   num_params = int(sum(math.prod(p.shape) for p in jax.tree.leaves(params)))
+  reference = 0 if reference_dtype is None else _sharded_bytes(
+      jax.tree.map(lambda p: sds(p.shape, reference_dtype), params),
+      params_sharding)
   kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
   rollout = -(-(2 * num_params + kv_per_token * rollout_seqs * rollout_tokens)
               // mesh.size) if rollout_seqs else 0
   total = (stats.argument_size_in_bytes + outputs + stats.temp_size_in_bytes
-           + rollout)
+           + reference + rollout)
   description = (
       f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {optimizer}"
       + (f" rank {rank}, {gradient_mode} gradients" if optimizer == "logra"
          else "")
       + (", embeddings projected" if project_embeddings else "")
+      + (f", {reference_dtype} reference policy" if reference_dtype else "")
       + f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
       + (f", rollout {rollout_seqs}x{rollout_tokens} tokens"
          if rollout_seqs else ""))
   return MemoryReport(
       params=params_bytes, grads=grads_bytes, optimizer_state=state_bytes,
       batch=batch_bytes, temporaries=temporaries, outputs=outputs,
-      rollout=rollout, total=total,
+      reference=reference, rollout=rollout, total=total,
       device_memory=(None if device_memory_gib is None
                      else int(device_memory_gib * GIB)),
       num_params=num_params, description=description)

@@ -91,6 +91,9 @@ class PolicyConfig:
     warm_start_examples: training examples the warm start sees (the first
       ones of the training split); RL draws from the whole split.
     cache_dir: where warm-started policies are kept and reused.
+    reference_dtype: dtype of the frozen reference policy that a KL penalty
+      (``loss.beta > 0``) compares against: ``"bfloat16"`` (2 bytes per
+      parameter) or ``"float32"``.
   """
 
   path: str = ""
@@ -105,9 +108,12 @@ class PolicyConfig:
   warm_start_lr: float = 3e-3
   warm_start_examples: int = 1000
   cache_dir: str = "~/.cache/logra_jax/warm_start"
+  reference_dtype: str = "bfloat16"
 
   def __post_init__(self):
     check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
+    check_choice("policy.reference_dtype", self.reference_dtype,
+                 ("float32", "bfloat16"))
     _check("policy", self, "hidden_size num_layers num_heads num_kv_heads "
            "intermediate_size warm_start_batch warm_start_examples", ge=1)
     _check("policy", self, "warm_start_steps", ge=0)

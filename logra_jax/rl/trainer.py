@@ -27,6 +27,7 @@ from logra_jax.data import tasks as tasks_lib
 from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
 from logra_jax.rl import learner as learner_lib
+from logra_jax.rl import reference as reference_lib
 from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rl.warm_start import warm_start
 
@@ -269,10 +270,12 @@ def memory_command(config: TrainConfig, mesh: parallel.MeshConfig | None,
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   per_device = max(1, rows // config.micro_batches // (mesh.dp * mesh.fsdp))
   optimizer = "adam" if config.optimizer.name == "adam" else "logra"
+  reference = (f" --reference-dtype {config.policy.reference_dtype}"
+               if config.loss.beta > 0 else "")
   return (f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
           f"--optimizer {optimizer} --rank {config.optimizer.rank} "
           f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
-          f"--rollout-tokens {seq_len}")
+          f"--rollout-tokens {seq_len}{reference}")
 
 
 def out_of_memory_error(error: BaseException, step: int, command: str
@@ -408,10 +411,12 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
 def _learner_step(config: TrainConfig, policy: Policy,
                   mesh: jax.sharding.Mesh | None):
   """The optimizer and the jitted train step of a run, with the policy's
-  params placed for it, the optimizer state's sharding and a function that
-  places a rollout batch."""
+  params placed for it, the optimizer state's sharding, a function that
+  places a rollout batch and, when ``config.loss.beta > 0``, the function
+  that fills in its reference log-probabilities (else None)."""
   params = policy.params
   tx = learner_lib.make_optimizer(config.optimizer, params)
+  with_reference = config.loss.beta > 0
   if mesh is None:
     # Every input committed to the one device, like restored state and the
     # step's outputs: the first step compiles the program all others run.
@@ -420,22 +425,32 @@ def _learner_step(config: TrainConfig, policy: Policy,
     params = jax.device_put(params, state_sharding)
     place_batch = lambda batch: jax.device_put(batch, state_sharding)
     train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
-    return params, tx, state_sharding, place_batch, train_step
+    fill_reference = (reference_lib.make_reference_logprobs(
+        policy.graphdef, config.rollout.temperature) if with_reference
+                      else None)
+    return (params, tx, state_sharding, place_batch, train_step,
+            fill_reference)
   params_sharding = parallel.param_shardings(params, mesh)
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, mesh)
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
-  batch_sharding = algo.RolloutBatch(
+  rollout_sharding = algo.RolloutBatch(
       prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
       completion_tokens_BxT=row(2), completion_mask_BxT=row(2),
       old_logp_BxT=row(2), advantages_B=row(1),
       num_generations=config.rollout.num_generations)
-  place_batch = lambda batch: jax.device_put(batch, batch_sharding)
+  place_batch = lambda batch: jax.device_put(batch, rollout_sharding)
+  batch_sharding = (rollout_sharding.replace(ref_logp_BxT=row(2))
+                    if with_reference else rollout_sharding)
   train_step = learner_lib.make_train_step(
       policy.graphdef, tx, config,
       shardings=(params_sharding, state_sharding, batch_sharding),
       activation_rules=parallel.PARTITION_RULES)
-  return params, tx, state_sharding, place_batch, train_step
+  fill_reference = (reference_lib.make_reference_logprobs(
+      policy.graphdef, config.rollout.temperature,
+      shardings=(params_sharding, rollout_sharding),
+      activation_rules=parallel.PARTITION_RULES) if with_reference else None)
+  return params, tx, state_sharding, place_batch, train_step, fill_reference
 
 
 def _check_finite(step: int, skipped: set[str],
@@ -488,13 +503,20 @@ def _train(config: TrainConfig, out: pathlib.Path,
       saved = None   # restore_latest falls back to an older checkpoint
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
-  params, tx, state_sharding, place_batch, train_step = _learner_step(
-      config, policy, device_mesh)
+  (params, tx, state_sharding, place_batch, train_step,
+   fill_reference) = _learner_step(config, policy, device_mesh)
+  # The frozen reference policy (loss.beta > 0): the initial weights, in
+  # policy.reference_dtype, laid out like the params.
+  ref_params = (None if fill_reference is None else
+                reference_lib.reference_params(
+                    params, jnp.dtype(config.policy.reference_dtype)))
   if resume:
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(params),
         opt_state=checkpoint.abstract_state(jax.eval_shape(tx.init, params),
                                             state_sharding),
+        ref_params=(None if ref_params is None
+                    else checkpoint.abstract_state(ref_params)),
         expected_meta=meta, allow_reshard=allow_reshard, log=log)
     if restored.step > config.steps:
       raise checkpoint.CheckpointError(
@@ -502,6 +524,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
           f"is at step {restored.step}, beyond steps={config.steps}")
     params, opt_state, loop = (restored.params, restored.opt_state,
                                restored.loop)
+    ref_params = restored.ref_params
     log(f"resuming from step {restored.step} "
         f"({checkpointer.directory / str(restored.step)})")
   else:
@@ -514,6 +537,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
       "dense_adam_state_bytes": learner_lib.dense_adam_state_bytes(params),
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "reference_bytes": sum(x.nbytes for x in jax.tree.leaves(ref_params)),
   }
   def memory_hint(examples):
     seq = max(map(len, policy.encode([e["prompt"] for e in examples])))
@@ -539,7 +563,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
         extras={"eval_before": before, "wall_seconds": wall_before
                 + time.perf_counter() - start_time})
     checkpointer.save(step, params=params, opt_state=opt_state, loop=state,
-                      meta=meta, eval_accuracy=eval_accuracy, wait=wait)
+                      meta=meta, ref_params=ref_params,
+                      eval_accuracy=eval_accuracy, wait=wait)
 
   bar = tqdm.tqdm(range(first_step, config.steps), desc="RL",
                   disable=not progress, dynamic_ncols=True,
@@ -559,6 +584,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
           batch, metrics = rollout(policy, params, examples, config, rewards,
                                    rollout_key)
           batch = place_batch(batch)
+          if fill_reference is not None:
+            batch = fill_reference(ref_params, batch)
           rollout_seconds = time.perf_counter() - step_start
           skipped = set()
           for _ in range(config.num_iterations):
