@@ -446,7 +446,7 @@ class RewardFailureWarnings:
       failed = report.failures[name] + report.timeouts[name]
       line = (f"warning: reward {name} failed on {failed} of {n} samples "
               f"({fraction:.0%}) of a batch; first: "
-              f"{report.first_errors[name]}.")
+              f"{report.first_errors[name].rstrip('.')}.")
       if last is None:
         line += (" Check the reward and the task's answers; this warning "
                  f"repeats at most every {self._every} batches.")

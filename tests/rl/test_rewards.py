@@ -182,7 +182,7 @@ def test_unparseable_references_give_a_failure_fraction_and_a_warning():
   assert len(lines) == 1
   assert lines[0].startswith(
       "warning: reward math_verify_equivalence failed on 3 of 4 samples (75%)")
-  assert "cannot parse the reference answer ''" in lines[0]
+  assert "cannot parse the reference answer ''. Check" in lines[0]
 
 
 def _report(failed, timed_out=0, n=8):
