@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -170,6 +171,59 @@ def _is_empty_file(path: str) -> bool:
     return f.read(4096).strip() in ("", "[]")
 
 
+def _json_lines_problem(lines: Sequence[str]) -> str | None:
+  """Where and why JSON lines are not one JSON object each, or None."""
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      return f"line {number}: not valid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(row, dict):
+      return (f"line {number}: a JSON {type(row).__name__}, not a JSON "
+              "object (one row per line)")
+  return None
+
+
+def _json_problem(path: str) -> str | None:
+  """The line and reason of a JSON or JSON Lines syntax error, or None.
+
+  A ``.json`` file may hold one document (an array of rows) or JSON lines, as
+  ``datasets`` accepts; it is read as lines when its first line is a row.
+  """
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  lines = text.splitlines()
+  if path.lower().endswith(".json"):
+    try:
+      json.loads(text)
+      return None
+    except json.JSONDecodeError as e:
+      first_row = [line for line in lines if line.strip()][:1]
+      if _json_lines_problem(first_row) is not None:
+        return f"line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})"
+  return _json_lines_problem(lines)
+
+
+def _load_rows(builder: str, path: str) -> datasets.Dataset | None:
+  """The rows of one file, None if it has none; a one-line error names it."""
+  try:
+    if _is_empty_file(path):
+      return None
+    problem = _json_problem(path) if builder == "json" else None
+    if problem is None:
+      return datasets.load_dataset(builder, data_files=[path], split="train")
+  except Exception as e:  # noqa: BLE001 -- pyarrow, pandas, datasets errors.
+    root = e
+    while root.__cause__ or root.__context__:
+      root = root.__cause__ or root.__context__
+    reason = (str(root).strip().splitlines() or [""])[0]
+    raise ValueError(
+        f"cannot read {path}: {type(root).__name__}: {reason}") from e
+  raise ValueError(f"{path}, {problem}.")
+
+
 def file_task(
     data_files: str | os.PathLike | Sequence[str | os.PathLike],
     *,
@@ -182,7 +236,9 @@ def file_task(
   r"""A task from local JSONL / JSON / parquet files, read with ``datasets.load_dataset``.
 
   Every row becomes ``{**row, "prompt": ..., "answer": ...}``; the other columns are kept
-  (reward functions receive them).
+  (reward functions receive them). Bad input is a one-line ``ValueError``
+  naming the file and the line (from 1) of a JSON syntax error, or the row
+  (from 0) of a null or missing prompt or answer.
 
   Args:
     data_files: one path or a list of paths, all with the same extension (``.jsonl``,
@@ -215,32 +271,47 @@ def file_task(
   if missing_files:
     raise FileNotFoundError(f"data files not found: {missing_files}.")
   name = name or os.path.splitext(os.path.basename(paths[0]))[0]
-  # `datasets` fails obscurely on files without rows, so leave them out and check first.
-  empty_error = ValueError(f"task {name!r}: data files {paths} hold no rows (empty dataset).")
-  nonempty = [p for p in paths if not _is_empty_file(p)]
-  if not nonempty:
-    raise empty_error
-  rows = datasets.load_dataset(FILE_BUILDERS[extensions.pop()], data_files=nonempty, split="train")
-  if len(rows) == 0:
-    raise empty_error
-  for role, column in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+  builder = FILE_BUILDERS[extensions.pop()]
+  examples = []
+  for path in paths:
+    rows = _load_rows(builder, path)
+    if rows is not None:
+      examples += _file_examples(path, rows, prompt_column, answer_column,
+                                 template, answer_after)
+  if not examples:
+    raise ValueError(
+        f"task {name!r}: data files {paths} hold no rows (empty dataset).")
+  return Task(name=name, examples=tuple(examples))
+
+
+def _file_examples(
+    path: str, rows: datasets.Dataset, prompt_column: str, answer_column: str,
+    template: str, answer_after: str | None) -> list[Example]:
+  """The examples of one file's rows; errors name the file and the row."""
+  for role, column in (("prompt_column", prompt_column),
+                       ("answer_column", answer_column)):
     if column not in rows.column_names:
       raise ValueError(
-          f"{role}={column!r} is not a column of {paths}; available columns: "
+          f"{role}={column!r} is not a column of {path}; available columns: "
           f"{rows.column_names}.")
   examples = []
   for i, row in enumerate(rows):
-    prompt = _format(
-        template, {**row, "prompt": row[prompt_column]}, f"row {i} of {paths}")
+    for role, column in (("prompt", prompt_column), ("answer", answer_column)):
+      if row[column] is None:
+        raise ValueError(
+            f"{path}, row {i}: column {column!r} is null or missing; every "
+            f"row needs its {role}.")
+    where = f"{path}, row {i}"
+    prompt = _format(template, {**row, "prompt": row[prompt_column]}, where)
     answer = str(row[answer_column])
     if answer_after is not None:
       if answer_after not in answer:
         raise ValueError(
-            f"row {i} of {paths}: answer {answer!r} has no marker {answer_after!r} "
+            f"{where}: answer {answer!r} has no marker {answer_after!r} "
             "(answer_after).")
       answer = answer.rsplit(answer_after, 1)[1].strip()
     examples.append({**row, "prompt": prompt, "answer": answer})
-  return Task(name=name, examples=tuple(examples))
+  return examples
 
 
 def compact_expression_prompt(entry: Mapping[str, Any]) -> str:

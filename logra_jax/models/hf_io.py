@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import tempfile
 from typing import Any
+import warnings
 
 from flax import nnx
 import jax
@@ -88,6 +89,52 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     return {name: single for name in f.keys()}
 
 
+def _folder(path: str | os.PathLike) -> pathlib.Path:
+  """`path` as a folder, or an error naming it (not a hub repo id error)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"Model folder {path} does not exist.")
+  if not path.is_dir():
+    raise ValueError(f"{path} is a file, not a model folder.")
+  return path
+
+
+def _read_config(path: pathlib.Path) -> None:
+  """Checks that `path/config.json` is an HF model config, naming it if not."""
+  file = path / "config.json"
+  if not file.is_file():
+    raise FileNotFoundError(
+        f"There is no config.json in {path}: not a Hugging Face model folder.")
+  try:
+    config = json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file} is not valid JSON: {e}") from None
+  if not isinstance(config, dict) or "model_type" not in config:
+    raise ValueError(
+        f"{file} has no 'model_type': not a Hugging Face model config.")
+
+
+def _warn_unknown(path: pathlib.Path, names: set[str]) -> None:
+  """Warns about checkpoint tensors the model does not use (a few, a count)."""
+  # Older Llama exports carry the rotary frequencies, which we recompute.
+  unknown = sorted(n for n in names if not n.endswith("rotary_emb.inv_freq"))
+  if unknown:
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    warnings.warn(
+        f"{len(unknown)} tensors in {path} are not used by the model and were "
+        f"ignored: {unknown[:5]}{more}.", stacklevel=3)
+
+
+def _check_finite(name: str, file: pathlib.Path, value: np.ndarray) -> None:
+  """Raises a ValueError naming a tensor with NaN or infinite values."""
+  bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+  if bad:
+    raise ValueError(
+        f"Tensor {name!r} in {file} has {bad} non-finite value"
+        f"{'s' if bad > 1 else ''} (NaN or inf) in {value.dtype}; pass "
+        "allow_non_finite=True to load it anyway.")
+
+
 def _open(file: pathlib.Path):
   """`safe_open` with an error that names a corrupt or truncated file."""
   try:
@@ -100,6 +147,7 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     mesh: jax.sharding.Mesh | None = None, *,
                     compute_dtype: Any = None,
                     sharding_rules: dict[str, Any] | None = None,
+                    allow_non_finite: bool = False,
                     **config_overrides: Any) -> Decoder:
   """Loads a local HF Llama/Qwen2/Qwen3 folder into a `Decoder`.
 
@@ -111,16 +159,23 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
       `logical_to_mesh(metadata, mesh, sharding_rules)`. None: default device.
     compute_dtype: activation dtype; defaults to `dtype`.
     sharding_rules: logical-to-mesh table passed to `logical_to_mesh`.
+    allow_non_finite: load tensors holding NaN or inf (in `dtype`) instead
+      of refusing them.
     **config_overrides: extra `DecoderConfig` fields (e.g. `remat`).
 
   Returns:
     The model.
 
   Raises:
-    ValueError: unsupported architecture, unreadable file, missing tensor, or
-      a tensor whose shape disagrees with the config.
-    FileNotFoundError: no safetensors, or a shard listed in the index is
-      missing.
+    ValueError: `path` is a file, config.json is not an HF model config,
+      unsupported architecture, unreadable file, missing tensor, a tensor
+      whose shape disagrees with the config, or a non-finite tensor (unless
+      `allow_non_finite`).
+    FileNotFoundError: no folder `path`, no config.json, no safetensors, or a
+      shard listed in the index is missing.
+
+  Tensors of the checkpoint that the model does not use are named in a
+  `UserWarning`.
 
   Example:
     >>> import pathlib, tempfile
@@ -132,7 +187,8 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
   """
   import transformers  # Heavy import, only needed here.
 
-  path = pathlib.Path(path)
+  path = _folder(path)
+  _read_config(path)
   hf_config = transformers.AutoConfig.from_pretrained(path)
   config = DecoderConfig.from_hf(
       hf_config, param_dtype=dtype,
@@ -147,6 +203,8 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
       if name not in files:
         raise ValueError(f"Tensor {name!r} is missing from the checkpoint in "
                          f"{path}.")
+  _warn_unknown(path, set(files) - {name for tensors in wanted.values()
+                                    for name, _ in tensors})
 
   np_dtype = np.dtype(jnp.dtype(config.param_dtype))
   with contextlib.ExitStack() as stack:
@@ -164,10 +222,13 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
       _, transpose = HF_NAMES[p]
       parts = []
       for name, _ in wanted[p]:
-        t = handles[files[name]].get_tensor(name)
+        with np.errstate(over="ignore"):   # overflow gives inf: refused below
+          t = handles[files[name]].get_tensor(name).astype(np_dtype,
+                                                           copy=False)
+        if not allow_non_finite:
+          _check_finite(name, files[name], t)
         parts.append(t.T if transpose else t)
-      host = (np.stack(parts) if p[0] == "layers" else parts[0]).astype(
-          np_dtype, copy=False)
+      host = np.stack(parts) if p[0] == "layers" else parts[0]
       del parts
       if mesh is None:
         value = jax.device_put(host)
@@ -274,14 +335,23 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
   """Loads the tokenizer of a local HF folder with `AutoTokenizer`.
 
   Args:
-    path: folder with tokenizer files.
+    path: folder with `tokenizer.json` or `tokenizer_config.json`.
 
   Returns:
     A `transformers` tokenizer.
+
+  Raises:
+    FileNotFoundError: no folder `path`, or no tokenizer files in it.
+    ValueError: `path` is a file.
 
   Example:
     >>> tok = load_tokenizer("/path/to/Qwen2.5-0.5B")  # doctest: +SKIP
   """
   import transformers  # Heavy import, only needed here.
 
+  path = _folder(path)
+  if not any((path / f).is_file()
+             for f in ("tokenizer.json", "tokenizer_config.json")):
+    raise FileNotFoundError(
+        f"There is no tokenizer.json or tokenizer_config.json in {path}.")
   return transformers.AutoTokenizer.from_pretrained(path)

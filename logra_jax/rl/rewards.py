@@ -12,7 +12,9 @@ format reward (:func:`format_reward`); :func:`combine_rewards` weights several i
 
 :func:`evaluate_rewards` runs them sample by sample off the main thread with a per-sample
 deadline: a sample whose reward raises, returns a non-number or runs past ``timeout_s`` gets 0
-and is counted, and the run goes on.
+and is counted, and the run goes on. :class:`RewardFailureWarnings` turns a
+reward that fails on most of a batch (e.g. unparseable reference answers) into a
+rate-limited console warning.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import queue
 import re
 import threading
@@ -175,6 +178,15 @@ def format_reward(pattern: str, *, flags: int = re.DOTALL, name: str = "format")
   return reward
 
 
+def _check_weights(weighted: Sequence[tuple[RewardFn, Any]]) -> None:
+  """Raises a ValueError naming a reward whose weight is not a finite number."""
+  for name, (_, weight) in zip(_names([fn for fn, _ in weighted]), weighted):
+    if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
+        or not math.isfinite(weight)):
+      raise ValueError(
+          f"reward {name!r}: weight must be a finite number, got {weight!r}.")
+
+
 def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "combined") -> RewardFn:
   r"""One reward function: the weighted sum :math:`R = \sum_k w_k R_k`.
 
@@ -182,7 +194,8 @@ def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "com
   instead of combining first.
 
   Args:
-    weighted: ``(reward_fn, weight)`` pairs.
+    weighted: ``(reward_fn, weight)`` pairs; weights are finite numbers
+      (negative ones are penalties).
     name: the combined reward's name.
 
   Returns:
@@ -195,6 +208,7 @@ def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "com
   """
   if not weighted:
     raise ValueError("combine_rewards needs at least one (reward_fn, weight) pair.")
+  _check_weights(weighted)
 
   def reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
     total = np.zeros(len(completions), np.float64)
@@ -226,13 +240,24 @@ class RewardReport:
   timeouts: dict[str, int]
   first_errors: dict[str, str]
 
+  @property
+  def failure_fraction(self) -> dict[str, float]:
+    """name -> fraction of the samples that failed or timed out (0 if none)."""
+    n = max(len(self.rewards), 1)
+    return {name: (self.failures[name] + self.timeouts[name]) / n
+            for name in self.per_function}
+
   def metrics(self) -> dict[str, float]:
-    """Flat metrics: ``reward/<name>`` means and ``reward_{failures,timeouts}/<name>`` counts."""
+    """Flat metrics: ``reward/<name>`` means,
+    ``reward_{failures,timeouts}/<name>`` counts and
+    ``reward_failure_fraction/<name>``."""
     out = {"reward/total": float(self.rewards.mean())}
+    fractions = self.failure_fraction
     for name, scores in self.per_function.items():
       out[f"reward/{name}"] = float(scores.mean())
       out[f"reward_failures/{name}"] = float(self.failures[name])
       out[f"reward_timeouts/{name}"] = float(self.timeouts[name])
+      out[f"reward_failure_fraction/{name}"] = fractions[name]
     return out
 
 
@@ -329,7 +354,8 @@ def evaluate_rewards(
   returns.
 
   Args:
-    fns: ``(reward_fn, weight)`` pairs; metrics use each function's ``__name__``.
+    fns: ``(reward_fn, weight)`` pairs; metrics use each function's
+      ``__name__``; weights are finite numbers (negative ones are penalties).
     prompts: ``N`` prompts.
     completions: ``N`` completions.
     columns: column name -> ``N`` values (``answer``, ``entry``, ...), passed as keywords.
@@ -339,8 +365,8 @@ def evaluate_rewards(
     A :class:`RewardReport`.
 
   Raises:
-    ValueError: when the inputs are misaligned or ``fns`` is empty (caller bugs, not
-      reward failures).
+    ValueError: when the inputs are misaligned, ``fns`` is empty or a weight
+      is not a finite number (caller bugs, not reward failures).
 
   Example:
     >>> report = evaluate_rewards([(exact_match, 1.0)], ["q"], ["12"], {"answer": ["12"]})
@@ -349,6 +375,7 @@ def evaluate_rewards(
   """
   if not fns:
     raise ValueError("evaluate_rewards needs at least one (reward_fn, weight) pair.")
+  _check_weights(fns)
   if timeout_s <= 0:
     raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
   columns = dict(columns or {})
@@ -369,3 +396,63 @@ def evaluate_rewards(
     total += np.float32(weight) * scores
   return RewardReport(rewards=total, per_function=per_function, failures=failures,
                       timeouts=timeouts, first_errors=first_errors)
+
+
+class RewardFailureWarnings:
+  """Rate-limited warnings for reward functions that fail on most of a batch.
+
+  A reward that fails on every sample (unparseable reference answers, a
+  missing column) scores 0 everywhere and the run learns nothing, visible only
+  in the metrics. Called on each batch's :class:`RewardReport`, this logs one
+  line when a function fails (raises, returns a bad value or times out) on more
+  than ``threshold`` of the batch: the first time, then at most once every
+  ``every`` batches per function, counting the batches it held back.
+
+  Args:
+    log: where warning lines go (e.g. the trainer's console log).
+    threshold: the failure fraction above which a batch is reported, in
+      ``[0, 1)``.
+    every: the fewest batches between two warnings about one function.
+
+  Example:
+    >>> warn = RewardFailureWarnings(print)
+    >>> warn(evaluate_rewards([(math_verify_equivalence, 1.0)], ["q"], ["1"],
+    ...                       {"answer": [""]}))  # doctest: +ELLIPSIS
+    warning: reward math_verify_equivalence failed on 1 of 1 samples (100%) ...
+  """
+
+  def __init__(self, log: Callable[[str], None] = print, *,
+               threshold: float = 0.5, every: int = 50):
+    if not 0 <= threshold < 1:
+      raise ValueError(f"threshold must be in [0, 1), got {threshold}.")
+    if every < 1:
+      raise ValueError(f"every must be >= 1, got {every}.")
+    self._log, self._threshold, self._every = log, threshold, every
+    self._batches = 0
+    self._last: dict[str, int] = {}     # name -> batch of its last warning
+    self._held: dict[str, int] = {}     # name -> bad batches not warned since
+
+  def __call__(self, report: RewardReport) -> None:
+    """Logs the functions of ``report`` that failed on too much of the batch."""
+    self._batches += 1
+    n = len(report.rewards)
+    for name, fraction in report.failure_fraction.items():
+      if fraction <= self._threshold:
+        continue
+      last = self._last.get(name)
+      if last is not None and self._batches - last < self._every:
+        self._held[name] = self._held.get(name, 0) + 1
+        continue
+      failed = report.failures[name] + report.timeouts[name]
+      line = (f"warning: reward {name} failed on {failed} of {n} samples "
+              f"({fraction:.0%}) of a batch; first: "
+              f"{report.first_errors[name].rstrip('.')}.")
+      if last is None:
+        line += (" Check the reward and the task's answers; this warning "
+                 f"repeats at most every {self._every} batches.")
+      else:
+        held = self._held.pop(name, 0)
+        line += (f" Since the last warning: {held} more batch"
+                 f"{'es' if held != 1 else ''} over {self._threshold:.0%}.")
+      self._last[name] = self._batches
+      self._log(line)

@@ -4,30 +4,39 @@ RL needs a policy that is sometimes right. For the tiny default, a small
 decoder (our own model class) is trained on the task's worked answers
 (``"12+7-3=16"``) with a character tokenizer, saved with ``save_pretrained``
 next to its ``tokenizer.json`` and reused by later runs with the same settings.
+
+A cache entry is built in a temporary folder beside it and renamed into place
+once complete, so an interrupted run leaves nothing that looks usable; an entry
+that is invalid anyway (a missing or unreadable file) is set aside and rebuilt,
+and when two runs build the same entry at once, the first to finish wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
 import os
 import pathlib
-from typing import Sequence
+import shutil
+import tempfile
+from typing import Callable, Sequence
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import safetensors
 
 from logra_jax import models
 from logra_jax.configs.train import PolicyConfig
 from logra_jax.data.batching import encode_sft
 from logra_jax.data.tokenizer import char_tokenizer
 
-_FILES = ("config.json", "tokenizer.json")
+_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def tiny_decoder_config(policy: PolicyConfig, tokenizer,
@@ -57,6 +66,63 @@ def cache_folder(policy: PolicyConfig, examples: Sequence[dict],
   return pathlib.Path(os.path.expanduser(policy.cache_dir)) / digest
 
 
+def entry_problem(folder: pathlib.Path) -> str | None:
+  """Why a cache entry is unusable (a missing or unreadable file), or None.
+
+  Example:
+    >>> entry_problem(pathlib.Path("/nonexistent"))
+    "missing ['config.json', 'model.safetensors', 'tokenizer.json']"
+  """
+  missing = [f for f in _FILES if not (folder / f).is_file()]
+  if missing:
+    return f"missing {missing}"
+  for name in ("config.json", "tokenizer.json"):
+    try:
+      json.loads((folder / name).read_text())
+    except (OSError, ValueError) as e:
+      return f"{name} is not readable JSON ({e})"
+  try:
+    with safetensors.safe_open(str(folder / "model.safetensors"),
+                               framework="np") as f:
+      f.keys()
+  except Exception as e:  # noqa: BLE001 -- safetensors has its own error type.
+    return f"model.safetensors: {e}"
+  return None
+
+
+def _set_aside(folder: pathlib.Path) -> None:
+  """Removes a cache entry by renaming it away first, so that no run ever
+  sees it half deleted."""
+  trash = tempfile.mkdtemp(prefix=f".{folder.name}.invalid-",
+                           dir=folder.parent)
+  try:
+    os.rename(folder, pathlib.Path(trash) / folder.name)
+  except FileNotFoundError:
+    pass   # another run set it aside first
+  finally:
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _publish(staged: pathlib.Path, folder: pathlib.Path,
+             log: Callable[[str], None]) -> None:
+  """Renames the complete entry ``staged`` to ``folder``, unless another run
+  published a valid one first (then that one is kept)."""
+  try:
+    os.rename(staged, folder)
+    return
+  except OSError as e:
+    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+      raise
+  problem = entry_problem(folder)
+  if problem is None:
+    log(f"warm start: another run published {folder} first; using it")
+    return
+  log(f"warm start: replacing the invalid {folder} another run published "
+      f"({problem})")
+  _set_aside(folder)
+  os.rename(staged, folder)
+
+
 def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
                max_length: int = 64, log=print) -> pathlib.Path:
   """Trains (or reuses) the tiny policy on worked answers; returns its folder.
@@ -70,12 +136,17 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
 
   Returns:
     A Hugging Face folder with ``config.json``, ``model.safetensors`` and
-    ``tokenizer.json``.
+    ``tokenizer.json``: a valid cached one (an invalid one is rebuilt,
+    saying why), else one trained now and published atomically.
   """
   folder = cache_folder(policy, examples, seed)
-  if all((folder / f).exists() for f in _FILES):
-    log(f"warm start: reusing {folder}")
-    return folder
+  if folder.exists():
+    problem = entry_problem(folder)
+    if problem is None:
+      log(f"warm start: reusing {folder}")
+      return folder
+    log(f"warm start: rebuilding the invalid {folder} ({problem})")
+    _set_aside(folder)
   tokenizer = char_tokenizer()
   config = tiny_decoder_config(policy, tokenizer, max_length)
   model = models.init_model(config, rngs=seed)
@@ -84,9 +155,10 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
   batch = encode_sft(tokenizer, [p for p, _ in texts], [a for _, a in texts])
   tokens_NxT = jnp.asarray(batch.tokens_BxT)
   loss_mask_NxT = jnp.asarray(batch.loss_mask_BxT, jnp.float32)
+  warmup = max(1, policy.warm_start_steps // 10)
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, policy.warm_start_lr, max(1, policy.warm_start_steps // 10),
-      max(1, policy.warm_start_steps)), weight_decay=0.01)
+      0.0, policy.warm_start_lr, warmup,
+      max(warmup + 1, policy.warm_start_steps)), weight_decay=0.01)
   opt_state = tx.init(params)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -114,6 +186,14 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
     if (step + 1) % max(1, policy.warm_start_steps // 4) == 0:
       log(f"warm start: step {step + 1}/{policy.warm_start_steps} "
           f"loss {float(loss):.4f}")
-  models.save_pretrained(nnx.merge(graphdef, params), folder)
-  tokenizer.save_pretrained(folder)
+  folder.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-",
+                                          dir=folder.parent))
+  try:
+    staged = partial / folder.name
+    models.save_pretrained(nnx.merge(graphdef, params), staged)
+    tokenizer.save_pretrained(staged)
+    _publish(staged, folder, log)
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
   return folder

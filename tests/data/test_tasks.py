@@ -154,3 +154,66 @@ def test_prompt_batches_deterministic_and_full(tiny):
   assert sorted(seen[:3]) == ["0", "1", "2"] and sorted(seen[3:]) == ["0", "1", "2"]
   with pytest.raises(ValueError, match="batch_size must be >= 1"):
     next(tasks.prompt_batches(three, 0))
+
+
+def test_malformed_jsonl_line_is_named(tmp_path):
+  path = tmp_path / "broken.jsonl"
+  path.write_text('{"question": "1+1", "answer": "2"}\n'
+                  '{"question": "2+2", "answer": \n'
+                  '{"question": "3+3", "answer": "6"}\n')
+  with pytest.raises(ValueError,
+                     match=r"broken\.jsonl, line 2: not valid JSON"):
+    tasks.load_task(str(path))
+  path.write_text('{"question": "1+1", "answer": "2"}\n\n[1, 2]\n')
+  with pytest.raises(ValueError,
+                     match=r"broken\.jsonl, line 3: .*not a JSON object"):
+    tasks.load_task(str(path))
+
+
+def test_malformed_json_document_is_named(tmp_path):
+  path = tmp_path / "broken.json"
+  path.write_text(
+      '[\n  {"question": "1+1", "answer": "2"},\n  {"question": }\n]\n')
+  with pytest.raises(ValueError, match=r"broken\.json, line 3: not valid JSON"):
+    tasks.file_task(path)
+  # A JSON array of rows, and JSON lines in a .json file, both load.
+  path.write_text(json.dumps(GSM_ROWS))
+  assert len(tasks.file_task(path)) == 2
+  _write_jsonl(path, GSM_ROWS)
+  assert len(tasks.file_task(path)) == 2
+
+
+def test_unreadable_files_are_named(tmp_path):
+  junk = tmp_path / "junk.parquet"
+  junk.write_bytes(b"\x00not parquet\xff" * 20)
+  with pytest.raises(ValueError,
+                     match=r"cannot read .*junk\.parquet: ArrowInvalid"):
+    tasks.file_task(junk)
+  binary = tmp_path / "binary.jsonl"
+  binary.write_bytes(b'{"question": "\xff"}\n')
+  with pytest.raises(ValueError, match=r"cannot read .*binary\.jsonl: Unicode"):
+    tasks.file_task(binary)
+
+
+@pytest.mark.parametrize("column", ["question", "answer"])
+def test_null_or_missing_prompt_or_answer_names_the_row(tmp_path, column):
+  rows = [dict(r) for r in GSM_ROWS] + [{"question": "q", "answer": "#### 1"}]
+  rows[1][column] = None
+  path = _write_jsonl(tmp_path / "nulls.jsonl", rows)
+  with pytest.raises(ValueError, match=(
+      rf"nulls\.jsonl, row 1: column {column!r} is null or missing")):
+    tasks.file_task(path)
+  del rows[1][column]   # absent from one row only: `datasets` fills null
+  _write_jsonl(path, rows)
+  with pytest.raises(ValueError, match=rf"row 1: column {column!r} is null"):
+    tasks.file_task(path)
+
+
+def test_rows_are_named_by_file_when_there_are_several(tmp_path):
+  good = _write_jsonl(tmp_path / "good.jsonl", GSM_ROWS)
+  bad = _write_jsonl(tmp_path / "bad.jsonl",
+                     [{"question": None, "answer": "1"}])
+  with pytest.raises(ValueError, match=r"bad\.jsonl, row 0: column 'question'"):
+    tasks.file_task([good, bad])
+  task = tasks.file_task([good, good], answer_after="#### ")
+  assert [e["answer"] for e in task.examples] == ["7", "42", "7", "42"]

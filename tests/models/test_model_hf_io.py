@@ -1,6 +1,7 @@
 """Hugging Face load/save round trips and checkpoint error messages."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -183,3 +184,73 @@ def test_load_tokenizer(tmp_path):
       unk_token="[UNK]").save_pretrained(tmp_path)
   tok = models.load_tokenizer(tmp_path)
   assert tok("hello world there")["input_ids"] == [2, 3, 1]
+
+
+def _edit_tensors(path, edit):
+  """Rewrites `model.safetensors` of `path` through `edit(tensors)`."""
+  tensors = safetensors.numpy.load_file(path / "model.safetensors")
+  edit(tensors)
+  safetensors.numpy.save_file(tensors, path / "model.safetensors",
+                              metadata={"format": "pt"})
+
+
+def test_unknown_tensors_are_named_in_a_warning(copy_of, loaded):
+  path = copy_of("qwen2")
+  _edit_tensors(path, lambda t: t.update(
+      {f"model.extra_{i}.weight": np.zeros(3, np.float32) for i in range(7)}))
+  with pytest.warns(UserWarning, match=(
+      r"7 tensors in .*qwen2 are not used by the model and were ignored: "
+      r"\['model\.extra_0\.weight', .*'model\.extra_4\.weight'\] and 2 more")):
+    model = models.load_pretrained(path)
+  np.testing.assert_array_equal(_forward(model), _forward(loaded["qwen2"]))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_unless_allowed(copy_of, value):
+  path = copy_of("qwen3")
+  name = "model.layers.1.mlp.up_proj.weight"
+
+  def poison(tensors):
+    tensors[name][3, 5] = value
+  _edit_tensors(path, poison)
+  with pytest.raises(ValueError, match=(
+      rf"'{re.escape(name)}' .* 1 non-finite value.*allow_non_finite=True")):
+    models.load_pretrained(path)
+  model = models.load_pretrained(path, allow_non_finite=True)
+  up_LxDxF = np.asarray(model.weights()["layers"]["up_proj"])
+  assert np.isnan(up_LxDxF).sum() + np.isinf(up_LxDxF).sum() == 1
+  assert not np.isfinite(up_LxDxF[1, 5, 3])   # HF [out, in] -> ours [in, out]
+
+
+def test_overflow_in_the_load_dtype_is_refused(copy_of):
+  path = copy_of("qwen2")
+
+  def big(tensors):
+    tensors["model.norm.weight"][0] = 1e5   # finite in float32, inf in float16
+  _edit_tensors(path, big)
+  models.load_pretrained(path)
+  with pytest.raises(ValueError, match=r"'model\.norm\.weight' .*float16"):
+    models.load_pretrained(path, dtype=jnp.float16)
+
+
+def test_missing_folder_or_config_is_named(tmp_path, copy_of):
+  missing = tmp_path / "no_such_model"
+  for load in (models.load_pretrained, models.load_tokenizer):
+    with pytest.raises(FileNotFoundError, match="no_such_model does not exist"):
+      load(missing)
+  with pytest.raises(FileNotFoundError, match=r"no config\.json in .*tmp"):
+    models.load_pretrained(tmp_path)
+  with pytest.raises(FileNotFoundError,
+                     match=r"no tokenizer\.json or tokenizer_config\.json in"):
+    models.load_tokenizer(tmp_path)
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"steps": 3}))
+  with pytest.raises(ValueError, match=r"run/config\.json has no 'model_type'"):
+    models.load_pretrained(run)
+  (run / "config.json").write_text("{")
+  with pytest.raises(ValueError, match=r"run/config\.json is not valid JSON"):
+    models.load_pretrained(run)
+  path = copy_of("qwen2")
+  with pytest.raises(ValueError, match=r"model\.safetensors is a file, not"):
+    models.load_pretrained(path / "model.safetensors")

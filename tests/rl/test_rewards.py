@@ -147,3 +147,70 @@ def test_evaluator_input_errors_and_names():
   report = rewards.evaluate_rewards(
       [(rewards.exact_match, 1.0), (rewards.exact_match, 1.0)], ["p"], ["1"], {"answer": ["1"]})
   assert list(report.per_function) == ["exact_match", "exact_match_2"]
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), "1", None])
+def test_non_finite_or_non_number_weight_is_refused_naming_the_reward(weight):
+  fmt = rewards.format_reward(r"\d+", name="digits")
+  pairs = [(rewards.exact_match, 1.0), (fmt, weight)]
+  with pytest.raises(ValueError, match=(
+      rf"reward 'digits': weight must be a finite number, got {weight!r}")):
+    rewards.combine_rewards(pairs)
+  with pytest.raises(ValueError, match="reward 'digits': weight"):
+    rewards.evaluate_rewards(pairs, ["q"], ["1"], {"answer": ["1"]})
+
+
+def test_negative_weights_are_penalties():
+  report = rewards.evaluate_rewards(
+      [(rewards.exact_match, 1.0), (rewards.format_reward(r"\d+"), -0.25)],
+      ["q", "q"], ["1", "x"], {"answer": ["1", "1"]})
+  np.testing.assert_array_equal(report.rewards, [0.75, 0.0])
+
+
+def test_unparseable_references_give_a_failure_fraction_and_a_warning():
+  completions = ["1", "2", "3", "4"]
+  report = rewards.evaluate_rewards(
+      [(rewards.math_verify_equivalence, 1.0), (_raise_on_seven, 1.0)],
+      ["q"] * 4, completions, {"answer": ["", "", "", "4"]}, timeout_s=30)
+  assert report.failure_fraction == {
+      "math_verify_equivalence": 0.75, "_raise_on_seven": 0.0}
+  metrics = report.metrics()
+  assert metrics["reward_failure_fraction/math_verify_equivalence"] == 0.75
+  assert metrics["reward_failure_fraction/_raise_on_seven"] == 0.0
+  lines = []
+  rewards.RewardFailureWarnings(lines.append)(report)
+  assert len(lines) == 1
+  assert lines[0].startswith(
+      "warning: reward math_verify_equivalence failed on 3 of 4 samples (75%)")
+  assert "cannot parse the reference answer ''. Check" in lines[0]
+
+
+def _report(failed, timed_out=0, n=8):
+  """A report of one reward 'r' with `failed` failures of `n` samples."""
+  return rewards.RewardReport(
+      rewards=np.zeros(n, np.float32), per_function={"r": np.zeros(n)},
+      failures={"r": failed}, timeouts={"r": timed_out},
+      first_errors={"r": "sample 0: boom"} if failed + timed_out else {})
+
+
+def test_failure_warnings_are_rate_limited_per_reward():
+  lines = []
+  warn = rewards.RewardFailureWarnings(lines.append, every=3)
+  # Batches 1..8; half is not more than half; timeouts count as failures.
+  for report in [_report(4), _report(5), _report(8), _report(3, 3),
+                 _report(7), _report(0), _report(8), _report(2, 4)]:
+    warn(report)
+  # Warned on batch 2, then at most every 3 batches: on 5 and on 8.
+  assert [line.split(" samples")[0][-6:] for line in lines] == [
+      "5 of 8", "7 of 8", "6 of 8"]
+  assert "at most every 3 batches" in lines[0]
+  assert "Since the last warning: 2 more batches" in lines[1]
+  assert "Since the last warning: 1 more batch" in lines[2]
+  assert all("sample 0: boom" in line for line in lines)
+  other = rewards.RewardFailureWarnings(lines.append, every=3)
+  other(_report(5))   # a new counter per instance: warns at once
+  assert len(lines) == 4
+  with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\)"):
+    rewards.RewardFailureWarnings(print, threshold=1.0)
+  with pytest.raises(ValueError, match="every must be >= 1"):
+    rewards.RewardFailureWarnings(print, every=0)
