@@ -143,9 +143,12 @@ def evaluate(policy: Policy, params, examples: Sequence[dict],
 
 def rollout(policy: Policy, params, examples: Sequence[dict],
             config: TrainConfig, rewards: list[tuple[Callable, float]],
-            key: jax.Array) -> tuple[algo.RolloutBatch, dict[str, float]]:
+            key: jax.Array,
+            warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
+            ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   """Samples ``num_generations`` completions per prompt, scores them and
-  computes group advantages."""
+  computes group advantages; ``warn`` (e.g.
+  :class:`rewards_lib.RewardFailureWarnings`) sees each reward report."""
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
   out = policy.sampler.sample(
@@ -156,6 +159,8 @@ def rollout(policy: Policy, params, examples: Sequence[dict],
   report = rewards_lib.evaluate_rewards(rewards, prompts,
                                         policy.decode(out.tokens),
                                         _columns(examples, group))
+  if warn is not None:
+    warn(report)
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
@@ -491,6 +496,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
   policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype),
                        mesh=device_mesh)
   rewards = task_rewards(task)
+  reward_warnings = rewards_lib.RewardFailureWarnings(log)
   max_new = config.rollout.max_new_tokens
 
   meta = checkpoint.run_meta(
@@ -582,7 +588,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
         key, rollout_key = jax.random.split(key)
         with _explain_out_of_memory(done, memory_hint(examples)):
           batch, metrics = rollout(policy, params, examples, config, rewards,
-                                   rollout_key)
+                                   rollout_key, warn=reward_warnings)
           batch = place_batch(batch)
           if fill_reference is not None:
             batch = fill_reference(ref_params, batch)
