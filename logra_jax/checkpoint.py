@@ -22,6 +22,14 @@ were and no step that :meth:`Checkpointer.all_steps` would list. Restoring
 checks the format, the config (:func:`check_resumable`) and every array's
 shape and dtype before reading any array, and reads arrays straight into the
 shardings of the run's current mesh.
+
+``meta`` also holds the checksums of everything else: one per array
+(:func:`array_checksums`, computed where the arrays live, so the same for
+any mesh or number of processes) and one of ``loop``; and a checksum of
+itself. Restoring (and so exporting) recomputes them and raises
+:class:`CorruptCheckpointError` naming the damaged array or item. Arrays
+with no elements (optax's GaLore keeps ``(0, 0)`` projectors) are not
+written: they are rebuilt from the restore target.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -36,16 +45,20 @@ import pathlib
 import shutil
 import tempfile
 import time
+import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from logra_jax.configs.train import CheckpointConfig, TrainConfig, to_dict
 
-FORMAT_VERSION = 1
+# 2: checksums in ``meta``, arrays without elements not written.
+FORMAT_VERSION = 2
 # The metric "keep the best" ranks checkpoints by.
 BEST_METRIC = "accuracy/eval"
 # Config fields (dotted paths; a section name covers its fields) that may
@@ -68,8 +81,8 @@ class CheckpointError(ValueError):
 
 
 class CorruptCheckpointError(CheckpointError):
-  """A finished checkpoint whose files cannot be read back (truncated,
-  deleted or damaged after the save)."""
+  """A finished checkpoint whose files cannot be read back or do not match
+  their checksums (truncated, deleted or damaged after the save)."""
 
 
 @dataclasses.dataclass
@@ -153,7 +166,7 @@ def run_meta(config: TrainConfig, model_config: dict[str, Any],
   Example:
     >>> meta = run_meta(TrainConfig(), {"model_type": "llama"})
     >>> meta["format"], meta["mesh"], meta["config"]["optimizer"]["rank"]
-    (1, None, 32)
+    (2, None, 32)
   """
   files = {}
   if tokenizer is not None:
@@ -318,6 +331,104 @@ def _array_name(path: tuple) -> str:
   return ".".join(parts)
 
 
+def _fmix32(h: jax.Array) -> jax.Array:
+  """MurmurHash3's finalizer: a bijection of uint32 that mixes every bit."""
+  h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+  """Two uint32 sums over the elements of ``x`` of a mix of their bits and
+  flat positions; see :func:`array_checksums`."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  bits = 8 * x.dtype.itemsize
+  if bits < 32:
+    words = jax.lax.bitcast_convert_type(
+        x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+  else:   # a trailing axis of two words for 64-bit types
+    words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  position, stride = jnp.zeros(words.shape, jnp.uint32), 1
+  for axis in reversed(range(words.ndim)):
+    position += (jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+                 * np.uint32(stride % 2**32))
+    stride *= words.shape[axis]
+  return jnp.stack([
+      jnp.sum(_fmix32(words ^ _fmix32(position + np.uint32(lane))),
+              dtype=jnp.uint32)
+      for lane in (0x9E3779B9, 0x7F4A7C15)])
+
+
+_leaf_checksums = jax.jit(lambda leaves: [_array_checksum(x) for x in leaves])
+
+
+def array_checksums(tree: Any) -> dict[str, str]:
+  """A 64-bit content checksum of each array of ``tree``, by its Orbax name.
+
+  Per element, its bits (as uint32 words) are XORed with a mix of its flat
+  position and mixed again (MurmurHash3's finalizer); the checksum is the
+  sum of these over the elements, mod 2**32, for two position mixes. The
+  mix is a bijection, so a change of any one element always changes the
+  checksum; several changes go unseen with probability about 2**-64. The
+  sum does not depend on the order of the elements' reduction, so the
+  checksum is computed where the arrays are, in one jitted call (no copy to
+  the host; on a mesh each device reduces its shards), and is the same for
+  any layout, mesh or number of processes.
+
+  Args:
+    tree: a pytree of ``jax.Array`` (or arrays ``jnp.asarray`` takes).
+
+  Returns:
+    ``{name: 16 hex digits}``.
+
+  Example:
+    >>> sums = array_checksums({"w": jnp.arange(3.0), "b": jnp.zeros(2)})
+    >>> sorted(sums), len(sums["w"])
+    (['b', 'w'], 16)
+    >>> sums == array_checksums({"w": jnp.arange(3.0), "b": jnp.zeros(2)})
+    True
+    >>> sums["w"] == array_checksums({"w": jnp.arange(3.0) + 1e-7})["w"]
+    False
+  """
+  named = jax.tree_util.tree_flatten_with_path(tree)[0]
+  values = jax.device_get(_leaf_checksums([x for _, x in named]))
+  return {_array_name(path): f"{int(a):08x}{int(b):08x}"
+          for (path, _), (a, b) in zip(named, values)}
+
+
+def _json_checksum(value: Any) -> str:
+  """CRC-32 of ``value`` as canonical JSON."""
+  return f"{zlib.crc32(json.dumps(value, sort_keys=True).encode()):08x}"
+
+
+def _without_digest(meta: dict[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in meta.items() if k != "digest"}
+
+
+def _without_empty(tree: Any) -> Any:
+  """``tree`` with None for its arrays of no elements, which Orbax cannot
+  write and which hold no data."""
+  return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+
+
+def _with_empty(restored: Any, target: Any) -> Any:
+  """``restored`` (read for :func:`_without_empty` of ``target``) with the
+  arrays of no elements rebuilt from the abstract ``target``."""
+  def leaf(want, got):
+    if want.size:
+      return got
+    return jnp.zeros(want.shape, want.dtype, device=want.sharding)
+
+  return jax.tree.map(leaf, target, restored)
+
+
+def _first_line(error: BaseException) -> str:
+  """``Type: first line of the message`` (tensorstore's run to pages)."""
+  lines = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def _describe_steps(steps: Sequence[int]) -> str:
   return ", ".join(map(str, steps)) if steps else "none"
 
@@ -329,8 +440,10 @@ class Checkpointer:
   (temporary folder, then rename) and, with ``config.async_save``, written
   in a background thread once the arrays are on the host; the last
   ``config.keep`` checkpoints are kept, plus the ``config.keep_best`` with
-  the highest :data:`BEST_METRIC`. Use as a context manager, or call
-  :meth:`close` to wait for a pending save.
+  the highest :data:`BEST_METRIC`. Opening a folder for writing deletes the
+  temporary folders of saves that never finished. Use as a context manager,
+  or call :meth:`close` (on every path: it waits for a pending save, and no
+  background work outlives it).
 
   Args:
     directory: the checkpoint folder (``<run>/checkpoints``).
@@ -343,7 +456,8 @@ class Checkpointer:
     >>> params = {"w": jnp.arange(3.0)}
     >>> opt_state = optax.adam(0.1).init(params)
     >>> with Checkpointer(tempfile.mkdtemp() + "/checkpoints") as ckpt:
-    ...   ckpt.save(1, params=params, opt_state=opt_state, meta={"format": 1},
+    ...   ckpt.save(1, params=params, opt_state=opt_state,
+    ...             meta={"format": FORMAT_VERSION},
     ...             loop=LoopState(1, jax.random.key(0), 1))
     ...   restored = ckpt.restore(params=params, opt_state=opt_state)
     >>> restored.step, restored.params["w"].tolist()
@@ -356,6 +470,7 @@ class Checkpointer:
                clock: Callable[[], float] = time.monotonic):
     self.directory = pathlib.Path(directory).absolute()
     self.config = config
+    self.read_only = read_only
     if read_only and not self.directory.is_dir():
       raise CheckpointError(f"no checkpoint folder {self.directory}")
     keep = [policies.LatestN(n=config.keep)]
@@ -366,7 +481,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=config.async_save,
         preservation_policy=policies.AnyPreservationPolicy(keep),
-        cleanup_tmp_directories=not read_only, read_only=read_only,
+        cleanup_tmp_directories=False, read_only=read_only,
         create=not read_only, save_interval_steps=0 if read_only else 1)
     handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
     handlers.update(loop=ocp.JsonCheckpointHandler(),
@@ -374,8 +489,14 @@ class Checkpointer:
     with _quiet_absl("read only"):   # read_only is what was asked for
       self._manager = ocp.CheckpointManager(self.directory, options=options,
                                             item_handlers=handlers)
+    self._closed = False
     self._clock = clock
     self._last_save = clock()
+    # Orbax would delete these in a thread that nothing joins, which a
+    # process failing soon after fails to finish (a traceback at exit).
+    if not read_only and jax.process_index() == 0:
+      for path in self.unfinished():
+        shutil.rmtree(path)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -384,8 +505,11 @@ class Checkpointer:
     self.close()
 
   def close(self) -> None:
-    """Waits for a pending asynchronous save and releases the manager."""
-    self._manager.close()
+    """Waits for a pending asynchronous save and releases the manager; once
+    it returns, nothing runs in the background. Later calls do nothing."""
+    if not self._closed:
+      self._closed = True
+      self._manager.close()
 
   def wait(self) -> None:
     """Blocks until a pending asynchronous save is finished on disk."""
@@ -421,9 +545,12 @@ class Checkpointer:
            eval_accuracy: Optional[float] = None, wait: bool = False) -> None:
     """Saves the state after ``step`` steps.
 
-    Returns once the arrays are copied to the host (the device buffers may
-    then be donated to the next step); the files are written in the
-    background unless ``wait`` or ``config.async_save=False``.
+    Returns once the arrays' checksums are computed (on their devices) and
+    the arrays are copied to the host (the device buffers may then be
+    donated to the next step); the files are written in the background
+    unless ``wait`` or ``config.async_save=False``. ``meta`` is stored with
+    the checksums (:func:`array_checksums`) of the arrays and of ``loop``,
+    and one of itself.
 
     Args:
       step: learner steps done (the checkpoint's name).
@@ -442,12 +569,17 @@ class Checkpointer:
     if step in self.all_steps():
       raise CheckpointError(f"a checkpoint of step {step} already exists in "
                             f"{self.directory}")
-    items = {"params": ocp.args.StandardSave(params),
-             "opt_state": ocp.args.StandardSave(opt_state),
-             "loop": ocp.args.JsonSave(loop.to_json()),
-             "meta": ocp.args.JsonSave(meta)}
-    if ref_params is not None:
-      items["ref_params"] = ocp.args.StandardSave(ref_params)
+    trees = {"params": params, "opt_state": opt_state,
+             "ref_params": ref_params}
+    trees = {k: _without_empty(v) for k, v in trees.items() if v is not None}
+    loop_json = loop.to_json()
+    checksums = {k: array_checksums(v) for k, v in trees.items()}
+    checksums["loop"] = _json_checksum(loop_json)
+    meta = dict(_without_digest(meta), checksums=checksums)
+    meta["digest"] = _json_checksum(meta)
+    items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
+    items.update(loop=ocp.args.JsonSave(loop_json),
+                 meta=ocp.args.JsonSave(meta))
     metrics = (None if eval_accuracy is None
                else {BEST_METRIC: float(eval_accuracy)})
     self._manager.save(step, args=ocp.args.Composite(**items),
@@ -482,7 +614,12 @@ class Checkpointer:
 
   def read_meta(self, step: Optional[int] = None) -> dict[str, Any]:
     """The :func:`run_meta` stored with checkpoint ``step`` (default: the
-    latest)."""
+    latest), with the checksums of the checkpoint's items.
+
+    Raises:
+      CorruptCheckpointError: unreadable, or not matching its checksum.
+      CheckpointError: written in another format (by another version).
+    """
     step = self.resolve_step(step)
     path = self.directory / str(step)
     try:
@@ -491,10 +628,22 @@ class Checkpointer:
     except Exception as error:  # Orbax and tensorstore raise many kinds.
       raise CorruptCheckpointError(
           f"checkpoint {path} has no readable description (meta): "
-          f"{type(error).__name__}: {error}") from error
+          f"{_first_line(error)}") from error
     if not isinstance(meta, dict) or "format" not in meta:
       raise CorruptCheckpointError(f"checkpoint {path}: meta is not a "
                                    "logra-jax run description")
+    digest = meta.get("digest")
+    if digest is not None and digest != _json_checksum(_without_digest(meta)):
+      raise CorruptCheckpointError(
+          f"checkpoint {path}: its description (meta) does not match its "
+          "checksum: damaged after the save")
+    if meta["format"] != FORMAT_VERSION:
+      raise CheckpointError(
+          f"checkpoint {path} has format {meta['format']!r}; this version of "
+          f"logra-jax reads format {FORMAT_VERSION}")
+    if digest is None:
+      raise CorruptCheckpointError(f"checkpoint {path}: its description "
+                                   "(meta) has no checksum")
     return meta
 
   def _check_arrays(self, step: int, name: str, target: Any) -> None:
@@ -506,7 +655,7 @@ class Checkpointer:
     except Exception as error:
       raise CorruptCheckpointError(
           f"checkpoint {path}: cannot read the array metadata: "
-          f"{type(error).__name__}: {error}") from error
+          f"{_first_line(error)}") from error
     if saved_tree is None:
       raise CorruptCheckpointError(f"checkpoint {path} is missing")
     saved = {m.name: m for m in jax.tree.leaves(saved_tree)
@@ -537,7 +686,8 @@ class Checkpointer:
     """Restores checkpoint ``step`` (default: the latest).
 
     Arrays are read straight into the shardings of the targets, so a run on
-    a mesh gets its state already laid out for that mesh.
+    a mesh gets its state already laid out for that mesh, and checked
+    against the checksums written with them.
 
     Args:
       step: which checkpoint.
@@ -556,7 +706,8 @@ class Checkpointer:
     Raises:
       CheckpointError: no such checkpoint, or one from another run (naming
         the field and both values) or with other array shapes.
-      CorruptCheckpointError: files missing or unreadable.
+      CorruptCheckpointError: files missing or unreadable, or an array or
+        item that does not match its checksum (named, with the step).
     """
     step = self.resolve_step(step)
     meta = self.read_meta(step)
@@ -564,11 +715,13 @@ class Checkpointer:
       check_resumable(meta, expected_meta, allow_reshard)
     targets = {"params": params, "opt_state": opt_state,
                "ref_params": ref_params}
-    targets = {k: v for k, v in targets.items() if v is not None}
-    for name, target in targets.items():
+    targets = {k: abstract_state(v) for k, v in targets.items()
+               if v is not None}
+    stored = {k: _without_empty(v) for k, v in targets.items()}
+    for name, target in stored.items():
       self._check_arrays(step, name, target)
-    args = {name: ocp.args.StandardRestore(abstract_state(target))
-            for name, target in targets.items()}
+    args = {name: ocp.args.StandardRestore(target)
+            for name, target in stored.items()}
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           loop=ocp.args.JsonRestore(), **args))
@@ -576,19 +729,70 @@ class Checkpointer:
     except Exception as error:
       raise CorruptCheckpointError(
           f"checkpoint {self.directory / str(step)} cannot be read (truncated "
-          f"or damaged?): {type(error).__name__}: {error}") from error
-    return Restored(step=step, params=restored.params,
-                    opt_state=restored.get("opt_state"),
-                    ref_params=restored.get("ref_params"), loop=loop,
-                    meta=meta)
+          f"or damaged?): {_first_line(error)}") from error
+    self._verify(step, meta["checksums"], restored)
+    trees = {k: _with_empty(restored[k], v) for k, v in targets.items()}
+    return Restored(step=step, params=trees["params"],
+                    opt_state=trees.get("opt_state"),
+                    ref_params=trees.get("ref_params"), loop=loop, meta=meta)
+
+  def _verify(self, step: int, checksums: dict[str, Any],
+              restored: Any) -> None:
+    """Compares the items read from checkpoint ``step`` with the checksums
+    written with them."""
+    where = f"checkpoint {self.directory / str(step)} (step {step})"
+    if _json_checksum(restored.loop) != checksums.get("loop"):
+      raise CorruptCheckpointError(
+          f"{where}: loop (step, PRNG key, data position, history) does not "
+          "match its checksum: damaged after the save")
+    for item in _ARRAY_ITEMS:
+      if item not in restored.keys():
+        continue
+      written = checksums.get(item, {})
+      for name, value in array_checksums(restored[item]).items():
+        if written.get(name) != value:
+          raise CorruptCheckpointError(
+              f"{where}: array {item}.{name} does not match its checksum "
+              f"(written {written.get(name)}, read {value}): damaged after "
+              "the save")
+
+  def set_aside(self, step: int) -> pathlib.Path:
+    """Moves checkpoint ``step`` out of the steps Orbax lists, to
+    ``<step>.corrupt-<time>`` beside it: kept for inspection (the keep
+    policies never delete it), and the run can save that step again.
+
+    On several processes, process 0 renames and the others wait for it.
+
+    Returns:
+      The new path.
+
+    Raises:
+      CheckpointError: the folder is open read-only.
+    """
+    if self.read_only:
+      raise CheckpointError(f"cannot set checkpoint {step} aside: "
+                            f"{self.directory} is open read-only")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    names = (f"{step}.corrupt-{stamp}" + (f"-{n}" if n else "")
+             for n in itertools.count())
+    aside = next(self.directory / name for name in names
+                 if not (self.directory / name).exists())
+    if jax.process_index() == 0:
+      os.rename(self.directory / str(step), aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"logra set aside {step}")
+    self._manager.reload()
+    return aside
 
   def restore_latest(self, *, log: Callable[[str], None] = print,
                      **kwargs: Any) -> Restored:
     """:meth:`restore` of the newest checkpoint that can be read.
 
     A checkpoint whose files are damaged (:class:`CorruptCheckpointError`)
-    is reported through ``log`` and the next older one is tried; any other
-    error (e.g. a config mismatch) is raised at once.
+    is reported through ``log``, set aside (:meth:`set_aside`) unless the
+    folder is open read-only, and the next older one is tried; any other
+    error (e.g. a config mismatch) is raised at once. A resumed run then
+    saves the steps it trains again in place of the damaged ones.
 
     Raises:
       CheckpointError: no checkpoint, or none that can be read.
@@ -601,7 +805,9 @@ class Checkpointer:
       try:
         return self.restore(step, **kwargs)
       except CorruptCheckpointError as error:
-        log(f"skipping checkpoint {step}: {error}")
+        aside = ("" if self.read_only
+                 else f", set aside as {self.set_aside(step)}")
+        log(f"skipping checkpoint {step}{aside}: {error}")
         errors.append(str(error))
     raise CorruptCheckpointError(
         f"no readable checkpoint in {self.directory}: " + " | ".join(errors))
@@ -651,7 +857,10 @@ def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
   Raises:
     CheckpointError: no (readable) checkpoint.
-    FileExistsError: ``out`` exists and ``overwrite`` is False.
+    CorruptCheckpointError: the checkpoint's policy does not match its
+      checksums (nothing is written).
+    FileExistsError: ``out`` is a file, or exists and ``overwrite`` is
+      False.
 
   Example:
     >>> export_policy("runs/tiny-20250101-000000", "exported")  # doctest: +SKIP
@@ -662,6 +871,9 @@ def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
   directory, named_step = locate(checkpoint)
   out = pathlib.Path(out).absolute()
+  if out.exists() and not out.is_dir():
+    raise FileExistsError(f"{out} is a file, not a folder: export writes a "
+                          "Hugging Face folder; choose another --out")
   if out.exists() and not overwrite:
     raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) "
                           "to replace it")

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from logra_jax.rl import learner, trainer
 SMOKE = configs.get_preset("smoke")
 WORKER = pathlib.Path(__file__).with_name("checkpoint_worker.py")
 QUIET = lambda s: None
+META = {"format": checkpoint.FORMAT_VERSION}
 
 
 def _policy(folder, **overrides):
@@ -488,12 +490,12 @@ def test_keeps_the_latest_and_the_best(tmp_path):
               opt_state=state, loop=checkpoint.LoopState(
                   step, jax.random.key(step), step,
                   history=[{"loss": float("nan"), "step": step}]),
-              meta={"format": 1}, eval_accuracy=accuracy.get(step))
+              meta=META, eval_accuracy=accuracy.get(step))
     assert not ck.due(7) and ck.due(7, evaluated=True)
     ck.wait()
     assert ck.all_steps() == [2, 5, 6]   # best (0.9), then the last two
     with pytest.raises(checkpoint.CheckpointError, match="already exists"):
-      ck.save(6, params=params, opt_state=state, meta={"format": 1},
+      ck.save(6, params=params, opt_state=state, meta=META,
               loop=checkpoint.LoopState(6, jax.random.key(0), 6))
     restored = ck.restore(2, params=params, opt_state=state)
   assert restored.params["w"].tolist() == [2.0, 3.0, 4.0, 5.0]
@@ -528,6 +530,184 @@ def test_exported_policy_loads_in_transformers_with_equal_logits(
     checkpoint.export_policy(straight, out)
   assert cli_main(["export", f"--checkpoint={straight / 'checkpoints' / '4'}",
                    f"--out={out}", "--overwrite"]) == 0
+
+
+def _largest_file(folder):
+  return max((p for p in folder.rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path, count=64):
+  """XORs ``count`` bytes in the middle of a file: damage that keeps its
+  size and, for an array's data, its format."""
+  data = bytearray(path.read_bytes())
+  middle = len(data) // 2
+  data[middle:middle + count] = bytes(b ^ 0xFF
+                                      for b in data[middle:middle + count])
+  path.write_bytes(bytes(data))
+
+
+def _set_aside(folder):
+  return sorted(p.name.split("-")[0] for p in folder.glob("*.corrupt-*"))
+
+
+def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
+    config, tmp_path):
+  galore = train_config.apply_overrides(config,
+                                        ["optimizer.name=galore", "steps=3"])
+  straight_run = tmp_path / "straight"
+  trainer.train(galore, straight_run, progress=False, log=QUIET)
+  final = _final_state(straight_run, galore)
+  # optax's GaLore holds a (0, 0) projector for every leaf it leaves dense.
+  empty = [x for x in jax.tree.leaves(final.opt_state) if x.size == 0]
+  assert empty and {(x.shape, x.dtype) for x in empty} == {
+      ((0, 0), np.dtype("float32"))}
+  run = _copy_run(straight_run, tmp_path)
+  shutil.rmtree(run / "checkpoints" / "3")
+  (run / "summary.json").unlink()
+  summary = trainer.train(galore, run, progress=False, log=QUIET, resume=True)
+  assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+  _assert_same_state(_final_state(run, galore), final)
+  assert _metrics(run) == _metrics(straight_run)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_trained_again(
+    config, straight, tmp_path):
+  run = _copy_run(straight, tmp_path)
+  folder = run / "checkpoints"
+  data = _largest_file(folder / "6" / "params")
+  size = data.stat().st_size // 2
+  data.write_bytes(data.read_bytes()[:size])
+  lines = []
+  summary = trainer.train(config, run, progress=False, log=lines.append,
+                          resume=True)
+  assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+  skipped = [line for line in lines if line.startswith("skipping")]
+  assert len(skipped) == 1, lines
+  assert "skipping checkpoint 6" in skipped[0] and "6.corrupt-" in skipped[0]
+  assert _set_aside(folder) == ["6.corrupt"]   # kept for inspection
+  (aside,) = folder.glob("6.corrupt-*")
+  assert (aside / data.relative_to(folder / "6")).stat().st_size == size
+  # Step 6 trained again and saved in its place: the run never stopped.
+  _assert_same_state(_final_state(run, config),
+                     _final_state(straight, config))
+  assert _metrics(run) == _metrics(straight)
+  # A checkpoint without its description is set aside the same way, and
+  # its step can be saved again.
+  shutil.rmtree(folder / "6" / "meta")
+  target = _final_state(straight, config)
+  with checkpoint.Checkpointer(folder) as ckpt:
+    restored = ckpt.restore_latest(log=lines.append, params=target.params,
+                                   opt_state=target.opt_state)
+    assert restored.step == 4 and ckpt.all_steps() == [4]
+    ckpt.save(6, params=target.params, opt_state=target.opt_state,
+              loop=target.loop, meta=target.meta, wait=True)
+    assert ckpt.all_steps() == [4, 6]
+  assert _set_aside(folder) == ["6.corrupt", "6.corrupt"]
+  _assert_same_state(_final_state(run, config), target)
+
+
+def test_flipped_bits_are_found_by_the_checksums(config, straight, tmp_path,
+                                                 capsys):
+  run = _copy_run(straight, tmp_path)
+  folder = run / "checkpoints"
+  _flip_bytes(_largest_file(folder / "6" / "params"))
+  target = _final_state(straight, config)
+  kwargs = dict(params=target.params, opt_state=target.opt_state)
+  damaged = r"checkpoints/6 \(step 6\): array params\.\S+ does not match"
+  with checkpoint.Checkpointer(folder, read_only=True) as ckpt:
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=damaged):
+      ckpt.restore(6, **kwargs)
+    # Read-only: reported and skipped, but left where it is.
+    assert ckpt.restore_latest(log=QUIET, **kwargs).step == 4
+  assert _set_aside(folder) == []
+  # Export refuses it with one line, and writes nothing.
+  out = tmp_path / "hf"
+  capsys.readouterr()
+  assert cli_main(["export", f"--checkpoint={run}", f"--out={out}"]) == 2
+  error = capsys.readouterr().err
+  assert error.count("\n") == 1 and re.search(damaged, error), error
+  assert not out.exists() and not list(tmp_path.glob(".hf.partial-*"))
+  # The JSON items are checked too: the loop state and the description.
+  for item, old, new in [("loop", '"data_position": 4', '"data_position": 5'),
+                         ("meta", '"rank": 4', '"rank": 5')]:
+    path = folder / "4" / item / "metadata"
+    text = path.read_text()
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, new))
+    with checkpoint.Checkpointer(folder, read_only=True) as ckpt:
+      with pytest.raises(checkpoint.CorruptCheckpointError,
+                         match=f"checkpoints/4.*{item}.* checksum"):
+        ckpt.restore(4, **kwargs)
+    path.write_text(text)
+  # A writable checkpointer (a resumed run) sets the damaged one aside.
+  with checkpoint.Checkpointer(folder) as ckpt:
+    assert ckpt.restore_latest(log=QUIET, **kwargs).step == 4
+    assert ckpt.all_steps() == [4]
+  assert _set_aside(folder) == ["6.corrupt"]
+
+
+def test_array_checksums_see_every_bit_and_not_the_layout():
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  tree = {"w": x, "half": x.astype(jnp.bfloat16), "count": jnp.arange(5),
+          "flags": jnp.array([True, False]), "scalar": jnp.float32(3.0),
+          "empty": jnp.zeros((0, 3))}
+  sums = checkpoint.array_checksums(tree)
+  assert sorted(sums) == sorted(tree)
+  assert checkpoint.array_checksums(tree) == sums   # deterministic
+  # Each of the 4 * 8 * 32 single-bit flips of w changes w's checksum (the
+  # mixing is a bijection of each word, the sum a group operation).
+  bits = np.asarray(x).view(np.uint32).reshape(-1)
+  for i in range(bits.size):
+    for b in range(32):
+      flipped = bits.copy()
+      flipped[i] ^= np.uint32(1 << b)
+      w = jnp.asarray(flipped.view(np.float32).reshape(x.shape))
+      assert checkpoint.array_checksums({"w": w})["w"] != sums["w"], (i, b)
+  # Where a value sits counts: two swapped elements differ.
+  swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
+  assert checkpoint.array_checksums({"w": swapped})["w"] != sums["w"]
+  # The layout does not: the same array sharded over 8 devices.
+  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("a", "b")))
+  assert checkpoint.array_checksums({"w": sharded}) == {"w": sums["w"]}
+
+
+def test_export_over_a_file_is_a_one_line_error(straight, tmp_path, capsys):
+  target = tmp_path / "file"
+  target.write_text("keep")
+  capsys.readouterr()
+  assert cli_main(["export", f"--checkpoint={straight}", f"--out={target}",
+                   "--overwrite"]) == 2
+  error = capsys.readouterr().err
+  assert error.count("\n") == 1 and f"{target} is a file" in error, error
+  assert target.read_text() == "keep"
+
+
+def test_no_background_work_is_left_at_exit(tmp_path):
+  # Without JAX_PLATFORMS, JAX looks for every platform when first asked
+  # for the process index: long enough for a process to end meanwhile.
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+
+  def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+  folder = tmp_path / "checkpoints"
+  (folder / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)
+  # A process that opens a checkpoint folder and ends at once: the clean-up
+  # of the unfinished save is done, not left to a thread at exit.
+  opened = run("-c", "import sys; from logra_jax import checkpoint; "
+               f"c = checkpoint.Checkpointer({str(folder)!r}); c.close(); "
+               "c.close(); sys.exit(2)")
+  assert opened.returncode == 2 and opened.stderr == "", opened.stderr
+  assert not list(folder.iterdir())
+  # A run that fails right after opening its checkpoint folder.
+  failed = run("-m", "logra_jax.cli", "train", "--resume", "--preset=smoke",
+               "--no-progress", f"--out={tmp_path}")
+  assert failed.returncode == 2
+  assert failed.stderr.startswith("logra train: error: nothing to resume")
+  assert failed.stderr.count("\n") == 1, failed.stderr
 
 
 def test_docstring_examples_run():
