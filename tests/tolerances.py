@@ -61,3 +61,20 @@ def float_tolerance(dtype, reduction_length: int) -> float:
         f"no error bound for {reduction_length} terms in {jnp.dtype(dtype)}: "
         f"n * u = {nu:.3g} >= 1")
   return nu / (1 - nu)
+
+
+def decoder_reduction_length(config, length: int) -> int:
+  """Terms summed along the float32 chain from the weights to one logit.
+
+  For a ``logra_jax.models.DecoderConfig`` and ``length`` positions, per
+  layer: two RMS norms over D, scores over h, softmax and values over the
+  keys, o_proj over H * h, gate/up over D, down over F; then the final norm
+  and the unembedding over D. First-order error analysis adds the lengths of
+  chained reductions, so ``2 * gamma_n`` of the logits' magnitude bounds two
+  evaluations of the forward pass in different orders; a backward pass
+  doubles ``n`` and a gradient adds the tokens it sums over.
+  """
+  c = config
+  layer = (2 * c.hidden_size + c.head_dim + 2 * length
+           + c.num_heads * c.head_dim + c.hidden_size + c.intermediate_size)
+  return c.num_layers * layer + 2 * c.hidden_size

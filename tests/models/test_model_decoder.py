@@ -10,6 +10,7 @@ import transformers
 
 from logra_jax import models
 from logra_jax.optim import DimensionNumbers
+from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
 ATOL = 1e-4
@@ -214,9 +215,15 @@ def test_logits_fn_grad_jvp_and_remat_policies():
   # The jvp in the gradient direction equals <grad, grad>.
   expected = sum(jnp.vdot(g, g) for g in jax.tree.leaves(ref))
   np.testing.assert_allclose(tangent, expected, rtol=1e-4)
+  # Rematerialization recomputes the same math, but the compiler may fuse
+  # it otherwise: the bound of tests/tolerances.py for the forward and
+  # backward chains, the logsumexp over V and the mean over the B * T tokens.
+  n = (2 * (decoder_reduction_length(cfg, ids.shape[1]) + cfg.vocab_size)
+       + ids.size)
+  tol = 2 * float_tolerance(np.float32, n)
   for remat_grads in grads.values():
     for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(ref)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
 def test_bfloat16_params_and_compute(checkpoints, loaded):
@@ -245,8 +252,12 @@ def test_load_on_mesh_places_with_logical_rules(checkpoints, loaded):
   norm = model.final_norm[...]
   assert norm.sharding.spec == jax.sharding.PartitionSpec("fsdp")
   ids = _ids(2, 8, seed=6)
-  np.testing.assert_allclose(forward(model, ids), forward(loaded["qwen2"], ids),
-                             atol=1e-5)
+  # Sharded contractions sum partial results in another order.
+  ref = forward(loaded["qwen2"], ids)
+  tol = 2 * float_tolerance(np.float32,
+                            decoder_reduction_length(model.config, 8))
+  np.testing.assert_allclose(forward(model, ids), ref, rtol=0,
+                             atol=tol * np.abs(ref).max())
   replicated = models.logical_to_mesh(("layers", "embed", "mlp"), mesh)
   assert replicated.spec == jax.sharding.PartitionSpec(None, None, None)
 
@@ -260,19 +271,6 @@ def test_init_model_statistics():
   assert abs(float(jnp.std(model.layers["up_proj"][...])) - 0.05) < 0.002
   other = models.init_model(cfg, 4)
   assert not np.allclose(model.embed[...], other.embed[...])
-
-
-def _reduction_length(config, length: int) -> int:
-  """Terms summed along the float32 chain from the weights to one logit.
-
-  Per layer: two RMS norms over D, scores over h, softmax and values over the
-  T keys, o_proj over H * h, gate/up over D, down over F; then the final norm
-  and the unembedding over D (see ``tests/tolerances.py``).
-  """
-  c = config
-  layer = (2 * c.hidden_size + c.head_dim + 2 * length
-           + c.num_heads * c.head_dim + c.hidden_size + c.intermediate_size)
-  return c.num_layers * layer + 2 * c.hidden_size
 
 
 def test_query_chunked_attention_is_exact():
@@ -298,7 +296,7 @@ def test_query_chunked_attention_is_exact():
   # The same float32 math in another order (tests/tolerances.py): the logits
   # within 2 gamma_n of their magnitude for the forward chain of n terms; the
   # gradients add the backward chain and the sum over the B * T tokens.
-  forward = _reduction_length(config, length)
+  forward = decoder_reduction_length(config, length)
   tol = 2 * float_tolerance(np.float32, forward)
   np.testing.assert_allclose(logits_a, logits_b, rtol=0,
                              atol=tol * np.abs(logits_a).max())
