@@ -43,8 +43,10 @@ def test_save_then_transformers_loads_identical_logits(family, checkpoints,
   models.save_pretrained(loaded[family], out)
   assert sorted(p.name for p in out.iterdir()) == ["config.json",
                                                    "model.safetensors"]
-  ref = checkpoints[family].logits(IDS)
-  np.testing.assert_allclose(_hf_logits(out), ref, atol=1e-6, rtol=0)
+  # The exported weights are the checkpoint's, bit for bit, so transformers
+  # runs the same computation on them.
+  np.testing.assert_array_equal(_hf_logits(out),
+                                checkpoints[family].logits(IDS))
   np.testing.assert_array_equal(_forward(models.load_pretrained(out)),
                                 _forward(loaded[family]))
 
@@ -64,8 +66,8 @@ def test_sharded_save_round_trips(checkpoints, loaded, tmp_path):
   assert sum(sizes.values()) == index["metadata"]["total_size"]
   embed_bytes = 101 * 64 * 4  # The only tensor allowed past the limit.
   assert all(s <= max(40_000, embed_bytes) for s in sizes.values())
-  np.testing.assert_allclose(_hf_logits(out), checkpoints[name].logits(IDS),
-                             atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(_hf_logits(out),
+                                checkpoints[name].logits(IDS))
   np.testing.assert_array_equal(_forward(models.load_pretrained(out)),
                                 _forward(loaded[name]))
 
