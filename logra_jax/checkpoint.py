@@ -472,6 +472,12 @@ class Checkpointer:
     self.read_only = read_only
     if read_only and not self.directory.is_dir():
       raise CheckpointError(f"no checkpoint folder {self.directory}")
+    # Not left to Orbax: it deletes them in a thread that its close() does
+    # not join, and a process ending soon after printed that thread's
+    # traceback at exit.
+    if not read_only and jax.process_index() == 0:
+      for path in self.unfinished():
+        shutil.rmtree(path)
     keep = [policies.LatestN(n=config.keep)]
     if config.keep_best:
       keep.append(policies.BestN(
@@ -491,11 +497,6 @@ class Checkpointer:
     self._closed = False
     self._clock = clock
     self._last_save = clock()
-    # Orbax would delete these in a thread that nothing joins, which a
-    # process failing soon after fails to finish (a traceback at exit).
-    if not read_only and jax.process_index() == 0:
-      for path in self.unfinished():
-        shutil.rmtree(path)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -792,6 +793,12 @@ class Checkpointer:
     folder is open read-only, and the next older one is tried; any other
     error (e.g. a config mismatch) is raised at once. A resumed run then
     saves the steps it trains again in place of the damaged ones.
+
+    On several processes, every process sees a checksum mismatch (the
+    checksums are of the global arrays), but a read error of a file only
+    one process reads is seen by that process alone: the others restore
+    the step and the processes disagree. Such damage needs the folder set
+    right by hand (rename the damaged step).
 
     Raises:
       CheckpointError: no checkpoint, or none that can be read.
