@@ -339,7 +339,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
 
 
 def _array_checksum(x: jax.Array) -> jax.Array:
-  """Two uint32 sums over the elements of ``x`` of a mix of their bits and
+  """The uint32 sum over the elements of ``x`` of a mix of their bits and
   flat positions; see :func:`array_checksums`."""
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
@@ -354,38 +354,37 @@ def _array_checksum(x: jax.Array) -> jax.Array:
     position += (jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
                  * np.uint32(stride % 2**32))
     stride *= words.shape[axis]
-  return jnp.stack([
-      jnp.sum(_fmix32(words ^ _fmix32(position + np.uint32(lane))),
-              dtype=jnp.uint32)
-      for lane in (0x9E3779B9, 0x7F4A7C15)])
+  # An odd factor: distinct positions get distinct keys.
+  keys = position * np.uint32(0x9E3779B9)
+  return jnp.sum(_fmix32(words ^ keys), dtype=jnp.uint32)
 
 
 _leaf_checksums = jax.jit(lambda leaves: [_array_checksum(x) for x in leaves])
 
 
 def array_checksums(tree: Any) -> dict[str, str]:
-  """A 64-bit content checksum of each array of ``tree``, by its Orbax name.
+  """A 32-bit content checksum of each array of ``tree``, by its Orbax name.
 
-  Per element, its bits (as uint32 words) are XORed with a mix of its flat
-  position and mixed again (MurmurHash3's finalizer); the checksum is the
-  sum of these over the elements, mod 2**32, for two position mixes. The
+  Per element, its bits (as uint32 words) are XORed with a key made from
+  its flat position and mixed (MurmurHash3's finalizer); the checksum is
+  the sum of these over the elements, mod 2**32. For a given position the
   mix is a bijection, so a change of any one element always changes the
-  checksum; several changes go unseen with probability about 2**-64. The
-  sum does not depend on the order of the elements' reduction, so the
-  checksum is computed where the arrays are, in one jitted call (no copy to
-  the host; on a mesh each device reduces its shards), and is the same for
-  any layout, mesh or number of processes.
+  checksum; several changes (or moved elements) go unseen with probability
+  about 2**-32, as with a CRC-32. The sum does not depend on the order of
+  the reduction, so the checksum is computed where the arrays are, in one
+  jitted call (no copy to the host; on a mesh each device reduces its own
+  shards), and is the same for any layout, mesh or number of processes.
 
   Args:
     tree: a pytree of ``jax.Array`` (or arrays ``jnp.asarray`` takes).
 
   Returns:
-    ``{name: 16 hex digits}``.
+    ``{name: 8 hex digits}``.
 
   Example:
     >>> sums = array_checksums({"w": jnp.arange(3.0), "b": jnp.zeros(2)})
     >>> sorted(sums), len(sums["w"])
-    (['b', 'w'], 16)
+    (['b', 'w'], 8)
     >>> sums == array_checksums({"w": jnp.arange(3.0), "b": jnp.zeros(2)})
     True
     >>> sums["w"] == array_checksums({"w": jnp.arange(3.0) + 1e-7})["w"]
@@ -393,8 +392,8 @@ def array_checksums(tree: Any) -> dict[str, str]:
   """
   named = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_leaf_checksums([x for _, x in named]))
-  return {_array_name(path): f"{int(a):08x}{int(b):08x}"
-          for (path, _), (a, b) in zip(named, values)}
+  return {_array_name(path): f"{int(value):08x}"
+          for (path, _), value in zip(named, values)}
 
 
 def _json_checksum(value: Any) -> str:
@@ -473,6 +472,12 @@ class Checkpointer:
     self.read_only = read_only
     if read_only and not self.directory.is_dir():
       raise CheckpointError(f"no checkpoint folder {self.directory}")
+    # Not left to Orbax: it deletes them in a thread that its close() does
+    # not join, and a process ending soon after printed that thread's
+    # traceback at exit.
+    if not read_only and jax.process_index() == 0:
+      for path in self.unfinished():
+        shutil.rmtree(path)
     keep = [policies.LatestN(n=config.keep)]
     if config.keep_best:
       keep.append(policies.BestN(
@@ -492,11 +497,6 @@ class Checkpointer:
     self._closed = False
     self._clock = clock
     self._last_save = clock()
-    # Orbax would delete these in a thread that nothing joins, which a
-    # process failing soon after fails to finish (a traceback at exit).
-    if not read_only and jax.process_index() == 0:
-      for path in self.unfinished():
-        shutil.rmtree(path)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -793,6 +793,12 @@ class Checkpointer:
     folder is open read-only, and the next older one is tried; any other
     error (e.g. a config mismatch) is raised at once. A resumed run then
     saves the steps it trains again in place of the damaged ones.
+
+    On several processes, every process sees a checksum mismatch (the
+    checksums are of the global arrays), but a read error of a file only
+    one process reads is seen by that process alone: the others restore
+    the step and the processes disagree. Such damage needs the folder set
+    right by hand (rename the damaged step).
 
     Raises:
       CheckpointError: no checkpoint, or none that can be read.

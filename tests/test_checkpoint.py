@@ -571,6 +571,7 @@ def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
   assert _metrics(run) == _metrics(straight_run)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_newest_checkpoint_is_set_aside_and_trained_again(
     config, straight, tmp_path):
   run = _copy_run(straight, tmp_path)
