@@ -29,6 +29,7 @@ the full gradient, so on refresh steps it falls back to one dense gradient
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Any, Callable
 
 import jax
@@ -55,23 +56,35 @@ class LowRankDelta:
   together. Only ``coords`` is meant to be differentiated; ``base`` is used
   under ``stop_gradient``.
 
+  ``at_zero=True`` says that ``coords`` are zero, the point at which
+  :func:`value_and_sketch_grad` differentiates: :func:`matmul` and
+  :func:`take` then return the weight's product alone, without computing the
+  low-rank term (its value is zero), and keep only the term's derivative.
+  Besides saving the term's forward flops, this keeps products with a zero
+  operand that is a broadcast constant out of the program: XLA:CPU (jaxlib
+  0.10) compiles such a bfloat16 product, fused with the reduction that
+  follows it (the log-softmax's max over the vocabulary), to all NaN.
+
   Models consume it through :func:`matmul`; any other use (``jnp`` functions,
   arithmetic) raises a ``TypeError`` naming the parameter.
   """
 
-  def __init__(self, base, factor, coords, *, rows: bool, path: str):
+  def __init__(self, base, factor, coords, *, rows: bool, path: str,
+               at_zero: bool = False):
     self.base = base
     self.factor = factor
     self.coords = coords
     self.rows = rows
     self.path = path
+    self.at_zero = at_zero
 
   def tree_flatten(self):
-    return (self.base, self.factor, self.coords), (self.rows, self.path)
+    return ((self.base, self.factor, self.coords),
+            (self.rows, self.path, self.at_zero))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, rows=aux[0], path=aux[1])
+    return cls(*children, rows=aux[0], path=aux[1], at_zero=aux[2])
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -96,7 +109,8 @@ class LowRankDelta:
     """
     swap = lambda a: jnp.swapaxes(a, -1, -2)
     return LowRankDelta(swap(self.base), self.factor, swap(self.coords),
-                        rows=not self.rows, path=self.path)
+                        rows=not self.rows, path=self.path,
+                        at_zero=self.at_zero)
 
   def __getitem__(self, key):
     if key is Ellipsis:   # nnx.Variable[...] hands back its value
@@ -154,8 +168,10 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
   cast = lambda a: a.astype(dtype)
   y = dot(x, cast(jax.lax.stop_gradient(w.base)))
   if w.rows:
-    return y + dot(jnp.dot(x, cast(w.factor)), cast(w.coords))
-  return y + dot(jnp.dot(x, cast(w.coords)), cast(w.factor).T)
+    term = lambda x, f, z: dot(jnp.dot(x, cast(f)), cast(z))
+  else:
+    term = lambda x, f, z: dot(jnp.dot(x, cast(z)), cast(f).T)
+  return _plus_low_rank_term(w, term, y, x)
 
 
 def take(w: jax.Array | LowRankDelta, ids: jax.Array,
@@ -188,11 +204,40 @@ def take(w: jax.Array | LowRankDelta, ids: jax.Array,
   if not isinstance(w, LowRankDelta):
     return jnp.take(w, ids, axis=0).astype(dtype)
   _consume(w, "take")
-  rows = lambda a: jnp.take(a, ids, axis=0).astype(dtype)
-  y = rows(jax.lax.stop_gradient(w.base))
+  rows = lambda a, ids: jnp.take(a, ids, axis=0).astype(dtype)
+  y = rows(jax.lax.stop_gradient(w.base), ids)
   if w.rows:
-    return y + jnp.dot(rows(w.factor), w.coords.astype(dtype))
-  return y + jnp.dot(rows(w.coords), w.factor.astype(dtype).T)
+    term = lambda ids, f, z: jnp.dot(rows(f, ids), z.astype(dtype))
+  else:
+    term = lambda ids, f, z: jnp.dot(rows(z, ids), f.astype(dtype).T)
+  return _plus_low_rank_term(w, term, y, ids)
+
+
+def _plus_low_rank_term(w: LowRankDelta, term: Callable, y: jax.Array,
+                        x: jax.Array) -> jax.Array:
+  """``y + term(x, w.factor, w.coords)``; at zero coordinates, ``y`` with the
+  term's derivative."""
+  if w.at_zero:
+    return _plus_term_at_zero(term, y, x, w.factor, w.coords)
+  return y + term(x, w.factor, w.coords)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _plus_term_at_zero(term, y, x, factor, coords):
+  """``y + term(x, factor, coords)`` for ``coords == 0``: the value is ``y``
+  (the term is not computed), the derivative the term's."""
+  del term, x, factor, coords
+  return y
+
+
+@_plus_term_at_zero.defjvp
+def _plus_term_at_zero_jvp(term, primals, tangents):
+  y, x, factor, coords = primals
+  dy, _, _, dcoords = tangents
+  # The term is linear in the coordinates, which are zero: a change of x or of
+  # the factor does not move it, only a change of the coordinates does.
+  del coords
+  return y, dy + term(x, factor, dcoords)
 
 
 def _consume(w: LowRankDelta, fn: str) -> None:
@@ -437,7 +482,8 @@ class _Passes:
           continue
         factor = self._split_large_axis(
             mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2)
-        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path))
+        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path,
+                                   at_zero=True))
       token = _CONSUMED.set(set())
       try:
         out = self.loss_fn(self.spec.treedef.unflatten(leaves), *args)
