@@ -246,7 +246,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   built on the same batch (or ``kl_subsample`` of its sequences) and handed to
   the optimizer; then ``kl/predicted`` is the predicted KL of the applied
   (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
-  dropped so far for an invalid prediction.
+  dropped so far for an invalid prediction. Under LoGRA,
+  ``projector/non_finite`` counts the refreshed projectors refused so far
+  for not being finite (``logra.project``).
 
   With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
   from :mod:`logra_jax.parallel`), the step is jitted with those explicit
@@ -339,6 +341,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         "kl/realized_k3": jnp.sum((jnp.expm1(-log_ratio_BxT) + log_ratio_BxT)
                                   * mask_BxT) / tokens,
     })
+    if low_rank:
+      out["projector/non_finite"] = sketch_grad.project_state(
+          opt_state).non_finite
     if kl_control:
       kl_state = logra.predicted_kl_state(opt_state)
       applied = jnp.square(kl_state.scale) * kl_state.predicted_kl
