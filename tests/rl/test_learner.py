@@ -127,6 +127,28 @@ def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
   assert 0 < float(m_s["grad_norm"]) <= float(m_d["grad_norm"])
 
 
+def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  optimizer = dataclasses.replace(SMOKE.optimizer)
+  # Past the config's validation, as a hand-built chain would be.
+  object.__setattr__(optimizer, "learning_rate", float("nan"))
+  tx = learner.make_optimizer(optimizer, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, SMOKE)
+  params, state, metrics = step(jax.tree.map(jnp.copy, policy.params),
+                                tx.init(policy.params), batch)
+  for before, after in zip(jax.tree.leaves(policy.params),
+                           jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(after, before)
+  guard = learner.non_finite_state(state)
+  assert learner.non_finite_reasons(guard.reason) == ["update"]
+  assert int(guard.skipped_steps) == 1
+  assert float(metrics["update_norm"]) == 0.0
+  assert np.isfinite(float(metrics["loss"]))
+  assert int(metrics["projector/non_finite"]) == 0
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "logra"])
 def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
