@@ -110,7 +110,7 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def skip_non_finite(inner: optax.GradientTransformation
                     ) -> optax.GradientTransformationExtraArgs:
-  """Skips any update whose loss, gradients, predicted KL or result are not finite.
+  """Skips an update with a non-finite loss, gradient, predicted KL or result.
 
   The loss (the optional ``loss`` extra argument) and the gradients are
   checked before ``inner`` runs: if either is not finite, ``inner`` is
