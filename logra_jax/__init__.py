@@ -10,6 +10,7 @@ from logra_jax.optim import scale_by_predicted_kl
 from logra_jax.optim import low_rank_moments
 from logra_jax.optim import optimizer_state_bytes
 from logra_jax.optim import project
+from logra_jax.optim import SketchProjectors
 from logra_jax.optim import unproject
 from logra_jax.sketch_grad import value_and_sketch_grad
 

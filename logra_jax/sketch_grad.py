@@ -29,6 +29,7 @@ the full gradient, so on refresh steps it falls back to one dense gradient
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Any, Callable
 
 import jax
@@ -55,23 +56,35 @@ class LowRankDelta:
   together. Only ``coords`` is meant to be differentiated; ``base`` is used
   under ``stop_gradient``.
 
+  ``at_zero=True`` says that ``coords`` are zero, the point at which
+  :func:`value_and_sketch_grad` differentiates: :func:`matmul` and
+  :func:`take` then return the weight's product alone, without computing the
+  low-rank term (its value is zero), and keep only the term's derivative.
+  Besides saving the term's forward flops, this keeps products with a zero
+  operand that is a broadcast constant out of the program: XLA:CPU (jaxlib
+  0.10) compiles such a bfloat16 product, fused with the reduction that
+  follows it (the log-softmax's max over the vocabulary), to all NaN.
+
   Models consume it through :func:`matmul`; any other use (``jnp`` functions,
   arithmetic) raises a ``TypeError`` naming the parameter.
   """
 
-  def __init__(self, base, factor, coords, *, rows: bool, path: str):
+  def __init__(self, base, factor, coords, *, rows: bool, path: str,
+               at_zero: bool = False):
     self.base = base
     self.factor = factor
     self.coords = coords
     self.rows = rows
     self.path = path
+    self.at_zero = at_zero
 
   def tree_flatten(self):
-    return (self.base, self.factor, self.coords), (self.rows, self.path)
+    return ((self.base, self.factor, self.coords),
+            (self.rows, self.path, self.at_zero))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, rows=aux[0], path=aux[1])
+    return cls(*children, rows=aux[0], path=aux[1], at_zero=aux[2])
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -96,7 +109,8 @@ class LowRankDelta:
     """
     swap = lambda a: jnp.swapaxes(a, -1, -2)
     return LowRankDelta(swap(self.base), self.factor, swap(self.coords),
-                        rows=not self.rows, path=self.path)
+                        rows=not self.rows, path=self.path,
+                        at_zero=self.at_zero)
 
   def __getitem__(self, key):
     if key is Ellipsis:   # nnx.Variable[...] hands back its value
@@ -154,8 +168,10 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
   cast = lambda a: a.astype(dtype)
   y = dot(x, cast(jax.lax.stop_gradient(w.base)))
   if w.rows:
-    return y + dot(jnp.dot(x, cast(w.factor)), cast(w.coords))
-  return y + dot(jnp.dot(x, cast(w.coords)), cast(w.factor).T)
+    term = lambda x, f, z: dot(jnp.dot(x, cast(f)), cast(z))
+  else:
+    term = lambda x, f, z: dot(jnp.dot(x, cast(z)), cast(f).T)
+  return _plus_low_rank_term(w, term, y, x)
 
 
 def take(w: jax.Array | LowRankDelta, ids: jax.Array,
@@ -188,11 +204,40 @@ def take(w: jax.Array | LowRankDelta, ids: jax.Array,
   if not isinstance(w, LowRankDelta):
     return jnp.take(w, ids, axis=0).astype(dtype)
   _consume(w, "take")
-  rows = lambda a: jnp.take(a, ids, axis=0).astype(dtype)
-  y = rows(jax.lax.stop_gradient(w.base))
+  rows = lambda a, ids: jnp.take(a, ids, axis=0).astype(dtype)
+  y = rows(jax.lax.stop_gradient(w.base), ids)
   if w.rows:
-    return y + jnp.dot(rows(w.factor), w.coords.astype(dtype))
-  return y + jnp.dot(rows(w.coords), w.factor.astype(dtype).T)
+    term = lambda ids, f, z: jnp.dot(rows(f, ids), z.astype(dtype))
+  else:
+    term = lambda ids, f, z: jnp.dot(rows(z, ids), f.astype(dtype).T)
+  return _plus_low_rank_term(w, term, y, ids)
+
+
+def _plus_low_rank_term(w: LowRankDelta, term: Callable, y: jax.Array,
+                        x: jax.Array) -> jax.Array:
+  """``y + term(x, w.factor, w.coords)``; at zero coordinates, ``y`` with the
+  term's derivative."""
+  if w.at_zero:
+    return _plus_term_at_zero(term, y, x, w.factor, w.coords)
+  return y + term(x, w.factor, w.coords)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _plus_term_at_zero(term, y, x, factor, coords):
+  """``y + term(x, factor, coords)`` for ``coords == 0``: the value is ``y``
+  (the term is not computed), the derivative the term's."""
+  del term, x, factor, coords
+  return y
+
+
+@_plus_term_at_zero.defjvp
+def _plus_term_at_zero_jvp(term, primals, tangents):
+  y, x, factor, coords = primals
+  dy, _, _, dcoords = tangents
+  # The term is linear in the coordinates, which are zero: a change of x or of
+  # the factor does not move it, only a change of the coordinates does.
+  del coords
+  return y, dy + term(x, factor, dcoords)
 
 
 def _consume(w: LowRankDelta, fn: str) -> None:
@@ -259,14 +304,19 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
   ``opt_state`` (refreshing them on refresh steps, from thin products with
   the gradient), and gives ``grads`` with the sketch
   :math:`S = P^\top G` (``[batch, rank, short]``, float32) at projected
-  leaves and the ordinary gradient elsewhere, plus ``projectors`` (``P`` per
-  projected leaf, None elsewhere). Feed both to the optimizer:
+  leaves and the ordinary gradient elsewhere, plus ``projectors``, a
+  :class:`~logra_jax.SketchProjectors` (``P`` per projected leaf, None
+  elsewhere, and the count of refused projectors). Feed both to the
+  optimizer:
 
   ``tx.update(grads, opt_state, params, projectors=projectors)``
 
   which then skips its own projection. The result equals projecting the dense
   gradient (to float rounding); see the module docstring for the cost of
-  refresh steps per projector kind.
+  refresh steps per projector kind. A refreshed projector that is not finite
+  is replaced as :func:`logra_jax.optim.transforms.refuse_non_finite_projector`
+  says before any sketch is taken with it (``kind="range"`` then runs one more
+  backward pass), and counted in ``projectors.non_finite``.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
@@ -328,24 +378,36 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args,
                      constrain or (lambda x, _: x))
 
+    def refuse(projectors):
+      """Refreshed projectors with non-finite matrices replaced, and the
+      number replaced."""
+      pairs = [None if p is None else transforms.refuse_non_finite_projector(
+          p, p_old, plan, config, state.count)
+               for plan, p, p_old in zip(plans, projectors, old_projectors)]
+      refused = sum((pair[1] for pair in pairs if pair is not None),
+                    jnp.zeros([], jnp.int32))
+      return [None if pair is None else pair[0] for pair in pairs], refused
+
+    no_refusal = jnp.zeros([], jnp.int32)
     if config.kind == "random":
       projectors = [transforms.random_window_projector(plan, config, window)
                     if plan.projected else None for plan in plans]
       value, dense, sketches = passes.long(projectors)
+      refused = no_refusal
     elif config.kind == "svd":
-      value, dense, sketches, projectors = jax.lax.cond(
-          refresh, passes.dense_svd,
-          lambda: (*passes.long(old_projectors), old_projectors))
+      value, dense, sketches, projectors, refused = jax.lax.cond(
+          refresh, lambda: passes.dense_svd(refuse),
+          lambda: (*passes.long(old_projectors), old_projectors, no_refusal))
     else:
-      value, dense, sketches, projectors = _range_steps(
-          passes, old_projectors, window, refresh)
+      value, dense, sketches, projectors, refused = _range_steps(
+          passes, old_projectors, window, refresh, refuse)
 
     grads = [s if plan.projected else d
              for plan, s, d in zip(plans, sketches, dense)]
     projectors = [p if plan.projected else None
                   for plan, p in zip(plans, projectors)]
-    return (value, spec.treedef.unflatten(grads),
-            spec.treedef.unflatten(projectors))
+    return (value, spec.treedef.unflatten(grads), transforms.SketchProjectors(
+        spec.treedef.unflatten(projectors), refused))
 
   return fn
 
@@ -437,7 +499,8 @@ class _Passes:
           continue
         factor = self._split_large_axis(
             mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2)
-        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path))
+        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path,
+                                   at_zero=True))
       token = _CONSUMED.set(set())
       try:
         out = self.loss_fn(self.spec.treedef.unflatten(leaves), *args)
@@ -478,26 +541,25 @@ class _Passes:
   def short(self, omega_BxSxK: list):
     return self._run(omega_BxSxK, long_side=False)
 
-  def dense_svd(self):
-    """Dense-gradient fallback of ``kind="svd"`` refresh steps."""
+  def dense_svd(self, refuse: Callable):
+    """Dense-gradient fallback of ``kind="svd"`` refresh steps; ``refuse``
+    replaces non-finite projectors (see :func:`value_and_sketch_grad`)."""
     params = self.spec.treedef.unflatten(self.params_flat)
     value, grads = self._grad(self.loss_fn, params)
     grads_flat = self.spec.treedef.flatten_up_to(grads)
-    sketches, projectors = [], []
-    for plan, g in zip(self.spec.plans, grads_flat):
-      if not plan.projected:
-        sketches.append(None)
-        projectors.append(None)
-        continue
-      p = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-      sketches.append(plan.sketch(p, g))
-      projectors.append(p)
+    projectors, refused = refuse([
+        proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+        if plan.projected else None
+        for plan, g in zip(self.spec.plans, grads_flat)])
+    sketches = [None if p is None else plan.sketch(p, g)
+                for plan, p, g in zip(self.spec.plans, projectors, grads_flat)]
     dense = [None if plan.projected else g
              for plan, g in zip(self.spec.plans, grads_flat)]
-    return value, dense, sketches, projectors
+    return value, dense, sketches, projectors, refused
 
 
-def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
+def _range_steps(passes: _Passes, old_projectors: list, window, refresh,
+                 refuse: Callable):
   """One step of ``kind="range"``: the sketch, and on refresh steps the new
   projector from the randomized range finder run on thin gradient products.
 
@@ -508,7 +570,9 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
   run the range finder of :func:`projectors.range_projector` exactly:
   ``Q = qr(Gl Omega)``, then per power iteration ``Z = qr(Gl^T Q)``,
   ``Q = qr(Gl Z)``, and a last ``Q^T Gl`` that gives both the rotation to the
-  top singular directions and the sketch.
+  top singular directions and the sketch. If ``refuse`` replaces a rotated
+  projector that is not finite, one more long pass takes the sketches with
+  the projectors in use.
   """
   spec = passes.spec
   config = spec.config
@@ -521,15 +585,40 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
     key = proj_lib.window_key(config.seed, plan.index, window)
     return jax.random.normal(key, (plan.batch, plan.short, k), jnp.float32)
 
-  q0 = [jnp.pad(p, ((0, 0), (0, 0), (0, k - plan.rank))) if plan.projected
-        else None for plan, p, k in zip(plans, old_projectors, widths)]
+  def pad(x, k, axis):
+    pad_widths = [(0, 0)] * x.ndim
+    pad_widths[axis] = (0, k - x.shape[axis])
+    return jnp.pad(x, pad_widths)
+
+  q0 = [pad(p, k, 2) if plan.projected else None
+        for plan, p, k in zip(plans, old_projectors, widths)]
   small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
             if plan.projected else None for plan, k in zip(plans, widths)]
   value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
-  n_passes = jnp.where(refresh, 2 * (config.power_iters + 1), 1)
+  n_refresh = 2 * (config.power_iters + 1)
+  no_refusal = jnp.zeros([], jnp.int32)
+
+  def rotate(q, small):
+    """``P = Q U`` and ``U^T Q^T Gl`` with ``U`` the top left singular vectors
+    of ``Q^T Gl``, padded to the width; refused projectors replaced."""
+    projectors, sketches = [], []
+    for plan, q_BxLxK, small_BxKxS in zip(plans, q, small):
+      if not plan.projected:
+        projectors.append(None)
+        sketches.append(None)
+        continue
+      u_BxKxK, _, _ = proj_lib.thin_svd(small_BxKxS)
+      u_BxKxR = u_BxKxK[:, :, :plan.rank]
+      projectors.append(q_BxLxK @ u_BxKxR)
+      sketches.append(jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS)
+    projectors, refused = refuse(projectors)
+    return ([None if p is None else pad(p, k, 2)
+             for p, k in zip(projectors, widths)],
+            [None if x is None else pad(x, k, 1)
+             for x, k in zip(sketches, widths)], refused)
 
   def body(carry):
-    i, q, small, _, _ = carry
+    i, n_passes, q, small, refused, _, _ = carry
 
     def short_pass():
       omegas = [None if not plan.projected else jax.lax.cond(
@@ -543,31 +632,21 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh):
       value, dense, products = passes.long(q)
       return value, dense, q, products
 
-    value, dense, q, small = jax.lax.cond(refresh & (i % 2 == 0), short_pass,
-                                          long_pass)
-    return i + 1, q, small, value, dense
+    value, dense, q, small = jax.lax.cond(
+        refresh & (i % 2 == 0) & (i < n_refresh), short_pass, long_pass)
+    q, small, new_refused = jax.lax.cond(
+        refresh & (i == n_refresh - 1), lambda: rotate(q, small),
+        lambda: (q, small, no_refusal))
+    n_passes = n_passes + (new_refused > 0).astype(jnp.int32)
+    return i + 1, n_passes, q, small, refused + new_refused, value, dense
 
-  _, q, small, value, dense = jax.lax.while_loop(
-      lambda carry: carry[0] < n_passes, body,
-      (jnp.zeros([], jnp.int32), q0, small0,
-       jax.tree.map(jnp.zeros_like, value_shape),
+  _, _, q, small, refused, value, dense = jax.lax.while_loop(
+      lambda carry: carry[0] < carry[1], body,
+      (jnp.zeros([], jnp.int32), jnp.where(refresh, n_refresh, 1), q0, small0,
+       no_refusal, jax.tree.map(jnp.zeros_like, value_shape),
        jax.tree.map(jnp.zeros_like, dense_shape)))
-
-  def finish(plan, q_BxLxK, small_BxKxS):
-    if not plan.projected:
-      return None, None
-
-    def rotate():
-      u_BxKxK, _, _ = proj_lib.thin_svd(small_BxKxS)
-      u_BxKxR = u_BxKxK[:, :, :plan.rank]
-      return q_BxLxK @ u_BxKxR, jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS
-
-    def keep():
-      return q_BxLxK[:, :, :plan.rank], small_BxKxS[:, :plan.rank]
-
-    return jax.lax.cond(refresh, rotate, keep)
-
-  finished = [finish(plan, qi, si) for plan, qi, si in zip(plans, q, small)]
-  projectors = [p for p, _ in finished]
-  sketches = [s for _, s in finished]
-  return value, dense, sketches, projectors
+  projectors = [None if not plan.projected else q_BxLxK[:, :, :plan.rank]
+                for plan, q_BxLxK in zip(plans, q)]
+  sketches = [None if not plan.projected else small_BxKxS[:, :plan.rank]
+              for plan, small_BxKxS in zip(plans, small)]
+  return value, dense, sketches, projectors, refused

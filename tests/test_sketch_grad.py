@@ -64,7 +64,8 @@ def _check_sketches(params, ids_BxT, loss, tx, kind):
     np.testing.assert_allclose(value, loss_value, rtol=1e-6)
     spec = _plans(opt_state)
     for plan, s, p, g in zip(spec.plans, spec.treedef.flatten_up_to(grads),
-                             spec.treedef.flatten_up_to(projectors),
+                             spec.treedef.flatten_up_to(
+                                 projectors.projectors),
                              spec.treedef.flatten_up_to(dense_grads)):
       if not plan.projected:
         assert p is None

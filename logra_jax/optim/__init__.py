@@ -16,5 +16,6 @@ from logra_jax.optim.transforms import optimizer_state_bytes
 from logra_jax.optim.transforms import project
 from logra_jax.optim.transforms import ProjectState
 from logra_jax.optim.transforms import Sketched
+from logra_jax.optim.transforms import SketchProjectors
 from logra_jax.optim.transforms import unproject
 from logra_jax.optim.transforms import UnprojectState

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -116,12 +117,33 @@ class ProjectState(NamedTuple):
     projectors: per leaf, the ``[batch, long, rank]`` float32 projector of the
       current window, or None (dense leaves, and ``kind='random'``, whose
       projectors are regenerated from the seed instead of stored).
+    non_finite: refreshed projectors refused so far because they were not
+      finite (one per matrix of the batch; see
+      :func:`refuse_non_finite_projector`).
     spec: the static :class:`ProjectionSpec` (no arrays).
   """
 
   count: jax.Array
   projectors: Any
+  non_finite: jax.Array
   spec: ProjectionSpec
+
+
+class SketchProjectors(NamedTuple):
+  """This step's projectors from :func:`logra_jax.value_and_sketch_grad`.
+
+  Hand it to the optimizer as is (``tx.update(..., projectors=...)``).
+
+  Attributes:
+    projectors: a pytree like the parameters: the ``[batch, long, rank]``
+      projector ``P`` of each projected leaf, None elsewhere.
+    non_finite: int32 count of refreshed projectors refused this step (see
+      :func:`refuse_non_finite_projector`); the sketches were taken with
+      their replacements.
+  """
+
+  projectors: Any
+  non_finite: jax.Array
 
 
 class LowRankMomentsState(NamedTuple):
@@ -246,8 +268,14 @@ def project(
   differentiation (:func:`logra_jax.sketch_grad.value_and_sketch_grad`), the
   projected leaves of ``updates`` already hold ``S`` (``[batch, rank,
   short]``) and the extra argument ``projectors`` gives this step's ``P`` per
-  leaf; the stage then only records them (and the basis change for the
-  moments), so no full gradient is ever needed.
+  leaf (a pytree like the parameters, or the :class:`SketchProjectors` that
+  function returns); the stage then only records them (and the basis change
+  for the moments), so no full gradient is ever needed.
+
+  A refreshed projector that is not finite (``"range"`` or ``"svd"``, e.g.
+  from an overflow or a failed decomposition) is never used: see
+  :func:`refuse_non_finite_projector`. Refusals are counted in
+  ``ProjectState.non_finite`` and reported once with a warning.
 
   Args:
     rank: projection rank ``r``; clipped to the shorter side of each matrix.
@@ -305,6 +333,7 @@ def project(
         plans, is_leaf=lambda x: isinstance(x, LeafPlan))
     return ProjectState(count=jnp.zeros([], jnp.int32),
                         projectors=jax.tree.map(init_projector, plans),
+                        non_finite=jnp.zeros([], jnp.int32),
                         spec=ProjectionSpec(config, treedef, tuple(flat_plans)))
 
   def update_fn(updates, state, params=None, *, projectors=None,
@@ -314,6 +343,10 @@ def project(
     window = state.count // config.refresh_every
     refresh = state.count % config.refresh_every == 0
     flat_updates = _flatten_like(state.spec, updates, "updates")
+    refused = jnp.zeros([], jnp.int32)
+    if isinstance(projectors, SketchProjectors):
+      refused = projectors.non_finite
+      projectors = projectors.projectors
     flat_given = (None if projectors is None
                   else _flatten_like(state.spec, projectors, "projectors"))
     flat_projectors = state.spec.treedef.flatten_up_to(state.projectors)
@@ -328,7 +361,9 @@ def project(
         continue
       if flat_given is None:
         _check_shape(g, plan.shape, plan, "gradient")
-        p_new = _new_projector(g, p_old, plan, config, window, refresh)
+        p_new, n_refused = _new_projector(g, p_old, plan, config,
+                                          state.count)
+        refused += n_refused
         s_BxRxS = plan.sketch(p_new, g)
       else:
         _check_shape(g, plan.sketch_shape, plan, "sketched gradient")
@@ -339,9 +374,12 @@ def project(
       sketches.append(Sketched(s_BxRxS, p_new, change, refresh, plan=plan,
                                config=config))
       new_projectors.append(None if kind == "random" else p_new)
+    jax.lax.cond(refused > 0, lambda: jax.debug.callback(
+        _warn_non_finite_projectors, refused, state.count), lambda: None)
     new_state = ProjectState(
         count=optax.safe_increment(state.count),
         projectors=state.spec.treedef.unflatten(new_projectors),
+        non_finite=state.non_finite + refused,
         spec=state.spec)
     return state.spec.treedef.unflatten(sketches), new_state
 
@@ -389,23 +427,74 @@ def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
             and plan.projected and got == plan.sketch_shape else ""))
 
 
+def _warn_non_finite_projectors(refused, count) -> None:
+  warnings.warn(
+      f"logra.project: {int(refused)} refreshed projector(s) at update "
+      f"{int(count)} were not finite and were replaced (the previous "
+      "projector, or a random orthonormal one on the first refresh); the "
+      "optimizer state counts them in ProjectState.non_finite",
+      RuntimeWarning, stacklevel=1)
+
+
 def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
-                   window, refresh):
-  """This step's projector of a leaf from its full gradient ``g``.
+                   count):
+  """This step's projector of a leaf from its full gradient ``g``, and the
+  number of its matrices refused as non-finite.
 
   Refresh runs under ``lax.cond`` so that non-refresh steps pay nothing for it.
   """
+  window = count // config.refresh_every
   if config.kind == "random":
-    return random_window_projector(plan, config, window)
+    return (random_window_projector(plan, config, window),
+            jnp.zeros([], jnp.int32))
 
   def recompute():
     if config.kind == "svd":
-      return proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-    key = proj_lib.window_key(config.seed, plan.index, window)
-    return proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
-                                    config.oversample, config.power_iters)
+      p = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+    else:
+      key = proj_lib.window_key(config.seed, plan.index, window)
+      p = proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
+                                   config.oversample, config.power_iters)
+    return refuse_non_finite_projector(p, p_old, plan, config, count)
 
-  return jax.lax.cond(refresh, recompute, lambda: p_old)
+  return jax.lax.cond(count % config.refresh_every == 0, recompute,
+                      lambda: (p_old, jnp.zeros([], jnp.int32)))
+
+
+def refuse_non_finite_projector(p_new, p_old, plan: LeafPlan,
+                                config: ProjectionConfig, count
+                                ) -> tuple[jax.Array, jax.Array]:
+  """A refreshed projector with every non-finite matrix replaced.
+
+  Each matrix of the batch (e.g. one layer) is checked on its own. One with a
+  NaN or infinite entry is refused and replaced by its previous projector
+  ``p_old``, so that its refresh is skipped and its moments stay in their
+  basis; where there is none (the first refresh, ``count == 0``, whose stored
+  projector is the zeros of ``init``) or it is not finite either, by the
+  window's random orthonormal projector (``kind="random"``'s, from the seed).
+
+  Args:
+    p_new: ``[batch, long, rank]`` refreshed projector.
+    p_old: ``[batch, long, rank]`` projector of the previous window.
+    plan: the leaf's plan.
+    config: the stage's settings.
+    count: the stage's update count.
+
+  Returns:
+    ``(projector, refused)``: the projector to use and the int32 number of
+    matrices replaced.
+  """
+  ok_B = jnp.all(jnp.isfinite(p_new), axis=(1, 2))
+
+  def replace():
+    window = count // config.refresh_every
+    old_ok_B = (count > 0) & jnp.all(jnp.isfinite(p_old), axis=(1, 2))
+    fallback = jnp.where(old_ok_B[:, None, None], p_old,
+                         random_window_projector(plan, config, window))
+    return jnp.where(ok_B[:, None, None], p_new, fallback)
+
+  p = jax.lax.cond(jnp.all(ok_B), lambda: p_new, replace)
+  return p, jnp.sum(~ok_B, dtype=jnp.int32)
 
 
 def random_window_projector(plan: LeafPlan, config: ProjectionConfig,

@@ -12,10 +12,11 @@ import pytest
 from logra_jax import configs
 from logra_jax import models
 from logra_jax import parallel
+from logra_jax import sketch_grad
 from logra_jax.cli import main as cli_main
 from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
-from logra_jax.rl import learner, trainer
+from logra_jax.rl import algo, learner, trainer
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -142,6 +143,28 @@ def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
   assert 0 < float(m_s["grad_norm"]) <= float(m_d["grad_norm"])
 
 
+def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
+                                                  batch.batch_size))
+  optimizer = dataclasses.replace(SMOKE.optimizer)
+  # Past the config's validation, as a hand-built chain would be.
+  object.__setattr__(optimizer, "learning_rate", float("nan"))
+  tx = learner.make_optimizer(optimizer, policy.params)
+  step = learner.make_train_step(policy.graphdef, tx, SMOKE)
+  params, state, metrics = step(jax.tree.map(jnp.copy, policy.params),
+                                tx.init(policy.params), batch)
+  for before, after in zip(jax.tree.leaves(policy.params),
+                           jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(after, before)
+  guard = learner.non_finite_state(state)
+  assert learner.non_finite_reasons(guard.reason) == ["update"]
+  assert int(guard.skipped_steps) == 1
+  assert float(metrics["update_norm"]) == 0.0
+  assert np.isfinite(float(metrics["loss"]))
+  assert int(metrics["projector/non_finite"]) == 0
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "logra"])
 def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
@@ -230,3 +253,43 @@ def test_unknown_task_is_a_clear_error(capsys):
   assert cli_main(["eval", "--policy", "x", "--set",
                    "task.name=no_such_task"]) == 2
   assert "no_such_task" in capsys.readouterr().err
+
+
+def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
+  """Qwen2.5-0.5B's vocabulary and tied table, bfloat16 compute, rank 64
+  (range-finder width 72) and sketch-direct gradients on a tiny body: three
+  learner steps (a refresh, the stored projector, a refresh) are applied
+  with finite loss, gradient and weights. It was NaN on every step on CPU:
+  the sketch-direct forward multiplied the tied LM head's low-rank term by
+  its zero coordinates, and XLA:CPU compiled that bfloat16 product, fused
+  with the log-softmax's max over the vocabulary, to NaN."""
+  vocab = 151936
+  config = train_config.apply_overrides(SMOKE, [
+      "optimizer.rank=64", "optimizer.project_embeddings=true",
+      "optimizer.gradient_mode=sketch", "micro_batches=1"])
+  model_config = models.DecoderConfig.tiny(
+      vocab_size=vocab, hidden_size=128, num_layers=1,
+      tie_word_embeddings=True, dtype="bfloat16")
+  graphdef, params = models.split_model(models.init_model(model_config, 0))
+  B, P, T = 4, 3, 5
+  prompt_key, completion_key = jax.random.split(jax.random.key(0))
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=jax.random.randint(prompt_key, (B, P), 0, vocab),
+      prompt_mask_BxP=jnp.ones((B, P), jnp.int32),
+      completion_tokens_BxT=jax.random.randint(completion_key, (B, T), 0,
+                                               vocab),
+      completion_mask_BxT=jnp.ones((B, T), jnp.int32),
+      old_logp_BxT=jnp.full((B, T), -np.log(vocab), jnp.float32),
+      advantages_B=jnp.linspace(-1.0, 1.0, B), num_generations=2)
+  tx = learner.make_optimizer(config.optimizer, params)
+  state = tx.init(params)
+  assert sketch_grad.project_state(state).spec.plan_tree()[
+      "embed"].value.projected
+  step = learner.make_train_step(graphdef, tx, config)
+  for _ in range(3):
+    params, state, metrics = step(params, state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["update_norm"]) > 0
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+  assert int(learner.non_finite_state(state).skipped_steps) == 0
