@@ -283,7 +283,7 @@ def test_factored_updates_equal_dense_updates():
 def test_state_bytes_match_closed_form():
   params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
   r, n, f32 = 64, 4096, 4
-  scalars = 2 * 4  # project count + Adam count (int32)
+  scalars = 3 * 4  # project count, projector refusals, Adam count (int32)
   for kind, projector in (("random", 0), ("range", r * n * f32),
                           ("svd", r * n * f32)):
     tx = logra.logra(1e-3, rank=r, kind=kind)
