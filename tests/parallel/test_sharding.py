@@ -282,8 +282,9 @@ def test_two_processes_match_one(unsharded, tmp_path, mesh="fsdp=4,tp=2"):
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   here = pathlib.Path(__file__).parent
-  env = dict(os.environ, PYTHONPATH=f"{here}{os.pathsep}"
-             + os.environ.get("PYTHONPATH", ""))
+  # The worker imports this file, which imports tests/tolerances.py.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
   env.pop("XLA_FLAGS", None)   # each process has its own 4 devices
   out = tmp_path / "params.npz"
   procs = [subprocess.Popen(
