@@ -181,10 +181,9 @@ def test_loss_without_reference_log_probs_names_the_fix(rollout_batch,
 def test_planner_counts_the_reference_policy():
   tiny = models.DecoderConfig.tiny()
   mesh = parallel.MeshConfig(fsdp=2)
-  plain = memory.plan_memory(tiny, mesh=mesh, seq_len=32)
-  held = memory.plan_memory(tiny, mesh=mesh, seq_len=32,
+  seq, prompt = 32, 32 // 4
+  held = memory.plan_memory(tiny, mesh=mesh, seq_len=seq,
                             reference_dtype="bfloat16")
-  assert plain.reference == 0
   # Every weight in bfloat16, split over fsdp=2 like the parameters.
   params = models.split_model(
       nnx.eval_shape(lambda: models.init_model(tiny, rngs=0)))[1]
@@ -194,11 +193,12 @@ def test_planner_counts_the_reference_policy():
       int(np.prod(s.shard_shape(p.shape))) * 2
       for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
   assert held.reference == expected
-  assert held.reference < held.params / 2 + 1  # half of float32, sharded
-  # The batch carries the reference log-probs (float32, [rows, completion]).
-  rows, completion = 2, 32 - 32 // 4
-  assert held.batch - plain.batch == rows * completion * 4 // 2
-  assert held.total >= plain.total + held.reference
+  assert held.total > held.params + held.reference
+  # One row per device: four int32 token/mask rows, old and reference
+  # float32 log-probs over the completion, one float32 advantage.
+  completion = seq - prompt
+  assert held.batch == 2 * prompt * 4 + 2 * completion * 4 + (
+      2 * completion * 4 + 4)
+  assert "bfloat16 reference policy" in held.description
   with pytest.raises(ValueError, match="reference_dtype"):
     memory.plan_memory(tiny, seq_len=32, reference_dtype="int8")
-
