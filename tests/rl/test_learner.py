@@ -15,25 +15,11 @@ from logra_jax import parallel
 from logra_jax import sketch_grad
 from logra_jax.cli import main as cli_main
 from logra_jax.configs import train as train_config
-from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.rl import algo, learner, trainer
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
 SMOKE = configs.get_preset("smoke")
-
-
-@pytest.fixture(scope="module")
-def policy_folder(tmp_path_factory):
-  folder = tmp_path_factory.mktemp("policy") / "tiny"
-  tokenizer = char_tokenizer()
-  config = models.DecoderConfig.tiny(
-      vocab_size=len(tokenizer), max_position_embeddings=64,
-      eos_token_ids=(tokenizer.eos_token_id,),
-      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-  models.save_pretrained(models.init_model(config, rngs=0), folder)
-  tokenizer.save_pretrained(folder)
-  return folder
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,9 @@ import sys
 
 import pytest
 
-from logra_jax import models
 from logra_jax.cli import main as cli_main
-from logra_jax.data.tokenizer import char_tokenizer
 
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
-
-
-@pytest.fixture(scope="module")
-def policy_folder(tmp_path_factory):
-  folder = tmp_path_factory.mktemp("policy") / "tiny"
-  tokenizer = char_tokenizer()
-  config = models.DecoderConfig.tiny(
-      vocab_size=len(tokenizer), max_position_embeddings=64,
-      eos_token_ids=(tokenizer.eos_token_id,),
-      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-  models.save_pretrained(models.init_model(config, rngs=0), folder)
-  tokenizer.save_pretrained(folder)
-  return folder
 
 
 def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
