@@ -35,6 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import projectors as proj_lib
 from logra_jax.optim import transforms
 from logra_jax.optim.dimension_numbers import LeafPlan
@@ -56,6 +57,12 @@ class LowRankDelta:
   together. Only ``coords`` is meant to be differentiated; ``base`` is used
   under ``stop_gradient``.
 
+  ``base`` may itself be a ``LowRankDelta`` (a factored weight
+  :math:`c B + P A` carrying its window's coordinates, see
+  :func:`factored_view`, with a differentiable term on top), and
+  ``base_scale`` (``[...]``, one per matrix, or None for 1) multiplies it:
+  :math:`c\,W + F Z`.
+
   ``at_zero=True`` says that ``coords`` are zero, the point at which
   :func:`value_and_sketch_grad` differentiates: :func:`matmul` and
   :func:`take` then return the weight's product alone, without computing the
@@ -70,21 +77,24 @@ class LowRankDelta:
   """
 
   def __init__(self, base, factor, coords, *, rows: bool, path: str,
-               at_zero: bool = False):
+               at_zero: bool = False, base_scale=None):
     self.base = base
     self.factor = factor
     self.coords = coords
+    self.base_scale = base_scale
     self.rows = rows
     self.path = path
     self.at_zero = at_zero
 
   def tree_flatten(self):
-    return ((self.base, self.factor, self.coords),
+    return ((self.base, self.factor, self.coords, self.base_scale),
             (self.rows, self.path, self.at_zero))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, rows=aux[0], path=aux[1], at_zero=aux[2])
+    base, factor, coords, base_scale = children
+    return cls(base, factor, coords, rows=aux[0], path=aux[1],
+               at_zero=aux[2], base_scale=base_scale)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -108,9 +118,21 @@ class LowRankDelta:
     used as the unembedding).
     """
     swap = lambda a: jnp.swapaxes(a, -1, -2)
-    return LowRankDelta(swap(self.base), self.factor, swap(self.coords),
+    base = (self.base.T if isinstance(self.base, LowRankDelta)
+            else swap(self.base))
+    return LowRankDelta(base, self.factor, swap(self.coords),
                         rows=not self.rows, path=self.path,
-                        at_zero=self.at_zero)
+                        at_zero=self.at_zero, base_scale=self.base_scale)
+
+  def dense(self) -> jax.Array:
+    """The weight it stands for, materialized in float32 (``[..., m, n]``)."""
+    base = (self.base.dense() if isinstance(self.base, LowRankDelta)
+            else self.base.astype(jnp.float32))
+    if self.base_scale is not None:
+      base = self.base_scale[..., None, None] * base
+    f = self.factor.astype(jnp.float32)
+    z = self.coords.astype(jnp.float32)
+    return base + (f @ z if self.rows else z @ jnp.swapaxes(f, -1, -2))
 
   def __getitem__(self, key):
     if key is Ellipsis:   # nnx.Variable[...] hands back its value
@@ -166,7 +188,8 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
   _consume(w, "matmul")
   dtype = w.dtype if dtype is None else dtype
   cast = lambda a: a.astype(dtype)
-  y = dot(x, cast(jax.lax.stop_gradient(w.base)))
+  y = _scaled(w, matmul(x, jax.lax.stop_gradient(w.base), dtype,
+                        preferred_element_type))
   if w.rows:
     term = lambda x, f, z: dot(jnp.dot(x, cast(f)), cast(z))
   else:
@@ -205,12 +228,17 @@ def take(w: jax.Array | LowRankDelta, ids: jax.Array,
     return jnp.take(w, ids, axis=0).astype(dtype)
   _consume(w, "take")
   rows = lambda a, ids: jnp.take(a, ids, axis=0).astype(dtype)
-  y = rows(jax.lax.stop_gradient(w.base), ids)
+  y = _scaled(w, take(jax.lax.stop_gradient(w.base), ids, dtype))
   if w.rows:
     term = lambda ids, f, z: jnp.dot(rows(f, ids), z.astype(dtype))
   else:
     term = lambda ids, f, z: jnp.dot(rows(z, ids), f.astype(dtype).T)
   return _plus_low_rank_term(w, term, y, ids)
+
+
+def _scaled(w: LowRankDelta, y: jax.Array) -> jax.Array:
+  """``y`` times the base scale of ``w`` (a scalar: one matrix)."""
+  return y if w.base_scale is None else y * w.base_scale.astype(y.dtype)
 
 
 def _plus_low_rank_term(w: LowRankDelta, term: Callable, y: jax.Array,
@@ -249,6 +277,44 @@ def _consume(w: LowRankDelta, fn: str) -> None:
   consumed = _CONSUMED.get()
   if consumed is not None:
     consumed.add(w.path)
+
+
+def _view_leaf(w: factored_lib.FactoredWeight,
+               p_BxLxR: jax.Array) -> LowRankDelta:
+  """The :class:`LowRankDelta` ``c B + P A`` of one factored weight."""
+  plan = w.plan
+  layers = plan.shape[:-2]
+  factor = p_BxLxR.reshape(layers + p_BxLxR.shape[-2:])
+  coords = w.coords.reshape(layers + w.coords.shape[-2:])
+  return LowRankDelta(
+      w.base, factor, coords if plan.left else jnp.swapaxes(coords, -1, -2),
+      rows=plan.left, path=plan.path,
+      base_scale=None if w.scale is None else w.scale.reshape(layers))
+
+
+def factored_view(params: Any, projectors: Any) -> Any:
+  r"""Factored params as the model consumes them.
+
+  Each :class:`~logra_jax.optim.factored.FactoredWeight` becomes the
+  :class:`LowRankDelta` :math:`c B + P A` (``B`` under ``stop_gradient``;
+  differentiable in ``A`` and ``c``), which :func:`matmul` and :func:`take`
+  apply as ``c (x B) + (x P) A`` without forming the ``m x n`` weight.
+
+  Args:
+    params: factored params (:func:`logra_jax.optim.factored.factor`).
+    projectors: a tree like the params with each projected leaf's
+      ``[batch, long, rank]`` projector: this step's (the
+      :class:`~logra_jax.SketchProjectors` of :func:`value_and_sketch_grad`)
+      or the last update's (``transforms.window_projectors``).
+
+  Returns:
+    A tree like ``params`` with a ``LowRankDelta`` at each factored leaf.
+  """
+  flat, treedef = jax.tree.flatten(params, is_leaf=factored_lib.is_factored)
+  flat_p = treedef.flatten_up_to(projectors)
+  return treedef.unflatten([
+      _view_leaf(w, p) if factored_lib.is_factored(w) else w
+      for w, p in zip(flat, flat_p)])
 
 
 def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
@@ -375,6 +441,12 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     config = spec.config
     window = state.count // config.refresh_every
     refresh = state.count % config.refresh_every == 0
+    # Factored weights enter as c B + P A with the last update's projectors,
+    # so the loss sees W whether or not the window was merged.
+    params_flat = [
+        _view_leaf(p, q) if factored_lib.is_factored(p) else p
+        for p, q in zip(params_flat, spec.treedef.flatten_up_to(
+            transforms.window_projectors(opt_state)))]
     passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args,
                      constrain or (lambda x, _: x))
 
@@ -441,14 +513,8 @@ def _check_params(spec: transforms.ProjectionSpec, params) -> list:
       raise ValueError(
           f"parameter {plan.path!r} has shape {tuple(jnp.shape(p))}, but the "
           f"optimizer state was initialized for shape {plan.shape}")
-    ndim = len(plan.shape)
-    if plan.projected and (plan.perm != tuple(range(ndim))
-                           or plan.shape[-2:] != (plan.m, plan.n)):
-      raise ValueError(
-          f"sketch-direct gradients need projected parameter {plan.path!r} "
-          f"laid out as [*layers, in, out] with one input and one output "
-          f"axis; its dimension numbers give shape {plan.shape} -> "
-          f"{plan.batch} x {plan.m} x {plan.n}; use dense gradients for it")
+    if plan.projected:
+      factored_lib.check_layers_in_out(plan, "sketch-direct gradients")
   return flat
 
 
@@ -544,7 +610,9 @@ class _Passes:
   def dense_svd(self, refuse: Callable):
     """Dense-gradient fallback of ``kind="svd"`` refresh steps; ``refuse``
     replaces non-finite projectors (see :func:`value_and_sketch_grad`)."""
-    params = self.spec.treedef.unflatten(self.params_flat)
+    params = self.spec.treedef.unflatten([
+        p.dense() if isinstance(p, LowRankDelta) else p
+        for p in self.params_flat])
     value, grads = self._grad(self.loss_fn, params)
     grads_flat = self.spec.treedef.flatten_up_to(grads)
     projectors, refused = refuse([

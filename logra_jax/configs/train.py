@@ -14,6 +14,7 @@ import typing
 from typing import Any, Optional
 
 from logra_jax.checks import check_choice, check_range
+from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.projectors import KINDS
 from logra_jax.optim.transforms import MOMENT_POLICIES
@@ -189,6 +190,12 @@ class OptimizerConfig:
     project_embeddings: also project the embedding table and LM head
       (logra, galore), whose dense Adam moments are otherwise the largest
       optimizer state of a large-vocabulary model.
+    base_dtype: dtype of the base ``B`` of each projected weight, which
+      logra with sketch-direct gradients keeps factored, ``W = c B + P A``
+      (:mod:`logra_jax.optim.factored`): ``"float32"`` (default) or
+      ``"bfloat16"`` (half the bytes; the window is merged into ``B`` with
+      stochastic rounding at each refresh, and no float32 copy of the
+      weight exists). Dense leaves keep the policy's dtype.
   """
 
   name: str = "logra"
@@ -207,6 +214,7 @@ class OptimizerConfig:
   kl_subsample: Optional[int] = None
   gradient_mode: str = "sketch"
   project_embeddings: bool = False
+  base_dtype: str = "float32"
 
   def __post_init__(self):
     check_choice("optimizer.name", self.name, OPTIMIZERS)
@@ -223,6 +231,14 @@ class OptimizerConfig:
     if self.project_embeddings and self.name == "adam":
       raise ValueError("optimizer.project_embeddings applies to logra and "
                        "galore; adam keeps dense moments of every parameter")
+    check_choice("optimizer.base_dtype", self.base_dtype, BASE_DTYPES)
+    if self.base_dtype != "float32" and not (
+        self.name == "logra" and self.gradient_mode == "sketch"):
+      raise ValueError(
+          f"optimizer.base_dtype={self.base_dtype!r} needs the factored "
+          "policy of optimizer.name='logra' with optimizer.gradient_mode="
+          f"'sketch'; got name={self.name!r}, gradient_mode="
+          f"{self.gradient_mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)

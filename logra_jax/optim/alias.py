@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import optax
 
+from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import kl_control
 from logra_jax.optim import transforms
 from logra_jax.optim.dimension_numbers import SpecTree
@@ -31,6 +32,7 @@ def logra(
     keep_factors: bool = False,
     target_kl: Optional[float] = None,
     kl_mode: str = "clamp",
+    factored: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""LoGRA: Adam on low-rank gradient sketches, with decoupled weight decay.
 
@@ -70,6 +72,11 @@ def logra(
     target_kl: if set, the predicted-KL target of each step (see
       :func:`scale_by_predicted_kl`); None disables KL control.
     kl_mode: ``"clamp"`` or ``"target"``, with ``target_kl``.
+    factored: updates of projected leaves stay factored
+      (:class:`~logra_jax.optim.transforms.FactoredDelta`, weight decay
+      included), for params kept as ``B + P A``
+      (:mod:`logra_jax.optim.factored`); apply them with
+      :func:`logra_jax.optim.factored.apply_updates`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -92,8 +99,11 @@ def logra(
   """
   kl = ([] if target_kl is None
         else [kl_control.scale_by_predicted_kl(target_kl, mode=kl_mode)])
-  decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
-           else [optax.add_decayed_weights(weight_decay, weight_decay_mask)])
+  decay = []
+  if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    stage = factored_lib.add_decayed_weights(weight_decay)
+    decay = [stage if weight_decay_mask is None
+             else optax.masked(stage, weight_decay_mask)]
   return optax.chain(
       transforms.project(
           rank=rank, kind=kind, refresh_every=refresh_every,
@@ -102,7 +112,8 @@ def logra(
           moment_policy=moment_policy),
       transforms.low_rank_moments(
           optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)),
-      transforms.unproject(scale=scale, keep_factors=keep_factors),
+      transforms.unproject(scale=scale, keep_factors=keep_factors,
+                           factored=factored),
       *decay,
       optax.scale_by_learning_rate(learning_rate),
       *kl,

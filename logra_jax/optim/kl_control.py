@@ -17,6 +17,7 @@ scales each update so that its predicted KL meets a target.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
@@ -25,23 +26,48 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.transforms import FactoredUpdate, find_states
+from logra_jax.optim import factored as factored_lib
+from logra_jax.optim.transforms import FactoredDelta
+from logra_jax.optim.transforms import FactoredUpdate
+from logra_jax.optim.transforms import find_states
 
 KL_MODES = ("clamp", "target")
 
 
+def _factored_tangent(delta: FactoredDelta,
+                      weight: factored_lib.FactoredWeight) -> Any:
+  r"""The tangent of ``(B, A, c)`` that moves ``W = c B + P A`` by
+  ``D = a W + P Delta``: ``(0, a A + Delta, a c)``."""
+  decay = 0.0 if delta.decay is None else delta.decay
+  return dataclasses.replace(
+      weight, base=jnp.zeros_like(weight.base),
+      coords=decay * weight.coords + delta.coords,
+      scale=None if weight.scale is None else decay * weight.scale)
+
+
 def _densify(update: Any, params: Any) -> Any:
-  """A dense tangent with the params' structure and dtypes."""
-  is_factored = lambda x: isinstance(x, FactoredUpdate)
-  dense = jax.tree.map(lambda u: u.dense() if is_factored(u) else u, update,
-                       is_leaf=is_factored)
-  if jax.tree.structure(dense) != jax.tree.structure(params):
+  """A tangent with the params' structure and dtypes: dense, or in the
+  coordinates of factored params for :class:`FactoredDelta` updates."""
+  def leaf(u, p):
+    if isinstance(u, FactoredUpdate):
+      u = u.dense()
+    elif isinstance(u, FactoredDelta):
+      if not factored_lib.is_factored(p):
+        raise ValueError(
+            f"a factored update of parameter {u.plan.path!r} needs factored "
+            "params (logra_jax.optim.factored.factor) in the KL predictor")
+      u = _factored_tangent(u, p)
+    return jax.tree.map(lambda t, q: jnp.asarray(t).astype(q.dtype), u, p)
+
+  flat_p, treedef = jax.tree.flatten(params, is_leaf=factored_lib.is_factored)
+  try:
+    flat_u = treedef.flatten_up_to(update)
+  except (ValueError, TypeError):
     raise ValueError(
         "the update given to the KL predictor does not match the structure of "
-        f"the params it was built with: {jax.tree.structure(dense)} vs "
-        f"{jax.tree.structure(params)}")
-  return jax.tree.map(lambda u, p: jnp.asarray(u).astype(p.dtype), dense,
-                      params)
+        f"the params it was built with: {jax.tree.structure(update)} vs "
+        f"{jax.tree.structure(params)}") from None
+  return treedef.unflatten([leaf(u, p) for u, p in zip(flat_u, flat_p)])
 
 
 def _token_variance(logits_CxV: jax.Array, tangent_CxV: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 import warnings
 
@@ -204,6 +205,30 @@ class FactoredUpdate(NamedTuple):
     """Materializes the update with the parameter's shape and dtype."""
     return self.plan.expand(self.projector, self.coefficients).astype(
         self.plan.dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["coords", "decay"], meta_fields=["plan"])
+@dataclasses.dataclass(frozen=True)
+class FactoredDelta:
+  r"""The update of one projected weight, :math:`D = a W + P \Delta`.
+
+  Emitted by ``logra.unproject(factored=True)`` with ``decay=None``
+  (:math:`a = 0`); :func:`logra_jax.optim.factored.add_decayed_weights`
+  sets ``decay``. Later stages that scale updates (learning rate,
+  predicted-KL scale) scale both fields, since ``D`` is linear in them. Apply it with
+  :func:`logra_jax.optim.factored.apply_updates`.
+
+  Attributes:
+    coords: :math:`\Delta`, ``[batch, rank, short]`` float32, in the basis of
+      this step's projector.
+    decay: :math:`a`, a float32 scalar, or None for 0.
+    plan: the leaf's static plan.
+  """
+
+  coords: Any
+  decay: Any
+  plan: LeafPlan
 
 
 def _check_rank(rank) -> None:
@@ -680,8 +705,8 @@ def _transfer_adam(sketch: Sketched, m, v, count, b1, b2):
   return (m_new * c1).astype(m.dtype), (v_new * c2).astype(v.dtype)
 
 
-def unproject(scale: float = 1.0,
-              keep_factors: bool = False) -> optax.GradientTransformation:
+def unproject(scale: float = 1.0, keep_factors: bool = False,
+              factored: bool = False) -> optax.GradientTransformation:
   r"""Maps low-rank updates back to the parameters' shapes and dtypes.
 
   For a projected leaf with projector ``P`` and low-rank update ``N`` from
@@ -695,6 +720,9 @@ def unproject(scale: float = 1.0,
       that the factored update ``(P, alpha N)`` is available from
       :func:`factored_updates` (for low-rank policy sync and factored KL
       prediction) at a cost of ``rank * short`` floats per matrix.
+    factored: emit a :class:`FactoredDelta` ``(alpha N)`` for each projected
+      leaf instead of the dense ``alpha P N``, for params kept factored
+      (:mod:`logra_jax.optim.factored`); no ``m x n`` update is formed.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -737,6 +765,8 @@ def unproject(scale: float = 1.0,
     def to_dense(s: Sketched):
       if not s.plan.projected:
         return s.value.astype(s.plan.dtype)
+      if factored:
+        return FactoredDelta(scale * s.value, None, s.plan)
       return (scale * s.plan.expand(s.projector, s.value)).astype(s.plan.dtype)
 
     dense = jax.tree.map(to_dense, updates, is_leaf=_is_sketched)
@@ -799,20 +829,41 @@ def factored_updates(opt_state: optax.OptState) -> Any:
         "factored_updates needs exactly one logra.project stage and one "
         "logra.unproject(keep_factors=True) stage in the optimizer state; "
         f"found {len(projects)} and {len(unprojects)}")
-  project_state, factors = projects[0], unprojects[0].factors
-  last_window = jnp.maximum(project_state.count - 1, 0)
+  factors = unprojects[0].factors
 
   def pair(factor, projector):
     if factor is None:
       return None
-    plan, config = factor.plan, factor.config
-    if config.kind == "random":
-      projector = random_window_projector(
-          plan, config, last_window // config.refresh_every)
-    return FactoredUpdate(projector, factor.coefficients, plan)
+    return FactoredUpdate(projector, factor.coefficients, factor.plan)
 
   is_leaf = lambda x: x is None or isinstance(x, LowRankFactor)
-  return jax.tree.map(pair, factors, project_state.projectors, is_leaf=is_leaf)
+  return jax.tree.map(pair, factors, window_projectors(opt_state),
+                      is_leaf=is_leaf)
+
+
+def window_projectors(opt_state: optax.OptState) -> Any:
+  """The projectors of the window of the last update, as a tree like the
+  params (None at dense leaves).
+
+  The stored ones for ``kind="range"``/``"svd"``; for ``"random"`` the
+  window's regenerated from the seed. Before the first update: the stored
+  zeros (or window 0's random projectors).
+
+  Raises:
+    ValueError: if the state has no, or more than one, ``project`` stage.
+  """
+  projects = find_states(opt_state, ProjectState)
+  if len(projects) != 1:
+    raise ValueError("window_projectors needs exactly one logra.project "
+                     f"stage in the optimizer state; found {len(projects)}")
+  state = projects[0]
+  config = state.spec.config
+  if config.kind != "random":
+    return state.projectors
+  window = jnp.maximum(state.count - 1, 0) // config.refresh_every
+  return state.spec.treedef.unflatten([
+      random_window_projector(plan, config, window) if plan.projected
+      else None for plan in state.spec.plans])
 
 
 def optimizer_state_bytes(state: Any) -> int:

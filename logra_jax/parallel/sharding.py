@@ -196,6 +196,46 @@ def param_shardings(params: nnx.State, mesh: Mesh,
   return jax.tree_util.tree_map_with_path(shard, params, is_leaf=is_param)
 
 
+def weight_shardings(weights: Any, params_shardings: Any, mesh: Mesh,
+                     rules: Optional[dict] = None) -> Any:
+  """Shardings of the learner's weights, factored or not.
+
+  A factored weight (``logra_jax.optim.factored.FactoredWeight``) keeps its
+  base ``B`` laid out like its parameter; its coordinates ``A``
+  (``[batch, rank, short]``) split the short axis like the parameter's
+  hidden axis (``"embed"``) where that divides it, else are replicated, and
+  its per-matrix scales are replicated. Other leaves keep the parameter's
+  sharding.
+
+  Args:
+    weights: the learner's weights (concrete or abstract).
+    params_shardings: :func:`param_shardings` of the dense params.
+    mesh: the mesh.
+    rules: logical -> mesh axes; default :data:`PARTITION_RULES`.
+  """
+  from logra_jax.optim import factored as factored_lib  # leaf type only
+  rules = PARTITION_RULES if rules is None else rules
+  replicated = NamedSharding(mesh, PartitionSpec())
+  axes = _present_axes(mesh, rules.get("embed"))
+
+  def coords_sharding(shape):
+    if shape[-1] % _mesh_axes_size(mesh, axes):
+      return replicated
+    return NamedSharding(mesh, PartitionSpec(None, None, axes))
+
+  def leaf(w, sharding):
+    if not factored_lib.is_factored(w):
+      return sharding
+    return dataclasses.replace(
+        w, base=sharding, coords=coords_sharding(w.coords.shape),
+        scale=None if w.scale is None else replicated)
+
+  flat, treedef = jax.tree.flatten(weights, is_leaf=factored_lib.is_factored)
+  return treedef.unflatten([
+      leaf(w, s)
+      for w, s in zip(flat, treedef.flatten_up_to(params_shardings))])
+
+
 def batch_sharding(mesh: Mesh, ndim: int,
                    rules: Optional[dict] = None) -> NamedSharding:
   """Leading (batch) axis split over the data axes; the rest replicated."""

@@ -22,6 +22,8 @@ from logra_jax import models
 from logra_jax import sketch_grad
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
+from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import transforms
 from logra_jax.optim.transforms import find_states
 from logra_jax.rl import algo
 
@@ -51,7 +53,7 @@ def make_optimizer(config: OptimizerConfig,
         refresh_every=config.refresh_every, b1=config.b1, b2=config.b2,
         moment_policy=config.moment_policy, weight_decay=config.weight_decay,
         dimension_numbers=dims, target_kl=config.target_kl,
-        kl_mode=config.kl_mode)
+        kl_mode=config.kl_mode, factored=factored_policy(config))
   elif config.name == "adam":
     core = optax.adamw(schedule, b1=config.b1, b2=config.b2,
                        weight_decay=config.weight_decay)
@@ -75,6 +77,48 @@ def make_optimizer(config: OptimizerConfig,
   if config.max_grad_norm:
     core = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
   return skip_non_finite(core)
+
+
+def factored_policy(config: OptimizerConfig) -> bool:
+  """Whether the learner keeps projected weights factored, ``W = c B + P A``
+  (:mod:`logra_jax.optim.factored`): LoGRA with sketch-direct gradients."""
+  return config.name == "logra" and config.gradient_mode == "sketch"
+
+
+def init_weights(config: OptimizerConfig, params: Any,
+                 opt_state: optax.OptState) -> Any:
+  """The learner's weights from dense ``params``: factored (base in
+  ``config.base_dtype``) under :func:`factored_policy`, else ``params``."""
+  if not factored_policy(config):
+    return params
+  return factored_lib.factor(params, opt_state, config.base_dtype,
+                             decay=config.weight_decay > 0)
+
+
+def policy_weights(weights: Any, opt_state: optax.OptState) -> Any:
+  """The learner's weights as the model and the sampler consume them: the
+  factored view (:func:`logra_jax.sketch_grad.factored_view`) with the last
+  update's projectors, or the params themselves."""
+  if not _has_factored(weights):
+    return weights
+  return sketch_grad.factored_view(
+      weights, transforms.window_projectors(opt_state))
+
+
+def dense_weights(weights: Any, opt_state: optax.OptState,
+                  dtype: Any = None) -> Any:
+  """The learner's weights materialized as dense arrays (``W = c B + P A``
+  for factored ones, in the parameter's dtype or ``dtype``)."""
+  if not _has_factored(weights):
+    return weights if dtype is None else jax.tree.map(
+        lambda p: p.astype(dtype), weights)
+  return factored_lib.effective_weights(
+      weights, transforms.window_projectors(opt_state), dtype)
+
+
+def _has_factored(weights: Any) -> bool:
+  return any(map(factored_lib.is_factored, jax.tree.leaves(
+      weights, is_leaf=factored_lib.is_factored)))
 
 
 # What `SkipNonFiniteState.reason` bits stand for, lowest bit first.
@@ -284,7 +328,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
-  sketch_mode = config.optimizer.gradient_mode == "sketch"
+  factored = factored_policy(config.optimizer)
 
   def logprobs(params, batch, with_entropy=False):
     return models.token_logprobs(
@@ -292,12 +336,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         batch.completion_tokens_BxT, batch.completion_mask_BxT,
         temperature=temperature, return_entropy=with_entropy)
 
-  def kl_predictor(params, batch: algo.RolloutBatch):
+  def kl_predictor(params, batch: algo.RolloutBatch,
+                   view: Callable = lambda params: params):
+    """The predictor of updates of ``params``; ``view`` maps them to what the
+    model takes (the factored view, whose coordinates the updates move)."""
     scale = completion_logits_scale(temperature)
 
     def features(params, batch):
       hidden_BxTxD, w_DxV = models.completion_hidden_states(
-          graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
+          graphdef, view(params), batch.prompt_tokens_BxP,
+          batch.prompt_mask_BxP,
           batch.completion_tokens_BxT, batch.completion_mask_BxT)
       return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
 
@@ -320,23 +368,20 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       raise TypeError("make_train_step needs an optimizer wrapped in "
                       "skip_non_finite (make_optimizer wraps it), got a state "
                       f"of type {type(opt_state).__name__}")
+    if factored != _has_factored(params):
+      raise ValueError(
+          "make_train_step: " + ("this config keeps projected weights "
+                                 "factored; pass learner.init_weights(...)"
+                                 if factored else "params are factored but "
+                                 "this config does not keep them factored"))
     micro = batch.micro_batches(config.micro_batches)
-    extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
     low_rank = sketch_grad.project_state(opt_state) is not None
-    if sketch_mode and low_rank:
-      (nums, (dens, metrics, logp_before)), grad_sum, projectors = (
-          sketch_grad.value_and_sketch_grad(
-              micro_loss, has_aux=True, micro_batched=True,
-              constrain=models.constrain)(params, opt_state, micro))
-      extra["projectors"] = projectors
-    else:
-      (nums, (dens, metrics, logp_before)), grad_sum = (
-          sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(
-              params, micro))
-    num, den = nums.sum(), dens.sum()
-    metrics = jax.tree.map(lambda x: x.sum(axis=0), metrics)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    loss = algo.finalize(num, den)
+    if factored:
+      return factored_train_step(params, opt_state, batch, micro)
+    extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
+    loss, grads, metrics, logp_before = totals(
+        *sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(params,
+                                                                  micro))
     if low_rank:
       # LoGRA's updates P N are expanded and applied inside the guard, leaf by
       # leaf, so that they need not all exist at once (7B, fsdp=8: -0.7 GiB
@@ -352,9 +397,50 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       new_params = optax.apply_updates(params, updates)
       update_norm = optax.global_norm(updates)
 
+    return new_params, opt_state, step_metrics(
+        batch, opt_state, loss, grads, update_norm, metrics, logp_before,
+        logprobs(new_params, batch), low_rank)
+
+  def factored_train_step(params, opt_state, batch, micro):
+    """The step on factored weights: the window merged at a refresh, the
+    sketches taken at ``c B + P A``, and only ``A``, ``c`` and the dense
+    leaves updated."""
+    params = factored_lib.merge_at_refresh(params, opt_state,
+                                           seed=config.seed)
+    value, grad_sum, projectors = sketch_grad.value_and_sketch_grad(
+        micro_loss, has_aux=True, micro_batched=True,
+        constrain=models.constrain)(params, opt_state, micro)
+    loss, grads, metrics, logp_before = totals(value, grad_sum)
+    view = lambda weights: sketch_grad.factored_view(weights,
+                                                     projectors.projectors)
+    extra = {"projectors": projectors}
+    if kl_control:
+      extra["kl_predictor"] = kl_predictor(params, batch, view)
+    trainable = factored_lib.without_base(params)
+    (new_trainable, update_norm), opt_state = tx.update(
+        grads, opt_state, params, loss=loss,
+        apply_fn=lambda u: (factored_lib.apply_updates(trainable, u),
+                            factored_lib.update_norm(u, params,
+                                                     projectors.projectors)),
+        **extra)
+    new_params = factored_lib.with_base(new_trainable, params)
+    return new_params, opt_state, step_metrics(
+        batch, opt_state, loss, grads, update_norm, metrics, logp_before,
+        logprobs(view(new_params), batch), True)
+
+  def totals(value, grad_sum):
+    """The loss, gradients, metric sums and log-probs of the micro-batches
+    (their ``(numerator, denominator)`` pairs summed first)."""
+    nums, (dens, metrics, logp_before) = value
+    den = dens.sum()
+    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
+    return (algo.finalize(nums.sum(), den), grads,
+            jax.tree.map(lambda x: x.sum(axis=0), metrics), logp_before)
+
+  def step_metrics(batch, opt_state, loss, grads, update_norm, metrics,
+                   logp_before, logp_after_BxT, low_rank):
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
     logp_before_BxT = logp_before.reshape(mask_BxT.shape)
-    logp_after_BxT = logprobs(new_params, batch)
     tokens = jnp.maximum(mask_BxT.sum(), 1.0)
     log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
     out = algo.finalize_metrics(metrics)
@@ -375,7 +461,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       out.update({"kl/predicted": jnp.where(kl_state.scale > 0, applied, 0.0),
                   "kl/scale": kl_state.scale,
                   "kl/skipped": kl_state.skipped_steps})
-    return new_params, opt_state, out
+    return out
 
   if shardings is None:
     return jax.jit(train_step, donate_argnums=(0, 1))

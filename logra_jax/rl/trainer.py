@@ -16,6 +16,7 @@ import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import tqdm
 
 import logra_jax as logra
@@ -416,7 +417,8 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
 def _learner_step(config: TrainConfig, policy: Policy,
                   mesh: jax.sharding.Mesh | None):
   """The optimizer and the jitted train step of a run, with the policy's
-  params placed for it, the optimizer state's sharding, a function that
+  params placed for it, the shardings of the optimizer state and of the
+  learner's weights (:func:`learner_lib.init_weights`), a function that
   places a rollout batch and, when ``config.loss.beta > 0``, the function
   that fills in its reference log-probabilities (else None)."""
   params = policy.params
@@ -433,11 +435,14 @@ def _learner_step(config: TrainConfig, policy: Policy,
     fill_reference = (reference_lib.make_reference_logprobs(
         policy.graphdef, config.rollout.temperature) if with_reference
                       else None)
-    return (params, tx, state_sharding, place_batch, train_step,
-            fill_reference)
+    return (params, tx, state_sharding, state_sharding, place_batch,
+            train_step, fill_reference,
+            _rollout_weights(config, state_sharding))
   params_sharding = parallel.param_shardings(params, mesh)
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, mesh)
+  weights_sharding = parallel.weight_shardings(
+      _abstract_weights(config, tx, params), params_sharding, mesh)
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
   rollout_sharding = algo.RolloutBatch(
       prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
@@ -449,13 +454,32 @@ def _learner_step(config: TrainConfig, policy: Policy,
                     if with_reference else rollout_sharding)
   train_step = learner_lib.make_train_step(
       policy.graphdef, tx, config,
-      shardings=(params_sharding, state_sharding, batch_sharding),
+      shardings=(weights_sharding, state_sharding, batch_sharding),
       activation_rules=parallel.PARTITION_RULES)
   fill_reference = (reference_lib.make_reference_logprobs(
       policy.graphdef, config.rollout.temperature,
       shardings=(params_sharding, rollout_sharding),
       activation_rules=parallel.PARTITION_RULES) if with_reference else None)
-  return params, tx, state_sharding, place_batch, train_step, fill_reference
+  return (params, tx, state_sharding, weights_sharding, place_batch,
+          train_step, fill_reference,
+          _rollout_weights(config, params_sharding))
+
+
+def _rollout_weights(config: TrainConfig, params_sharding: Any) -> Callable:
+  """``(weights, opt_state) -> params`` for the sampler: the learner's
+  weights themselves, or, when they are factored, ``W = c B + P A``
+  materialized in the policy's dtype (jitted, laid out like the params)."""
+  if not learner_lib.factored_policy(config.optimizer):
+    return lambda weights, opt_state: weights
+  return jax.jit(learner_lib.dense_weights, out_shardings=params_sharding)
+
+
+def _abstract_weights(config: TrainConfig, tx: optax.GradientTransformation,
+                      params: Any) -> Any:
+  """The shapes and dtypes of the learner's weights for ``params``."""
+  return jax.eval_shape(
+      lambda p: learner_lib.init_weights(config.optimizer, p, tx.init(p)),
+      params)
 
 
 def _check_finite(step: int, skipped: set[str],
@@ -509,16 +533,20 @@ def _train(config: TrainConfig, out: pathlib.Path,
       saved = None   # restore_latest falls back to an older checkpoint
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
-  (params, tx, state_sharding, place_batch, train_step,
-   fill_reference) = _learner_step(config, policy, device_mesh)
+  (params, tx, state_sharding, weights_sharding, place_batch, train_step,
+   fill_reference, rollout_weights) = _learner_step(config, policy,
+                                                    device_mesh)
   # The frozen reference policy (loss.beta > 0): the initial weights, in
   # policy.reference_dtype, laid out like the params.
   ref_params = (None if fill_reference is None else
                 reference_lib.reference_params(
                     params, jnp.dtype(config.policy.reference_dtype)))
+  num_params = int(sum(x.size for x in jax.tree.leaves(params)))
+  dense_adam_bytes = learner_lib.dense_adam_state_bytes(params)
   if resume:
     restored = checkpointer.restore_latest(
-        params=checkpoint.abstract_state(params),
+        params=checkpoint.abstract_state(
+            _abstract_weights(config, tx, params), weights_sharding),
         opt_state=checkpoint.abstract_state(jax.eval_shape(tx.init, params),
                                             state_sharding),
         ref_params=(None if ref_params is None
@@ -535,14 +563,17 @@ def _train(config: TrainConfig, out: pathlib.Path,
         f"({checkpointer.directory / str(restored.step)})")
   else:
     opt_state = jax.device_put(tx.init(params), state_sharding)
+    params = jax.device_put(
+        learner_lib.init_weights(config.optimizer, params, opt_state),
+        weights_sharding)
     loop = checkpoint.LoopState(step=0, key=jax.random.key(config.seed),
                                 data_position=0)
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
-      "dense_adam_state_bytes": learner_lib.dense_adam_state_bytes(params),
-      "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "dense_adam_state_bytes": dense_adam_bytes,
+      "num_params": num_params,
       "reference_bytes": sum(x.nbytes for x in jax.tree.leaves(ref_params)),
   }
   def memory_hint(examples):
@@ -552,7 +583,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
   before = loop.extras.get("eval_before")
   if before is None:
     with _explain_out_of_memory(0, memory_hint(eval_examples)):
-      before = evaluate(policy, params, eval_examples, rewards, max_new)
+      before = evaluate(policy, rollout_weights(params, opt_state),
+                        eval_examples, rewards, max_new)
   summary["eval_accuracy_before"] = before["accuracy"]
   log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
       f"({len(eval_examples)} prompts)")
@@ -587,8 +619,9 @@ def _train(config: TrainConfig, out: pathlib.Path,
         examples = next(batches)
         key, rollout_key = jax.random.split(key)
         with _explain_out_of_memory(done, memory_hint(examples)):
-          batch, metrics = rollout(policy, params, examples, config, rewards,
-                                   rollout_key, warn=reward_warnings)
+          batch, metrics = rollout(policy, rollout_weights(params, opt_state),
+                                   examples, config, rewards, rollout_key,
+                                   warn=reward_warnings)
           batch = place_batch(batch)
           if fill_reference is not None:
             batch = fill_reference(ref_params, batch)
@@ -609,8 +642,9 @@ def _train(config: TrainConfig, out: pathlib.Path,
         evaluated = bool(config.eval_every and done % config.eval_every == 0
                          and done < config.steps)
         if evaluated:
-          metrics["accuracy/eval"] = evaluate(policy, params, eval_examples,
-                                              rewards, max_new)["accuracy"]
+          metrics["accuracy/eval"] = evaluate(
+              policy, rollout_weights(params, opt_state), eval_examples,
+              rewards, max_new)["accuracy"]
         history.append(metrics)
         metrics_file.write(json.dumps(metrics) + "\n")
         metrics_file.flush()
@@ -636,7 +670,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
     finally:
       if tensorboard is not None:
         tensorboard.close()
-    after = evaluate(policy, params, eval_examples, rewards, max_new)
+    after = evaluate(policy, rollout_weights(params, opt_state),
+                     eval_examples, rewards, max_new)
     if checkpointer.latest_step() != len(history):
       save(len(history), after["accuracy"], wait=True)
   summary.update({

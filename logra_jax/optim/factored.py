@@ -1,0 +1,409 @@
+r"""The factored policy: a projected weight kept as :math:`W = c\,B + P A`.
+
+Within a projector window every update of a projected weight is ``P N_t``
+with ``P`` fixed, so the weight need not be materialized at every step. A
+projected leaf is held as a :class:`FactoredWeight`: its base ``B`` (the
+parameter's shape, in the base dtype), the window's coordinates ``A``
+(``[batch, rank, short]``, float32, the sum of its step factors) and, with
+weight decay, one scale ``c`` per matrix. A step
+:math:`D_t = a_t W + P \Delta_t` (a :class:`FactoredDelta`: ``a_t`` is the
+step's decoupled weight decay, zero without it) is applied as
+
+.. math::
+  A \leftarrow (1 + a_t) A + \Delta_t, \qquad c \leftarrow (1 + a_t)\, c,
+
+which is exactly :math:`W \leftarrow W + D_t`, with ``rank * short`` numbers
+touched per matrix instead of ``m * n``. At a refresh, before the new
+projector, the window is merged (:func:`merge`):
+:math:`B \leftarrow \mathrm{round}(c B + P A)`, ``A <- 0``, ``c <- 1``. With a
+bfloat16 base the rounding is stochastic (:func:`stochastic_round`), from
+random bits that are a pure function of (seed, step, leaf path, matrix), so
+every process that holds ``B``, ``P`` and ``A`` computes the same bits, and no
+float32 copy of the weight exists anywhere.
+
+The leaves are ordinary pytrees: checkpoints save ``B``, ``A`` and ``c``;
+the projectors stay in the optimizer's ``project`` state (or are regenerated
+from the seed for ``kind="random"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim import transforms
+from logra_jax.optim.dimension_numbers import LeafPlan
+from logra_jax.optim.transforms import FactoredDelta
+
+BASE_DTYPES = ("float32", "bfloat16")
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["base", "coords", "scale"],
+                   meta_fields=["plan"])
+@dataclasses.dataclass(frozen=True)
+class FactoredWeight:
+  r"""One projected weight held as :math:`W = c\,B + P A`.
+
+  Attributes:
+    base: ``B``, the parameter's shape in the base dtype; None in the
+      trainable part (:func:`without_base`).
+    coords: ``A``, ``[batch, rank, short]`` float32: the sum of this
+      window's step factors in the basis of its projector ``P``.
+    scale: ``c``, ``[batch]`` float32, one per matrix (the window's product
+      of weight-decay factors); None when the optimizer has no weight decay
+      (then ``c = 1``).
+    plan: the leaf's static plan (shape, orientation, rank).
+  """
+
+  base: Any
+  coords: Any
+  scale: Any
+  plan: LeafPlan
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.plan.shape
+
+
+def is_factored(x) -> bool:
+  """Whether ``x`` is a :class:`FactoredWeight`."""
+  return isinstance(x, FactoredWeight)
+
+
+def _project_state(opt_state) -> transforms.ProjectState:
+  found = transforms.find_states(opt_state, transforms.ProjectState)
+  if len(found) != 1:
+    raise ValueError("a factored policy needs an optimizer state with exactly "
+                     f"one logra.project stage; found {len(found)}")
+  return found[0]
+
+
+def factor(params: Any, opt_state: optax.OptState,
+           base_dtype: str = "float32", decay: bool = False) -> Any:
+  """The factored form of ``params``: each projected leaf as
+  :class:`FactoredWeight` ``(B = param in base_dtype, A = 0, c = 1)``.
+
+  Args:
+    params: the parameters the optimizer state was initialized with.
+    opt_state: an optimizer state with one ``logra.project`` stage (its
+      plans say which leaves are projected and at which rank).
+    base_dtype: ``"float32"`` or ``"bfloat16"`` (:data:`BASE_DTYPES`).
+    decay: keep a per-matrix scale ``c`` (needed when the optimizer has
+      weight decay).
+
+  Returns:
+    A tree like ``params`` with :class:`FactoredWeight` at projected leaves.
+
+  Raises:
+    ValueError: for another base dtype, params that do not match the state,
+      or a projected leaf not laid out ``[*layers, in, out]`` (naming it).
+
+  Example:
+    >>> import jax.numpy as jnp, logra_jax as logra
+    >>> params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    >>> tx = logra.logra(1e-2, rank=2, factored=True)
+    >>> weights = factor(params, tx.init(params), "bfloat16")
+    >>> weights["w"].base.dtype, weights["w"].coords.shape
+    (dtype(bfloat16), (1, 2, 8))
+  """
+  if base_dtype not in BASE_DTYPES:
+    raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got "
+                     f"{base_dtype!r}")
+  spec = _project_state(opt_state).spec
+  flat = transforms._flatten_like(spec, params, "params")
+  leaves = []
+  for plan, p in zip(spec.plans, flat):
+    if tuple(jnp.shape(p)) != plan.shape:
+      raise ValueError(
+          f"parameter {plan.path!r} has shape {tuple(jnp.shape(p))}, but the "
+          f"optimizer state was initialized for shape {plan.shape}")
+    if not plan.projected:
+      leaves.append(p)
+      continue
+    check_layers_in_out(plan, "a factored policy")
+    leaves.append(FactoredWeight(
+        base=jnp.asarray(p).astype(base_dtype),
+        coords=jnp.zeros(plan.sketch_shape, jnp.float32),
+        scale=jnp.ones((plan.batch,), jnp.float32) if decay else None,
+        plan=plan))
+  return spec.treedef.unflatten(leaves)
+
+
+def check_layers_in_out(plan: LeafPlan, what: str) -> None:
+  """Raises unless a projected leaf is laid out ``[*layers, in, out]``."""
+  ndim = len(plan.shape)
+  if (plan.perm != tuple(range(ndim))
+      or plan.shape[-2:] != (plan.m, plan.n)):
+    raise ValueError(
+        f"{what} needs projected parameter {plan.path!r} laid out as "
+        f"[*layers, in, out] with one input and one output axis; its "
+        f"dimension numbers give shape {plan.shape} -> {plan.batch} x "
+        f"{plan.m} x {plan.n}; use dense gradients for it")
+
+
+def without_base(params: Any) -> Any:
+  """``params`` with every :class:`FactoredWeight`'s base dropped (None):
+  the part a step changes."""
+  return jax.tree.map(
+      lambda p: dataclasses.replace(p, base=None) if is_factored(p) else p,
+      params, is_leaf=is_factored)
+
+
+def with_base(trainable: Any, params: Any) -> Any:
+  """``trainable`` (from :func:`without_base`) with the bases of ``params``
+  put back."""
+  return jax.tree.map(
+      lambda t, p: dataclasses.replace(t, base=p.base) if is_factored(t)
+      else t, trainable, params, is_leaf=is_factored)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  r"""``optax.apply_updates`` for factored params.
+
+  At a :class:`FactoredWeight` the update must be a :class:`FactoredDelta`
+  ``(Delta, a)``: :math:`A \leftarrow (1 + a) A + \Delta`,
+  :math:`c \leftarrow (1 + a) c`; the base is not touched (it may be None,
+  see :func:`without_base`). Other leaves: ``p + u`` in ``p``'s dtype.
+
+  Raises:
+    TypeError: naming the leaf, for a dense update of a factored weight or
+      a decayed update of a weight kept without a scale.
+  """
+  def leaf(p, u):
+    if not is_factored(p):
+      return None if p is None else (jnp.asarray(p) + u).astype(
+          jnp.result_type(p))
+    if not isinstance(u, FactoredDelta):
+      raise TypeError(f"factored parameter {p.plan.path!r} needs a "
+                      f"FactoredDelta update, got {type(u).__name__}")
+    if u.decay is None:
+      return dataclasses.replace(p, coords=p.coords + u.coords)
+    if p.scale is None:
+      raise TypeError(
+          f"factored parameter {p.plan.path!r} was made without a scale "
+          "(factor(..., decay=False)) but the update decays it")
+    keep = 1.0 + u.decay
+    return dataclasses.replace(p, coords=keep * p.coords + u.coords,
+                               scale=keep * p.scale)
+
+  return jax.tree.map(leaf, params, updates, is_leaf=is_factored)
+
+
+def _low_rank_term(plan: LeafPlan, p_LxR: jax.Array,
+                   a_RxS: jax.Array) -> jax.Array:
+  """``P A`` of one matrix as ``[m, n]`` float32 (transposed when wide)."""
+  term = jnp.dot(p_LxR, a_RxS, precision=_HIGHEST)
+  return term if plan.left else term.T
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+  r"""Rounds float32 ``x`` to ``dtype`` (float32 or bfloat16), stochastically.
+
+  To bfloat16: ``x`` lies between two neighbours ``lo <= x < hi``; it
+  becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so
+  :math:`\mathbb{E}[\mathrm{round}(x)] = x`. Implemented on the bits: 16
+  random bits are added to the 16 that bfloat16 drops, and the carry decides.
+  Values that bfloat16 holds exactly are returned unchanged; NaN stays NaN.
+  To float32: ``x`` itself.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.full((10000,), 1.0 + 2.0**-10)   # 1/8 of a bf16 ulp above 1
+    >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+    >>> sorted(set(y.astype(float).tolist()))
+    [1.0, 1.0078125]
+    >>> abs(float(y.astype(jnp.float32).mean()) - (1.0 + 2.0**-10)) < 3e-4
+    True
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if np.dtype(dtype) == np.float32:
+    return x
+  if np.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"stochastic_round rounds to float32 or bfloat16, got "
+                     f"{np.dtype(dtype)}")
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+  y = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+  return jnp.where(jnp.isnan(x), x, y).astype(jnp.bfloat16)
+
+
+def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:
+  """The key of a leaf's merge at ``step``: a pure function of the run seed,
+  the step and the leaf's path (threefry, the same on every backend)."""
+  key = jax.random.key(seed, impl="threefry2x32")
+  key = jax.random.fold_in(key, step)
+  return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+
+
+def _merge_leaf(w: FactoredWeight, p_BxLxR: jax.Array, seed: int,
+                step: jax.Array) -> FactoredWeight:
+  """One leaf's window merged, one matrix at a time (in place)."""
+  plan = w.plan
+  dtype = jnp.result_type(w.base)
+  key = rounding_key(seed, step, plan.path)
+
+  def one(i, b_BxMxN):
+    scale = 1.0 if w.scale is None else w.scale[i]
+    merged = (scale * b_BxMxN[i].astype(jnp.float32)
+              + _low_rank_term(plan, p_BxLxR[i], w.coords[i]))
+    rounded = stochastic_round(merged, dtype, jax.random.fold_in(key, i))
+    return b_BxMxN.at[i].set(rounded.astype(dtype))
+
+  b_BxMxN = jax.lax.fori_loop(
+      0, plan.batch, one, w.base.reshape(plan.batch, plan.m, plan.n))
+  return FactoredWeight(
+      base=b_BxMxN.reshape(plan.shape), coords=jnp.zeros_like(w.coords),
+      scale=None if w.scale is None else jnp.ones_like(w.scale), plan=plan)
+
+
+def merge(params: Any, projectors: Any, *, seed: int,
+          step: jax.Array) -> Any:
+  r"""Every factored weight's window merged into its base.
+
+  :math:`B \leftarrow \mathrm{round}(c B + P A)`, ``A <- 0``, ``c <- 1``,
+  matrix by matrix (a ``[m, n]`` float32 temporary at a time). Rounding to a
+  float32 base is to nearest; to a bfloat16 base it is
+  :func:`stochastic_round` with :func:`rounding_key` ``(seed, step, path)``
+  folded with the matrix index.
+
+  Args:
+    params: factored params.
+    projectors: a tree like the params with each projected leaf's
+      ``[batch, long, rank]`` projector (``transforms.window_projectors``).
+    seed: the run's seed.
+    step: the step the merge belongs to (traced int).
+
+  Returns:
+    ``params`` with every :class:`FactoredWeight` merged.
+  """
+  flat, treedef = jax.tree.flatten(params, is_leaf=is_factored)
+  flat_p = treedef.flatten_up_to(projectors)
+  return treedef.unflatten([
+      _merge_leaf(w, p, seed, step) if is_factored(w) else w
+      for w, p in zip(flat, flat_p)])
+
+
+def merge_at_refresh(params: Any, opt_state: optax.OptState, *,
+                     seed: int) -> Any:
+  """``params`` merged (:func:`merge`) when the optimizer's next update
+  refreshes its projectors, unchanged otherwise (``lax.cond``); the step is
+  the ``project`` stage's count."""
+  state = _project_state(opt_state)
+  due = state.count % state.spec.config.refresh_every == 0
+  projectors = transforms.window_projectors(opt_state)
+  return jax.lax.cond(
+      due, lambda: merge(params, projectors, seed=seed, step=state.count),
+      lambda: params)
+
+
+def effective_weights(params: Any, projectors: Any,
+                      dtype: Optional[Any] = None) -> Any:
+  r"""The dense weights :math:`W = c B + P A` of factored params.
+
+  Args:
+    params: factored params (other leaves are returned as they are).
+    projectors: as for :func:`merge`.
+    dtype: dtype of the materialized weights; default each parameter's own
+      (the plan's dtype).
+
+  Returns:
+    A tree like the original params, every leaf an array.
+  """
+  def dense(w, p_BxLxR):
+    if not is_factored(w):
+      return w
+    plan = w.plan
+    b_BxMxN = w.base.reshape(plan.batch, plan.m, plan.n).astype(jnp.float32)
+    if w.scale is not None:
+      b_BxMxN = w.scale[:, None, None] * b_BxMxN
+    term = jax.vmap(functools.partial(_low_rank_term, plan))(p_BxLxR,
+                                                             w.coords)
+    out = (b_BxMxN + term).reshape(plan.shape)
+    return out.astype(plan.dtype if dtype is None else dtype)
+
+  flat, treedef = jax.tree.flatten(params, is_leaf=is_factored)
+  flat_p = treedef.flatten_up_to(projectors)
+  return treedef.unflatten([dense(w, p) for w, p in zip(flat, flat_p)])
+
+
+def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
+  r"""``optax.add_decayed_weights`` that also decays factored updates.
+
+  Dense leaves: ``u + weight_decay * p``. A :class:`FactoredDelta` gets
+  ``decay += weight_decay`` (the step :math:`a W` without touching ``W``),
+  so the decayed update stays factored and exact.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = add_decayed_weights(0.1)
+    >>> updates, _ = tx.update({"b": jnp.ones(2)}, tx.init(None),
+    ...                        {"b": jnp.full(2, 10.0)})
+    >>> updates["b"].tolist()
+    [2.0, 2.0]
+  """
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(optax.NO_PARAMS_MSG)
+
+    def leaf(u, p):
+      if isinstance(u, FactoredDelta):
+        decay = jnp.asarray(weight_decay, jnp.float32)
+        return dataclasses.replace(
+            u, decay=decay if u.decay is None else u.decay + decay)
+      return None if u is None else u + weight_decay * p
+
+    is_delta = lambda x: isinstance(x, FactoredDelta) or x is None
+    return jax.tree.map(leaf, updates, params, is_leaf=is_delta), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def update_norm(updates: Any, params: Any, projectors: Any) -> jax.Array:
+  r"""The Frobenius norm of the step in weight space.
+
+  For a :class:`FactoredDelta` at a :class:`FactoredWeight`,
+  :math:`\|a W + P\Delta\|^2 = a^2\|W\|^2 + 2a\langle P^\top W, \Delta\rangle
+  + \|\Delta\|^2` (``P`` has orthonormal columns), with
+  :math:`P^\top W = c P^\top B + A`; the terms with ``W`` are only computed
+  when the step decays.
+  """
+  flat_u, treedef = jax.tree.flatten(
+      updates, is_leaf=lambda x: isinstance(x, FactoredDelta))
+  flat_w = treedef.flatten_up_to(params)
+  flat_p = treedef.flatten_up_to(projectors)
+  total = jnp.zeros([], jnp.float32)
+  for u, w, p_BxLxR in zip(flat_u, flat_w, flat_p):
+    if not isinstance(u, FactoredDelta):
+      total += jnp.sum(jnp.square(jnp.asarray(u, jnp.float32)))
+      continue
+    total += jnp.sum(jnp.square(u.coords))
+    if u.decay is None:
+      continue
+    plan = w.plan
+    b_BxMxN = w.base.reshape(plan.batch, plan.m, plan.n)
+    pt_b = (jnp.einsum("bmr,bmn->brn", p_BxLxR, b_BxMxN,
+                       preferred_element_type=jnp.float32)
+            if plan.left else
+            jnp.einsum("bmn,bnr->brm", b_BxMxN, p_BxLxR,
+                       preferred_element_type=jnp.float32))
+    scale = 1.0 if w.scale is None else w.scale[:, None, None]
+    pt_w = scale * pt_b + w.coords
+    # ||W||^2 = ||c B||^2 + 2 <c P^T B, A> + ||A||^2.
+    b_sq = jnp.sum(jnp.square(b_BxMxN.astype(jnp.float32)), axis=(1, 2))
+    c_sq = 1.0 if w.scale is None else jnp.square(w.scale)
+    w_sq = (jnp.sum(c_sq * b_sq) + 2 * jnp.sum(scale * pt_b * w.coords)
+            + jnp.sum(jnp.square(w.coords)))
+    total += (jnp.square(u.decay) * w_sq
+              + 2 * u.decay * jnp.sum(pt_w * u.coords))
+  return jnp.sqrt(jnp.maximum(total, 0.0))
