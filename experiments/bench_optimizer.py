@@ -14,7 +14,10 @@ each as a ratio to `optax.adam` measured in the same run, and the time of only
 the two rank-r products of every projected matrix (`P^T G`, `P S`), the floor of
 a non-refresh LoGRA step that takes full gradients. Embeddings and the
 LM head stay dense for GaLore and LoGRA alike; every transformer-block matrix
-is projected at the same rank.
+is projected at the same rank. LoGRA with factored weights (`W = B + P A`,
+updated from sketches; `logra_jax.optim.factored`) is timed on its
+non-refresh update and, in the refresh column, the update plus the merge of
+the window into `B` that a factored run does once per refresh.
 
 Run: python experiments/bench_optimizer.py [--rank 64] [--repeats 20]
 """
@@ -33,6 +36,8 @@ import optax
 import optax.contrib
 
 import logra_jax as logra
+from logra_jax import sketch_grad
+from logra_jax.optim import factored
 
 GPT2_SMALL = dict(vocab=50257, positions=1024, d=768, heads_dim=768,
                   kv_dim=768, mlp=3072, layers=12, gated=False)
@@ -71,12 +76,18 @@ def block_dimension_numbers(params):
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def optimizers(rank: int, refresh_every: int, params) -> dict:
-  galore_dims = block_dimension_numbers(params)
-  logra_dims = jax.tree.map(
-      lambda s: None if s is None else logra.DimensionNumbers(), galore_dims,
+def logra_dimension_numbers(params):
+  """:func:`block_dimension_numbers` as LoGRA's dimension numbers."""
+  return jax.tree.map(
+      lambda s: None if s is None else logra.DimensionNumbers(),
+      block_dimension_numbers(params),
       is_leaf=lambda x: x is None or isinstance(
           x, optax.contrib.GaLoreDimensionNumbers))
+
+
+def optimizers(rank: int, refresh_every: int, params) -> dict:
+  galore_dims = block_dimension_numbers(params)
+  logra_dims = logra_dimension_numbers(params)
   lr = 1e-3
   out = {"optax.adam": optax.adam(lr),
          "optax.contrib.galore": optax.contrib.galore(
@@ -116,6 +127,49 @@ def time_steps(tx, shapes, repeats: int) -> float:
   for _ in range(repeats):
     start = time.perf_counter()
     params, state = jax.block_until_ready(step(params, state, grads))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def time_factored_steps(tx, shapes, repeats: int, merge: bool) -> float:
+  """Median seconds of a jitted update of factored weights ``W = B + P A``
+  from sketches (what sketch-direct gradients hand over: ``[1, r, short]``
+  per projected matrix, full gradients of the dense leaves) plus
+  `factored.apply_updates`; with ``merge``, every step also merges the window
+  into ``B`` (the ``m x n`` work a factored run does once per refresh)."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  params = treedef.unflatten([0.02 * jax.random.normal(k, s.shape)
+                              for k, s in zip(keys, leaves)])
+  state = tx.init(params)
+  weights = factored.factor(params, state)
+  plans = sketch_grad.project_state(state).spec.plan_tree()
+  is_plan = lambda x: isinstance(x, logra.optim.LeafPlan)
+  grads = jax.tree.map(
+      lambda plan, p: (1e-3 * jnp.ones(plan.sketch_shape) if plan.projected
+                       else 1e-3 * jnp.sin(p * 977.0)), plans, params,
+      is_leaf=is_plan)
+  projectors = jax.tree.map(
+      lambda plan: jnp.linalg.qr(jax.random.normal(
+          jax.random.key(plan.index), plan.projector_shape))[0]
+      if plan.projected else None, plans, is_leaf=is_plan)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(weights, state, grads, projectors):
+    updates, state = tx.update(grads, state, weights, projectors=projectors)
+    weights = factored.apply_updates(weights, updates)
+    if merge:
+      weights = factored.merge(weights, projectors, seed=0,
+                               step=sketch_grad.project_state(state).count)
+    return weights, state
+
+  weights, state = jax.block_until_ready(step(weights, state, grads,
+                                              projectors))   # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    weights, state = jax.block_until_ready(step(weights, state, grads,
+                                                projectors))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
 
@@ -192,6 +246,20 @@ def main() -> None:
             f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
             f"{step / adam_step:.2f} | {1e3 * refresh:,.1f} | "
             f"{refresh / adam_step:.2f} |")
+    for kind in ("random", "range"):
+      tx = logra.logra(1e-3, rank=args.rank, kind=kind, refresh_every=10**9,
+                       dimension_numbers=logra_dimension_numbers(timed),
+                       factored=True)
+      name = f"logra factored ({kind}), from sketches"
+      print(f"{tree_name}: {name}", file=sys.stderr, flush=True)
+      step = time_factored_steps(tx, timed, args.repeats, merge=False)
+      merged = time_factored_steps(tx, timed, args.refresh_repeats,
+                                   merge=True)
+      nbytes = state_bytes(tx, full)
+      print(f"| {tree_name} | {name} | {nbytes / 2**20:,.1f} | "
+            f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
+            f"{step / adam_step:.2f} | {1e3 * merged:,.1f} (merge) | "
+            f"{merged / adam_step:.2f} |")
     floor = time_products(timed, args.rank, args.repeats)
     print(f"| {tree_name} | rank-{args.rank} products `P^T G`, `P S` only | - "
           f"| - | {1e3 * floor:,.1f} | {floor / adam_step:.2f} | - | - |")

@@ -94,7 +94,8 @@ def measure_overhead(config, repeats: int) -> str:
   forward = jax.jit(lambda params, state: (models.token_logprobs(
       policy.graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
       batch.completion_tokens_BxT, batch.completion_mask_BxT), state))
-  programs = {"forward pass (log-probs)": (forward, None)}
+  programs = {"forward pass (log-probs)": (
+      forward, (jax.tree.map(jnp.copy, policy.params), None))}
   for label, opt_config in [
       ("train step, no KL control",
        dataclasses.replace(config.optimizer, target_kl=None)),
@@ -106,10 +107,11 @@ def measure_overhead(config, repeats: int) -> str:
     step = learner.make_train_step(
         policy.graphdef, tx, dataclasses.replace(config, optimizer=opt_config))
     programs[label] = ((lambda step: lambda params, state: step(
-        params, state, batch)[:2])(step), tx.init(policy.params))
+        params, state, batch)[:2])(step), learner.init_train_state(
+            opt_config, tx, jax.tree.map(jnp.copy, policy.params)))
   times = {label: [] for label in programs}
-  params = {label: jax.tree.map(jnp.copy, policy.params) for label in programs}
-  states = {label: state for label, (_, state) in programs.items()}
+  params = {label: start[0] for label, (_, start) in programs.items()}
+  states = {label: start[1] for label, (_, start) in programs.items()}
   for i in range(repeats + 1):  # the first round compiles
     for label, (fn, _) in programs.items():
       start = time.perf_counter()

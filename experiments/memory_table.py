@@ -5,7 +5,8 @@ train step (abstract inputs, 8 CPU devices unless 8 accelerators are present)
 and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, full
 remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
 (`dense`, then projected) or sketch-direct ones (`sketch`, the default), and
-in sketch mode with the embedding table and LM head projected too. The
+in sketch mode with the embedding table and LM head projected too, and that
+with a bfloat16 base (factored weights `W = c B + P A`). The
 colocated-rollout columns add bf16 inference weights and the KV cache of 64
 sequences x 8192 tokens, spread over the 8 devices. Writes `memory_table.md`
 and `memory_table.csv`.
@@ -73,6 +74,9 @@ def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
   tx = learner.make_optimizer(opt_config, abstract)
   state_sharding = parallel.optimizer_state_shardings(tx, abstract,
                                                       params_sharding, mesh)
+  abstract_weights = learner.abstract_weights(opt_config, tx, abstract)
+  weights_sharding = parallel.weight_shardings(abstract_weights,
+                                               params_sharding, mesh)
   prompt = seq_len // 4
   tokens = lambda n: jax.random.randint(jax.random.key(n),
                                         (micro_batch, seq_len), 0,
@@ -89,21 +93,22 @@ def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
   run = dataclasses.replace(train_config.TrainConfig(), optimizer=opt_config)
   step = learner.make_train_step(
       graphdef, tx, run,
-      shardings=(params_sharding, state_sharding, batch_sharding))
+      shardings=(weights_sharding, state_sharding, batch_sharding))
   abstract_state = jax.eval_shape(tx.init, abstract)
-  compiled = step.lower(abstract, abstract_state, batch).compile()
+  compiled = step.lower(abstract_weights, abstract_state, batch).compile()
   batch = jax.device_put(batch, batch_sharding)
   init_params = jax.jit(
       lambda: models.split_model(models.init_model(config, rngs=0))[1],
       out_shardings=params_sharding)
-  init_state = jax.jit(tx.init, out_shardings=state_sharding)
+  init_state = jax.jit(
+      lambda p: learner.init_train_state(opt_config, tx, p),
+      out_shardings=(weights_sharding, state_sharding))
   jax.block_until_ready(init_state(init_params()))  # compile both first
   trim = ctypes.CDLL("libc.so.6").malloc_trim   # return freed pages to the OS
   gc.collect()
   trim(0)
   before = _rss("VmRSS:")
-  params = init_params()
-  state = init_state(params)
+  params, state = init_state(init_params())
   jax.block_until_ready((params, state, batch))
   trim(0)   # drop the initializers' scratch, keep the inputs
   with open("/proc/self/clear_refs", "w") as f:
@@ -150,19 +155,21 @@ def main() -> None:
 
   mesh = parallel.MeshConfig.parse(args.mesh)
   rows = []
-  arms = (("adam", "adam", "dense", False),
-          ("logra-dense", "logra", "dense", False),
-          ("logra", "logra", "sketch", False),
-          ("logra-embeddings", "logra", "sketch", True))
+  arms = (("adam", "adam", "dense", False, "float32"),
+          ("logra-dense", "logra", "dense", False, "float32"),
+          ("logra", "logra", "sketch", False, "float32"),
+          ("logra-embeddings", "logra", "sketch", True, "float32"),
+          ("logra-bf16-base", "logra", "sketch", True, "bfloat16"))
   for name in args.models:
     model = TINY if name == "tiny" else name
-    for arm, optimizer, gradient_mode, project_embeddings in arms:
+    for arm, optimizer, gradient_mode, project_embeddings, base in arms:
       report = memory.plan_memory(
           model, mesh=mesh, optimizer=optimizer, rank=args.rank,
           seq_len=args.seq, rollout_seqs=args.rollout_seqs,
           rollout_tokens=args.rollout_tokens,
           device_memory_gib=args.device_memory_gib,
-          gradient_mode=gradient_mode, project_embeddings=project_embeddings)
+          gradient_mode=gradient_mode, project_embeddings=project_embeddings,
+          base_dtype=base)
       train_total = report.total - report.rollout
       rows.append({"model": name, "optimizer": arm,
                    **{k: v for k, v in report.to_dict().items()
@@ -180,18 +187,22 @@ def main() -> None:
                    else f"{b / 2**20:.1f} MiB")
   lines = [
       f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
-      f"full remat, LoGRA rank {args.rank}, float32 master weights; rollout: "
+      f"full remat, LoGRA rank {args.rank}; weights: float32 (Adam, dense "
+      f"gradients), factored W = c B + P A with a float32 or bfloat16 base B "
+      f"(sketch-direct); rollout: "
       f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
       f"<= {args.device_memory_gib:g} GiB per device", "",
       "| model | params | Adam: state / grads / temps / train step | "
       "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
       "LoGRA, sketch-direct, embeddings projected: same | "
+      "same, bfloat16 base: params / state / temps / train step | "
       "temp + unaliased output: dense -> sketch gradients | train step vs "
-      "Adam: LoGRA (sketch) / embeddings projected | + rollout: Adam | "
-      "+ rollout: LoGRA (sketch) / embeddings projected |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "Adam: LoGRA (sketch) / embeddings projected / + bfloat16 base | "
+      "+ rollout: Adam | + rollout: LoGRA (sketch) / embeddings projected / "
+      "+ bfloat16 base |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name in args.models:
-    adam, dense, sketch, embeddings = (
+    adam, dense, sketch, embeddings, bf16 = (
         next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
         for arm, *_ in arms)
     size = (f"{adam['num_params'] / 1e9:.2f}B" if adam["num_params"] > 1e8
@@ -203,11 +214,14 @@ def main() -> None:
     step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
     change = lambda r: (
         f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%")
+    base = (f"{gib(bf16['params'])} / {gib(bf16['optimizer_state'])} / "
+            f"{gib(bf16['temporaries'])} / **{gib(bf16['train_total'])}**")
     lines.append(
         f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
-        f"{cell(embeddings)} | {gib(step(dense))} -> {gib(step(sketch))} | "
-        f"{change(sketch)} / {change(embeddings)} | {fits(adam)} | "
-        f"{fits(sketch)} / {fits(embeddings)} |")
+        f"{cell(embeddings)} | {base} | {gib(step(dense))} -> "
+        f"{gib(step(sketch))} | {change(sketch)} / {change(embeddings)} / "
+        f"{change(bf16)} | {fits(adam)} | {fits(sketch)} / {fits(embeddings)} "
+        f"/ {fits(bf16)} |")
   table = "\n".join(lines)
   (out / "memory_table.md").write_text(table + "\n")
   print(table)

@@ -56,8 +56,8 @@ def time_steps(graphdef, params, batch, config, refresh: bool,
   config = dataclasses.replace(config, optimizer=opt)
   tx = learner.make_optimizer(opt, params)
   step = learner.make_train_step(graphdef, tx, config)
-  params = jax.tree.map(jnp.copy, params)
-  state = tx.init(params)
+  params, state = learner.init_train_state(opt, tx,
+                                           jax.tree.map(jnp.copy, params))
   stats = step.lower(params, state, batch).compile().memory_analysis()
   params, state, _ = step(params, state, batch)   # step 0 refreshes
   jax.block_until_ready(params)

@@ -55,10 +55,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from logra_jax.configs.train import CheckpointConfig, TrainConfig, to_dict
+from logra_jax.configs.train import (CheckpointConfig, OptimizerConfig,
+                                     TrainConfig, to_dict)
 
 # 2: checksums in ``meta``, arrays without elements not written.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # The metric "keep the best" ranks checkpoints by.
 BEST_METRIC = "accuracy/eval"
 # Config fields (dotted paths; a section name covers its fields) that may
@@ -874,6 +875,7 @@ def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
   import transformers  # Heavy import, only needed here.
   from flax import nnx
   from logra_jax import models
+  from logra_jax.rl import learner
 
   directory, named_step = locate(checkpoint)
   out = pathlib.Path(out).absolute()
@@ -895,8 +897,16 @@ def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                                                      rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params = ckpt.restore(step if step is not None else named_step,
-                          params=abstract_state(abstract_params, one)).params
+    optimizer = OptimizerConfig(**meta["config"]["optimizer"])
+    tx = learner.make_optimizer(optimizer, abstract_params)
+    restored = ckpt.restore(
+        step if step is not None else named_step,
+        params=abstract_state(learner.abstract_weights(
+            optimizer, tx, abstract_params), one),
+        opt_state=abstract_state(jax.eval_shape(tx.init, abstract_params),
+                                 one))
+    # A factored policy is written as its weights W = c B + P A.
+    params = learner.dense_weights(restored.params, restored.opt_state)
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-",
                                           dir=out.parent))

@@ -65,7 +65,7 @@ def _memory(args: argparse.Namespace) -> int:
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
       project_embeddings=args.project_embeddings,
-      reference_dtype=args.reference_dtype)
+      reference_dtype=args.reference_dtype, base_dtype=args.base_dtype)
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LoGRA: sketch-direct gradients or full ones")
   plan.add_argument("--project-embeddings", action="store_true",
                     help="LoGRA: project the embedding table and LM head too")
+  plan.add_argument("--base-dtype", choices=["float32", "bfloat16"],
+                    default="float32",
+                    help="LoGRA, sketch gradients: dtype of the base B of the "
+                         "factored weights W = c B + P A")
   plan.add_argument("--reference-dtype", choices=["bfloat16", "float32"],
                     default=None,
                     help="hold a frozen reference policy in this dtype (a "

@@ -229,6 +229,7 @@ def plan_memory(
     gradient_mode: str = "sketch",
     project_embeddings: bool = False,
     reference_dtype: Optional[str] = None,
+    base_dtype: str = "float32",
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -259,6 +260,9 @@ def plan_memory(
       batch carries its log-probabilities. Its forward pass runs in a
       program of its own, before the step, with fewer temporaries than the
       step. None: no reference (``loss.beta = 0``).
+    base_dtype: LoGRA with sketch-direct gradients keeps each projected
+      weight factored, ``W = c B + P A``: the dtype of ``B`` (``"float32"``
+      or ``"bfloat16"``); ``params`` counts ``B``, ``A`` and ``c``.
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
@@ -291,7 +295,7 @@ def plan_memory(
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
   opt_config = train_config.OptimizerConfig(
       name=optimizer, rank=rank, warmup_steps=0, gradient_mode=gradient_mode,
-      project_embeddings=project_embeddings)
+      project_embeddings=project_embeddings, base_dtype=base_dtype)
   config = model if isinstance(model, models.DecoderConfig) else (
       load_model_config(model))
   name = model if isinstance(model, str) else "custom"
@@ -308,6 +312,9 @@ def plan_memory(
   state = jax.eval_shape(tx.init, params)
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, device_mesh)
+  weights = learner.abstract_weights(opt_config, tx, params)
+  weights_sharding = parallel.weight_shardings(weights, params_sharding,
+                                               device_mesh)
 
   rows = micro_batch * mesh.dp * mesh.fsdp
   completion_len = seq_len - prompt_len
@@ -329,11 +336,11 @@ def plan_memory(
                                beta=0.0 if reference_dtype is None else 0.04))
   step = learner.make_train_step(
       graphdef, tx, run_config,
-      shardings=(params_sharding, state_sharding, batch_sharding),
+      shardings=(weights_sharding, state_sharding, batch_sharding),
       activation_rules=parallel.PARTITION_RULES)
-  stats = step.lower(params, state, batch).compile().memory_analysis()
+  stats = step.lower(weights, state, batch).compile().memory_analysis()
 
-  params_bytes = _sharded_bytes(params, params_sharding)
+  params_bytes = _sharded_bytes(weights, weights_sharding)
   grads_bytes = (_sketched_gradient_bytes(state, params, params_sharding)
                  if sketch else params_bytes)
   state_bytes = _sharded_bytes(state, state_sharding)
@@ -354,6 +361,7 @@ def plan_memory(
       + (f" rank {rank}, {gradient_mode} gradients" if optimizer == "logra"
          else "")
       + (", embeddings projected" if project_embeddings else "")
+      + (f", {base_dtype} base" if base_dtype != "float32" else "")
       + (f", {reference_dtype} reference policy" if reference_dtype else "")
       + f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
       + (f", rollout {rollout_seqs}x{rollout_tokens} tokens"

@@ -377,12 +377,17 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
 
   ``tx.update(grads, opt_state, params, projectors=projectors)``
 
-  which then skips its own projection. The result equals projecting the dense
-  gradient (to float rounding); see the module docstring for the cost of
-  refresh steps per projector kind. A refreshed projector that is not finite
-  is replaced as :func:`logra_jax.optim.transforms.refuse_non_finite_projector`
-  says before any sketch is taken with it (``kind="range"`` then runs one more
-  backward pass), and counted in ``projectors.non_finite``.
+  which then skips its own projection. ``params`` may be factored
+  (:func:`logra_jax.optim.factored.factor`: every projected leaf a
+  ``FactoredWeight``): the loss then sees :math:`W = c B + P A` through
+  :func:`factored_view` with the last update's projectors, and the optimizer
+  (``logra.logra(..., factored=True)``) returns updates of ``A``. The
+  result equals projecting the dense gradient (to float rounding); see the
+  module docstring for the cost of refresh steps per projector kind. A
+  refreshed projector that is not finite is replaced as
+  :func:`logra_jax.optim.transforms.refuse_non_finite_projector` says before
+  any sketch is taken with it (``kind="range"`` then runs one more backward
+  pass), and counted in ``projectors.non_finite``.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)``).
@@ -508,6 +513,7 @@ def _project_state(opt_state) -> transforms.ProjectState:
 def _check_params(spec: transforms.ProjectionSpec, params) -> list:
   """Flattens ``params`` against the state's plans; errors name the leaf."""
   flat = transforms._flatten_like(spec, params, "params")
+  any_factored = any(map(factored_lib.is_factored, flat))
   for p, plan in zip(flat, spec.plans):
     if tuple(jnp.shape(p)) != plan.shape:
       raise ValueError(
@@ -515,6 +521,22 @@ def _check_params(spec: transforms.ProjectionSpec, params) -> list:
           f"optimizer state was initialized for shape {plan.shape}")
     if plan.projected:
       factored_lib.check_layers_in_out(plan, "sketch-direct gradients")
+    if factored_lib.is_factored(p) and (
+        p.plan != plan or tuple(jnp.shape(p.coords)) != plan.sketch_shape):
+      raise ValueError(
+          f"factored parameter {plan.path!r} was made for rank "
+          f"{p.plan.rank} with coordinates of shape "
+          f"{tuple(jnp.shape(p.coords))}, but the optimizer state projects "
+          f"it at rank {plan.rank} ({plan.sketch_shape}); factor the weights "
+          "with this optimizer state (logra_jax.optim.factored.factor)")
+    if factored_lib.is_factored(p) and not plan.projected:
+      raise ValueError(f"parameter {plan.path!r} is factored but the "
+                       "optimizer state keeps it dense")
+    if any_factored and plan.projected and not factored_lib.is_factored(p):
+      raise ValueError(
+          f"parameter {plan.path!r} is dense but the optimizer state "
+          "projects it; with factored weights every projected parameter "
+          "must be factored")
   return flat
 
 

@@ -26,6 +26,7 @@ from logra_jax import parallel
 from logra_jax.cli import main as cli_main
 from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
+from logra_jax.optim import factored
 from logra_jax.rl import learner, trainer
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
@@ -107,8 +108,10 @@ def _final_state(run, config, step=None):
   one = jax.tree.leaves(policy.params)[0].sharding
   opt_state = checkpoint.abstract_state(jax.eval_shape(tx.init, policy.params),
                                         one)
+  params = checkpoint.abstract_state(
+      learner.abstract_weights(config.optimizer, tx, policy.params), one)
   with checkpoint.Checkpointer(run / "checkpoints", read_only=True) as ckpt:
-    return ckpt.restore(step, params=policy.params, opt_state=opt_state)
+    return ckpt.restore(step, params=params, opt_state=opt_state)
 
 
 def _metrics(run):
@@ -214,8 +217,8 @@ def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
   tx = learner.make_optimizer(SMOKE.optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
   device = jax.devices()[0]   # all committed, as in the trainer
-  params = jax.device_put(jax.tree.map(jnp.copy, policy.params), device)
-  state = jax.device_put(tx.init(params), device)
+  params, state = jax.device_put(learner.init_train_state(
+      SMOKE.optimizer, tx, jax.tree.map(jnp.copy, policy.params)), device)
   batch = jax.device_put(batch, device)
   before = jax.tree.map(np.asarray, (params, state))
   nan_batch = batch.replace(advantages_B=batch.advantages_B.at[0].set(jnp.nan))
@@ -236,8 +239,8 @@ def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
   guard = learner.non_finite_state(state)
   assert int(guard.consecutive_skips) == 0 and int(guard.reason) == 0
   assert int(guard.skipped_steps) == 1 and float(metrics["update_norm"]) > 0
-  assert not np.array_equal(jax.tree.leaves(params)[3],
-                            jax.tree.leaves(old_params)[3])
+  assert not all(np.array_equal(x, y) for x, y in zip(
+      jax.tree.leaves(params), jax.tree.leaves(old_params)))
 
 
 def test_guard_names_each_non_finite_quantity():
@@ -317,6 +320,8 @@ def _copy_run(run, tmp_path):
     ("optimizer.learning_rate=0.1", "optimizer.learning_rate is 0.0003"),
     ("seed=1", "seed is 0 in the checkpoint but 1 now"),
     ("steps=4", "is at step 6, beyond steps=4"),
+    ("optimizer.base_dtype=bfloat16",
+     "optimizer.base_dtype is 'float32' in the checkpoint but 'bfloat16'"),
 ])
 def test_resume_with_a_refused_config_change(config, straight, tmp_path,
                                              override, message):
@@ -403,7 +408,10 @@ def test_restore_reshards_into_the_current_mesh(config, straight):
   tx = learner.make_optimizer(config.optimizer, policy.params)
   state = parallel.optimizer_state_shardings(tx, policy.params, params, mesh)
   targets = dict(
-      params=checkpoint.abstract_state(policy.params, params),
+      params=checkpoint.abstract_state(
+          learner.abstract_weights(config.optimizer, tx, policy.params),
+          parallel.weight_shardings(learner.abstract_weights(
+              config.optimizer, tx, policy.params), params, mesh)),
       opt_state=checkpoint.abstract_state(
           jax.eval_shape(tx.init, policy.params), state))
   with checkpoint.Checkpointer(straight / "checkpoints",
@@ -515,7 +523,8 @@ def test_exported_policy_loads_in_transformers_with_equal_logits(
   assert cli_main(["export", f"--checkpoint={straight}",
                    f"--out={out}"]) == 0
   policy = trainer.Policy.load(config.policy.path)
-  params = _final_state(straight, config).params
+  final = _final_state(straight, config)
+  params = learner.dense_weights(final.params, final.opt_state)
   ids = policy.encode(["12+3-4=", "7-1+9="])[0]
   ids = jnp.asarray([ids], jnp.int32)
   ours = np.asarray(models.logits_fn(policy.graphdef, params, ids))
@@ -575,6 +584,35 @@ def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
   assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
   _assert_same_state(_final_state(run, galore), final)
   assert _metrics(run) == _metrics(straight_run)
+
+
+def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
+    config, tmp_path):
+  """A factored run with a bfloat16 base and a merge every other step
+  (stochastic rounding included) resumes bit for bit, and exports its
+  merged weights."""
+  bf16 = train_config.apply_overrides(config, [
+      "optimizer.base_dtype=bfloat16", "optimizer.refresh_every=2",
+      "steps=4"])
+  straight_run = tmp_path / "straight"
+  trainer.train(bf16, straight_run, progress=False, log=QUIET)
+  final = _final_state(straight_run, bf16)
+  bases = [w.base for w in jax.tree.leaves(
+      final.params, is_leaf=factored.is_factored) if factored.is_factored(w)]
+  assert bases and {b.dtype for b in bases} == {jnp.dtype(jnp.bfloat16)}
+  run = _copy_run(straight_run, tmp_path)
+  shutil.rmtree(run / "checkpoints" / "4")
+  (run / "summary.json").unlink()
+  summary = trainer.train(bf16, run, progress=False, log=QUIET, resume=True)
+  assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+  _assert_same_state(_final_state(run, bf16), final)   # merge at step 2
+  assert _metrics(run) == _metrics(straight_run)
+  out = tmp_path / "hf"
+  assert cli_main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
+  exported = models.split_model(models.load_pretrained(out))[1]
+  for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(
+      learner.dense_weights(final.params, final.opt_state)), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

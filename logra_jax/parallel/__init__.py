@@ -11,3 +11,4 @@ from logra_jax.parallel.sharding import MeshConfig
 from logra_jax.parallel.sharding import optimizer_state_shardings
 from logra_jax.parallel.sharding import param_shardings
 from logra_jax.parallel.sharding import PARTITION_RULES
+from logra_jax.parallel.sharding import weight_shardings

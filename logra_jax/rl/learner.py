@@ -95,6 +95,33 @@ def init_weights(config: OptimizerConfig, params: Any,
                              decay=config.weight_decay > 0)
 
 
+def init_train_state(config: OptimizerConfig,
+                     tx: optax.GradientTransformation,
+                     params: Any) -> tuple[Any, optax.OptState]:
+  """``(weights, opt_state)`` to start :func:`make_train_step` from dense
+  ``params``: ``tx.init(params)`` and :func:`init_weights`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from logra_jax.configs.train import OptimizerConfig
+    >>> config = OptimizerConfig(rank=2)
+    >>> params = {"w": jnp.ones((8, 4))}
+    >>> tx = make_optimizer(config, params)
+    >>> weights, state = init_train_state(config, tx, params)
+    >>> type(weights["w"]).__name__
+    'FactoredWeight'
+  """
+  opt_state = tx.init(params)
+  return init_weights(config, params, opt_state), opt_state
+
+
+def abstract_weights(config: OptimizerConfig,
+                     tx: optax.GradientTransformation, params: Any) -> Any:
+  """The shapes and dtypes (``jax.ShapeDtypeStruct``) of
+  :func:`init_weights` for ``params``, without computing anything."""
+  return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
+
+
 def policy_weights(weights: Any, opt_state: optax.OptState) -> Any:
   """The learner's weights as the model and the sampler consume them: the
   factored view (:func:`logra_jax.sketch_grad.factored_view`) with the last
@@ -302,11 +329,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   The loss is accumulated over ``config.micro_batches`` chunks with
   ``lax.scan`` as (numerator, denominator) pairs, so the gradient equals the
   full-batch gradient for every aggregation. When ``tx`` has a
-  ``logra.project`` stage and ``gradient_mode="sketch"``, the gradients are
-  differentiated directly as low-rank sketches (:func:`logra.value_and_sketch_grad`): micro-batches sum
-  sketches, no full gradient of a projected weight exists, and
-  ``grad_norm`` (and the global-norm clip) measure the sketched gradient
-  ``P^T G``, whose norm is at most that of ``G``. The loss is also handed to
+  ``logra.project`` stage and ``gradient_mode="sketch"``, the weights are
+  factored, ``W = c B + P A`` (start from :func:`init_train_state`; see
+  :mod:`logra_jax.optim.factored`): at a refresh the window is merged into
+  ``B``, the gradients are differentiated directly as low-rank sketches
+  (:func:`logra.value_and_sketch_grad`; micro-batches sum sketches, no full
+  gradient of a projected weight exists) and the step updates only ``A``,
+  ``c`` and the dense leaves. ``grad_norm`` (and the global-norm clip) then
+  measure the sketched gradient ``P^T G``, whose norm is at most that of
+  ``G``. The loss is also handed to
   the optimizer (extra argument ``loss``) for the non-finite guard of
   :func:`make_optimizer`. Metrics include the gradient
   norm, the entropy of the policy and ``kl/realized``: the mean over the
@@ -328,7 +359,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
-  factored = factored_policy(config.optimizer)
+  sketch_mode = config.optimizer.gradient_mode == "sketch"
 
   def logprobs(params, batch, with_entropy=False):
     return models.token_logprobs(
@@ -368,14 +399,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       raise TypeError("make_train_step needs an optimizer wrapped in "
                       "skip_non_finite (make_optimizer wraps it), got a state "
                       f"of type {type(opt_state).__name__}")
-    if factored != _has_factored(params):
-      raise ValueError(
-          "make_train_step: " + ("this config keeps projected weights "
-                                 "factored; pass learner.init_weights(...)"
-                                 if factored else "params are factored but "
-                                 "this config does not keep them factored"))
     micro = batch.micro_batches(config.micro_batches)
     low_rank = sketch_grad.project_state(opt_state) is not None
+    factored = sketch_mode and low_rank
+    if factored != _has_factored(params):
+      raise ValueError(
+          "make_train_step: " + (
+              "LoGRA with sketch-direct gradients keeps projected weights "
+              "factored; start from learner.init_train_state(...)"
+              if factored else "the weights are factored but this optimizer "
+              "and gradient mode do not keep them factored"))
     if factored:
       return factored_train_step(params, opt_state, batch, micro)
     extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}

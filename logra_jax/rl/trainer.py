@@ -16,7 +16,6 @@ import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tqdm
 
 import logra_jax as logra
@@ -278,6 +277,8 @@ def memory_command(config: TrainConfig, mesh: parallel.MeshConfig | None,
   optimizer = "adam" if config.optimizer.name == "adam" else "logra"
   reference = (f" --reference-dtype {config.policy.reference_dtype}"
                if config.loss.beta > 0 else "")
+  if config.optimizer.base_dtype != "float32":
+    reference += f" --base-dtype {config.optimizer.base_dtype}"
   return (f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
           f"--optimizer {optimizer} --rank {config.optimizer.rank} "
           f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
@@ -442,7 +443,8 @@ def _learner_step(config: TrainConfig, policy: Policy,
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, mesh)
   weights_sharding = parallel.weight_shardings(
-      _abstract_weights(config, tx, params), params_sharding, mesh)
+      learner_lib.abstract_weights(config.optimizer, tx, params),
+      params_sharding, mesh)
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
   rollout_sharding = algo.RolloutBatch(
       prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
@@ -472,14 +474,6 @@ def _rollout_weights(config: TrainConfig, params_sharding: Any) -> Callable:
   if not learner_lib.factored_policy(config.optimizer):
     return lambda weights, opt_state: weights
   return jax.jit(learner_lib.dense_weights, out_shardings=params_sharding)
-
-
-def _abstract_weights(config: TrainConfig, tx: optax.GradientTransformation,
-                      params: Any) -> Any:
-  """The shapes and dtypes of the learner's weights for ``params``."""
-  return jax.eval_shape(
-      lambda p: learner_lib.init_weights(config.optimizer, p, tx.init(p)),
-      params)
 
 
 def _check_finite(step: int, skipped: set[str],
@@ -546,7 +540,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
   if resume:
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(
-            _abstract_weights(config, tx, params), weights_sharding),
+            learner_lib.abstract_weights(config.optimizer, tx, params),
+            weights_sharding),
         opt_state=checkpoint.abstract_state(jax.eval_shape(tx.init, params),
                                             state_sharding),
         ref_params=(None if ref_params is None
@@ -568,6 +563,9 @@ def _train(config: TrainConfig, out: pathlib.Path,
         weights_sharding)
     loop = checkpoint.LoopState(step=0, key=jax.random.key(config.seed),
                                 data_position=0)
+  # From here on the learner's weights are the policy (a bfloat16 base would
+  # otherwise sit next to the float32 weights it was made from).
+  policy.params = None
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,

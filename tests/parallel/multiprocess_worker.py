@@ -34,18 +34,22 @@ def main():
   params_sharding = parallel.param_shardings(params, mesh)
   state_sharding = parallel.optimizer_state_shardings(tx, params,
                                                       params_sharding, mesh)
+  weights_sharding = parallel.weight_shardings(
+      learner.abstract_weights(case.RUN.optimizer, tx, params),
+      params_sharding, mesh)
   batch_sharding = parallel.data_shardings(batch, mesh)
   step = learner.make_train_step(
       graphdef, tx, case.RUN,
-      shardings=(params_sharding, state_sharding, batch_sharding),
+      shardings=(weights_sharding, state_sharding, batch_sharding),
       activation_rules=parallel.PARTITION_RULES)
-  state = jax.tree.map(parallel.global_array, tx.init(params),
-                       state_sharding)
-  params = jax.tree.map(parallel.global_array, params, params_sharding)
+  params, state = learner.init_train_state(case.RUN.optimizer, tx, params)
+  state = jax.tree.map(parallel.global_array, state, state_sharding)
+  params = jax.tree.map(parallel.global_array, params, weights_sharding)
   batch = jax.tree.map(parallel.global_array, batch, batch_sharding)
   for _ in range(3):
     params, state, metrics = step(params, state, batch)
-  gathered = multihost_utils.process_allgather(params, tiled=True)
+  gathered = multihost_utils.process_allgather(
+      learner.dense_weights(params, state), tiled=True)
   if process_id == 0:
     leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in
               jax.tree_util.tree_flatten_with_path(gathered)[0]}

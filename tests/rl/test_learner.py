@@ -92,7 +92,8 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   tx = learner.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
-  new_params, _, metrics = step(params, tx.init(params), batch)
+  new_params, _, metrics = step(
+      *learner.init_train_state(config.optimizer, tx, params), batch)
   assert all(np.isfinite(float(v)) for v in metrics.values())
   assert float(metrics["update_norm"]) > 0
   assert float(metrics["kl/realized_k3"]) > 0
@@ -100,12 +101,14 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
 
 def _one_step(policy, batch, overrides):
   """One learner step of the smoke config with ``overrides`` from the
-  policy's weights: ``(params, opt_state, metrics)``."""
+  policy's weights: ``(dense params, opt_state, metrics)``."""
   config = train_config.apply_overrides(SMOKE, overrides)
   tx = learner.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
-  return step(params, tx.init(params), batch)
+  params, state, metrics = step(
+      *learner.init_train_state(config.optimizer, tx, params), batch)
+  return learner.dense_weights(params, state), state, metrics
 
 
 def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
@@ -138,10 +141,12 @@ def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
   object.__setattr__(optimizer, "learning_rate", float("nan"))
   tx = learner.make_optimizer(optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
-  params, state, metrics = step(jax.tree.map(jnp.copy, policy.params),
-                                tx.init(policy.params), batch)
+  params, state, metrics = step(*learner.init_train_state(
+      optimizer, tx, jax.tree.map(jnp.copy, policy.params)), batch)
   for before, after in zip(jax.tree.leaves(policy.params),
-                           jax.tree.leaves(params), strict=True):
+                           jax.tree.leaves(learner.dense_weights(params,
+                                                                 state)),
+                           strict=True):
     np.testing.assert_array_equal(after, before)
   guard = learner.non_finite_state(state)
   assert learner.non_finite_reasons(guard.reason) == ["update"]
@@ -268,7 +273,7 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
       old_logp_BxT=jnp.full((B, T), -np.log(vocab), jnp.float32),
       advantages_B=jnp.linspace(-1.0, 1.0, B), num_generations=2)
   tx = learner.make_optimizer(config.optimizer, params)
-  state = tx.init(params)
+  params, state = learner.init_train_state(config.optimizer, tx, params)
   assert sketch_grad.project_state(state).spec.plan_tree()[
       "embed"].value.projected
   step = learner.make_train_step(graphdef, tx, config)

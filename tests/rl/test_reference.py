@@ -161,7 +161,8 @@ def test_loss_without_reference_log_probs_names_the_fix(rollout_batch,
   tx = learner.make_optimizer(config.optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   with pytest.raises(ValueError, match="ref_logp_BxT"):
-    step(policy.params, tx.init(policy.params), batch)
+    step(*learner.init_train_state(config.optimizer, tx, policy.params),
+         batch)
 
 
 def test_planner_counts_the_reference_policy():
