@@ -573,7 +573,7 @@ class _Passes:
       batch_shape, k = plan.shape[:-2], mat.shape[-1]
       z = jnp.zeros(batch_shape + ((k, plan.n) if r else (plan.m, k)),
                     jnp.float32)
-      coords0.append(self._split_large_axis(z, -1 if r else -2))
+      coords0.append(z)
     dense0 = [None if plan.projected else p
               for plan, p in zip(plans, params_flat)]
 
@@ -587,6 +587,9 @@ class _Passes:
           continue
         factor = self._split_large_axis(
             mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2)
+        # Constrained here, where it is differentiated, so that its
+        # cotangent (accumulated over the layers' scan) is split too.
+        z = self._split_large_axis(z, -1 if r else -2)
         leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path,
                                    at_zero=True))
       token = _CONSUMED.set(set())

@@ -68,6 +68,20 @@ def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
     memory.plan_memory(config, optimizer="adam", project_embeddings=True)
 
 
+def test_sketch_gradients_plan_no_more_than_dense_ones():
+  # A tied [4096, 64] table projected: the float32 table's transposed copy
+  # kept for the rematerialized logits, a hoisted [B, C, V] zero and
+  # replicated coordinate cotangents once made sketch mode plan above dense.
+  config = models.DecoderConfig.tiny(vocab_size=4096,
+                                     tie_word_embeddings=True)
+  sketch, dense = (
+      memory.plan_memory(config, mesh=FSDP8, rank=8, seq_len=256,
+                         gradient_mode=mode, project_embeddings=True)
+      for mode in ("sketch", "dense"))
+  assert sketch.grads < dense.grads
+  assert sketch.total <= dense.total
+
+
 def test_rollout_reservation_is_weights_plus_kv_cache():
   report = memory.plan_memory(TINY, mesh=FSDP8, seq_len=32, rollout_seqs=4,
                               rollout_tokens=128, device_memory_gib=1e-6)

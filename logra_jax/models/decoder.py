@@ -449,12 +449,21 @@ def forward_hidden(
 
 def unembedding(config: DecoderConfig, weights: dict[str, Any]
                 ) -> jax.Array | LowRankDelta:
-  """The output projection `[D, V]` (tied or not), an array in compute dtype
-  or, under sketch-direct gradients, a `LowRankDelta` (cast when used)."""
+  """The output projection `[D, V]` (tied or not) in compute dtype: an array,
+  or under sketch-direct gradients a `LowRankDelta` whose weight is cast.
+
+  The cast happens here, once, rather than where the weight is used: in a
+  rematerialized loop over chunks of logits (`token_logprobs`) the backward
+  pass then reuses this compute-dtype copy instead of keeping the float32
+  table alive to cast it again.
+  """
   w_DxV = (weights["embed"].T if config.tie_word_embeddings
            else weights["lm_head"])
   if isinstance(w_DxV, LowRankDelta):
-    return w_DxV
+    return LowRankDelta(
+        jax.lax.stop_gradient(w_DxV.base).astype(config.dtype), w_DxV.factor,
+        w_DxV.coords, rows=w_DxV.rows, path=w_DxV.path,
+        at_zero=w_DxV.at_zero)
   return w_DxV.astype(config.dtype)
 
 

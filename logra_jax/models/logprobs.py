@@ -131,10 +131,14 @@ def token_logprobs(
     logits_BxCxV = constrain(project_logits(hidden_BxCxD, w_DxV) / scale,
                              ("vocab_batch", None, "vocab"))
     logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
-    # A masked sum rather than a gather: it stays split by vocabulary.
+    # A masked sum rather than a gather: it stays split by vocabulary. The
+    # mask multiplies (exact: one term is kept, the others are zeros) rather
+    # than selects: `where(mask, logp, 0)` broadcasts a constant zero that
+    # does not depend on the chunk, which differentiating `lax.map` hoists
+    # out of the loop as a [B, C, V] buffer alive for the whole loop.
     is_target_BxCxV = (jnp.arange(logp_BxCxV.shape[-1])
                        == targets_BxC[..., None])
-    logprobs_BxC = jnp.sum(jnp.where(is_target_BxCxV, logp_BxCxV, 0.0),
+    logprobs_BxC = jnp.sum(logp_BxCxV * is_target_BxCxV.astype(jnp.float32),
                            axis=-1)
     if not return_entropy:
       return (logprobs_BxC,)
