@@ -57,6 +57,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from logra_jax.configs.train import (CheckpointConfig, OptimizerConfig,
                                      TrainConfig, to_dict)
+from logra_jax.optim.factored import mix32
 
 # 2: checksums in ``meta``, arrays without elements not written.
 FORMAT_VERSION = 3
@@ -332,13 +333,6 @@ def _array_name(path: tuple) -> str:
   return ".".join(parts)
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
-  """MurmurHash3's finalizer: a bijection of uint32 that mixes every bit."""
-  h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
-  h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
 def _array_checksum(x: jax.Array) -> jax.Array:
   """The uint32 sum over the elements of ``x`` of a mix of their bits and
   flat positions; see :func:`array_checksums`."""
@@ -357,7 +351,7 @@ def _array_checksum(x: jax.Array) -> jax.Array:
     stride *= words.shape[axis]
   # An odd factor: distinct positions get distinct keys.
   keys = position * np.uint32(0x9E3779B9)
-  return jnp.sum(_fmix32(words ^ keys), dtype=jnp.uint32)
+  return jnp.sum(mix32(words ^ keys), dtype=jnp.uint32)
 
 
 _leaf_checksums = jax.jit(lambda leaves: [_array_checksum(x) for x in leaves])

@@ -124,6 +124,19 @@ class LowRankDelta:
                         rows=not self.rows, path=self.path,
                         at_zero=self.at_zero, base_scale=self.base_scale)
 
+  def with_base_dtype(self, dtype: Any) -> "LowRankDelta":
+    """The same weight with its base cast to ``dtype`` under
+    ``stop_gradient``; a nested base (a factored weight ``c B + P A``) is
+    materialized first, so that a product with it in a loop (the logits'
+    chunks) adds no low-rank term per iteration. The differentiable
+    low-rank term is unchanged."""
+    base = (self.base.dense() if isinstance(self.base, LowRankDelta)
+            else self.base)
+    base = jax.lax.stop_gradient(base).astype(dtype)
+    return LowRankDelta(base, self.factor, self.coords, rows=self.rows,
+                        path=self.path, at_zero=self.at_zero,
+                        base_scale=self.base_scale)
+
   def dense(self) -> jax.Array:
     """The weight it stands for, materialized in float32 (``[..., m, n]``)."""
     base = (self.base.dense() if isinstance(self.base, LowRankDelta)

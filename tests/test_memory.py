@@ -46,7 +46,25 @@ def test_parts_add_up_and_logra_holds_less_state(reports):
                             + report.outputs + report.rollout)
     assert report.temporaries > 0 and report.fits is None
   assert reports["logra"].optimizer_state < reports["adam"].optimizer_state
-  assert reports["logra"].params == reports["adam"].params
+
+
+def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(
+    reports):
+  """LoGRA with sketch-direct gradients keeps each projected matrix as
+  B + P A: B laid out like the parameter, A ([L, r, short] float32) split over
+  fsdp; with a bfloat16 base, B takes 2 bytes per parameter."""
+  shapes = models.decoder.param_shapes(TINY)
+  matrices = [s for s in shapes.values() if len(s) == 3]   # [L, in, out]
+  coords = sum(L * 8 * min(m, n) for L, m, n in matrices) * 4 // 8
+  assert reports["logra"].params == reports["adam"].params + coords
+  bf16 = memory.plan_memory(TINY, mesh=FSDP8, rank=8, seq_len=64,
+                            micro_batch=2, base_dtype="bfloat16")
+  projected = sum(math.prod(s) for s in matrices)
+  assert bf16.params == reports["logra"].params - 2 * projected // 8
+  assert "bfloat16 base" in bf16.description
+  with pytest.raises(ValueError, match="optimizer.base_dtype"):
+    memory.plan_memory(TINY, mesh=FSDP8, optimizer="adam",
+                       base_dtype="bfloat16")
 
 
 def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
@@ -69,13 +87,15 @@ def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
 
 
 def test_sketch_gradients_plan_no_more_than_dense_ones():
-  # A tied [4096, 64] table projected: the float32 table's transposed copy
-  # kept for the rematerialized logits, a hoisted [B, C, V] zero and
-  # replicated coordinate cotangents once made sketch mode plan above dense.
-  config = models.DecoderConfig.tiny(vocab_size=4096,
-                                     tie_word_embeddings=True)
+  """The issue's config: qwen2.5-0.5b, fsdp=8, seq 2048, rank 64, the tied
+  [151936, 896] table projected. A float32 transposed copy of the table kept
+  for the rematerialized logits, a hoisted [B, C, V] zero and replicated
+  coordinate cotangents once made sketch mode plan above dense mode; the
+  factored weights' coordinates A must not either. (On toy configs whose
+  vocabulary-sized buffers dwarf the layers, sketch mode still plans ~1%
+  above dense: its savings grow with the layers.)"""
   sketch, dense = (
-      memory.plan_memory(config, mesh=FSDP8, rank=8, seq_len=256,
+      memory.plan_memory("qwen2.5-0.5b", mesh=FSDP8, rank=64, seq_len=2048,
                          gradient_mode=mode, project_embeddings=True)
       for mode in ("sketch", "dense"))
   assert sketch.grads < dense.grads

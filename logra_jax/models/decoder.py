@@ -460,10 +460,9 @@ def unembedding(config: DecoderConfig, weights: dict[str, Any]
   w_DxV = (weights["embed"].T if config.tie_word_embeddings
            else weights["lm_head"])
   if isinstance(w_DxV, LowRankDelta):
-    return LowRankDelta(
-        jax.lax.stop_gradient(w_DxV.base).astype(config.dtype), w_DxV.factor,
-        w_DxV.coords, rows=w_DxV.rows, path=w_DxV.path,
-        at_zero=w_DxV.at_zero)
+    if not w_DxV.at_zero:   # a factored weight c B + P A: materialized once
+      return w_DxV.dense().astype(config.dtype)
+    return w_DxV.with_base_dtype(config.dtype)
   return w_DxV.astype(config.dtype)
 
 

@@ -232,10 +232,33 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     raise ValueError(f"stochastic_round rounds to float32 or bfloat16, got "
                      f"{np.dtype(dtype)}")
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+  noise = uniform_bits(key, x.shape) >> 16
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
   y = jax.lax.bitcast_convert_type(rounded, jnp.float32)
   return jnp.where(jnp.isnan(x), x, y).astype(jnp.bfloat16)
+
+
+def mix32(h: jax.Array) -> jax.Array:
+  """MurmurHash3's finalizer: a bijection of uint32 that mixes every bit."""
+  h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """uint32 random bits of ``shape``: a keyed hash of each element's flat
+  position (counter-based, like Philox), elementwise, so that XLA computes
+  each device's shard of a sharded weight locally, with no generator state
+  or replicated temporaries (``jax.random.bits`` on a ``[V, D]`` table held
+  several table-sized uint32 buffers per device)."""
+  k0, k1 = (jnp.asarray(w, jnp.uint32) for w in jax.random.key_data(key))
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
+        stride % 2**32)
+    stride *= shape[axis]
+  return mix32(mix32(index ^ k0) + k1)
 
 
 def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:

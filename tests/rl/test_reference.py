@@ -137,8 +137,11 @@ def test_a_run_with_a_kl_penalty(straight, config):
   # The checkpoint holds the reference weights: the initial policy's.
   policy = trainer.Policy.load(config.policy.path)
   with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+    tx = learner.make_optimizer(config.optimizer, policy.params)
     restored = ckpt.restore(
-        params=policy.params,
+        params=checkpoint.abstract_state(
+            learner.abstract_weights(config.optimizer, tx, policy.params),
+            jax.tree.leaves(policy.params)[0].sharding),
         ref_params=reference.reference_params(policy.params, jnp.bfloat16))
   for initial, ref in zip(jax.tree.leaves(policy.params),
                           jax.tree.leaves(restored.ref_params), strict=True):
