@@ -60,6 +60,7 @@ from logra_jax.configs.train import (CheckpointConfig, OptimizerConfig,
 from logra_jax.optim.factored import mix32
 
 # 2: checksums in ``meta``, arrays without elements not written.
+# 3: projected weights of LoGRA's sketch mode saved factored (B, A, c).
 FORMAT_VERSION = 3
 # The metric "keep the best" ranks checkpoints by.
 BEST_METRIC = "accuracy/eval"
@@ -168,7 +169,7 @@ def run_meta(config: TrainConfig, model_config: dict[str, Any],
   Example:
     >>> meta = run_meta(TrainConfig(), {"model_type": "llama"})
     >>> meta["format"], meta["mesh"], meta["config"]["optimizer"]["rank"]
-    (2, None, 32)
+    (3, None, 32)
   """
   files = {}
   if tokenizer is not None:

@@ -407,11 +407,10 @@ def test_restore_reshards_into_the_current_mesh(config, straight):
   params = parallel.param_shardings(policy.params, mesh)
   tx = learner.make_optimizer(config.optimizer, policy.params)
   state = parallel.optimizer_state_shardings(tx, policy.params, params, mesh)
+  abstract = learner.abstract_weights(config.optimizer, tx, policy.params)
+  weights = parallel.weight_shardings(abstract, params, mesh)
   targets = dict(
-      params=checkpoint.abstract_state(
-          learner.abstract_weights(config.optimizer, tx, policy.params),
-          parallel.weight_shardings(learner.abstract_weights(
-              config.optimizer, tx, policy.params), params, mesh)),
+      params=checkpoint.abstract_state(abstract, weights),
       opt_state=checkpoint.abstract_state(
           jax.eval_shape(tx.init, policy.params), state))
   with checkpoint.Checkpointer(straight / "checkpoints",
@@ -421,7 +420,7 @@ def test_restore_reshards_into_the_current_mesh(config, straight):
       ckpt.restore(expected_meta=here, **targets)
     sharded = ckpt.restore(expected_meta=here, allow_reshard=True, **targets)
   single = _final_state(straight, config)
-  trees = [(sharded.params, single.params, params),
+  trees = [(sharded.params, single.params, weights),
            (sharded.opt_state, single.opt_state, state)]
   for got, want, shardings in trees:
     for x, y, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),

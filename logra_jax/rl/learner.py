@@ -102,13 +102,13 @@ def init_train_state(config: OptimizerConfig,
   ``params``: ``tx.init(params)`` and :func:`init_weights`.
 
   Example:
-    >>> import jax.numpy as jnp
     >>> from logra_jax.configs.train import OptimizerConfig
+    >>> _, params = models.split_model(
+    ...     models.init_model(models.DecoderConfig.tiny(), rngs=0))
     >>> config = OptimizerConfig(rank=2)
-    >>> params = {"w": jnp.ones((8, 4))}
     >>> tx = make_optimizer(config, params)
     >>> weights, state = init_train_state(config, tx, params)
-    >>> type(weights["w"]).__name__
+    >>> type(weights["layers"]["q_proj"].value).__name__
     'FactoredWeight'
   """
   opt_state = tx.init(params)
