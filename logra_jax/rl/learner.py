@@ -122,16 +122,6 @@ def abstract_weights(config: OptimizerConfig,
   return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
 
 
-def policy_weights(weights: Any, opt_state: optax.OptState) -> Any:
-  """The learner's weights as the model and the sampler consume them: the
-  factored view (:func:`logra_jax.sketch_grad.factored_view`) with the last
-  update's projectors, or the params themselves."""
-  if not _has_factored(weights):
-    return weights
-  return sketch_grad.factored_view(
-      weights, transforms.window_projectors(opt_state))
-
-
 def dense_weights(weights: Any, opt_state: optax.OptState,
                   dtype: Any = None) -> Any:
   """The learner's weights materialized as dense arrays (``W = c B + P A``

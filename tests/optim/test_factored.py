@@ -166,14 +166,19 @@ def _merged(weights, projectors, step):
                                                     jnp.float32)
 
 
+def _assert_window_reset(merged, base_dtype):
+  """After a merge: A == 0, c == 1, B in the base dtype."""
+  for w in _factored(merged):
+    np.testing.assert_array_equal(w.coords, 0.0)
+    np.testing.assert_array_equal(w.scale, 1.0)
+    assert w.base.dtype == base_dtype
+
+
 def test_merge_float32_keeps_the_weights():
   """A float32 merge zeroes A, sets c = 1 and keeps W to rounding."""
   weights, projectors = _window("float32")
   before, merged, after = _merged(weights, projectors, 4)
-  for w in _factored(merged):
-    np.testing.assert_array_equal(w.coords, 0.0)
-    np.testing.assert_array_equal(w.scale, 1.0)
-    assert w.base.dtype == jnp.float32
+  _assert_window_reset(merged, jnp.float32)
   atol = _merge_atol(weights, before)
   for name in before:
     np.testing.assert_allclose(after[name], before[name], rtol=0, atol=atol,
@@ -190,10 +195,7 @@ def test_merge_bfloat16_within_one_ulp():
   """A bfloat16 merge lands within one bf16 ulp of the float32 c B + P A."""
   weights, projectors = _window("bfloat16")
   before, merged, after = _merged(weights, projectors, 4)
-  for w in _factored(merged):
-    np.testing.assert_array_equal(w.coords, 0.0)
-    np.testing.assert_array_equal(w.scale, 1.0)
-    assert w.base.dtype == jnp.bfloat16
+  _assert_window_reset(merged, jnp.bfloat16)
   atol = _merge_atol(weights, before)
   for name in ("w", "v"):
     want = np.asarray(before[name])
