@@ -24,6 +24,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from logra_jax.optim import factored as factored_lib
+
 MESH_AXES = ("dp", "fsdp", "tp")
 
 # Logical axis -> mesh axes. Weights: the hidden axis is split by fsdp, the
@@ -213,7 +215,6 @@ def weight_shardings(weights: Any, params_shardings: Any, mesh: Mesh,
     mesh: the mesh.
     rules: logical -> mesh axes; default :data:`PARTITION_RULES`.
   """
-  from logra_jax.optim import factored as factored_lib  # leaf type only
   rules = PARTITION_RULES if rules is None else rules
   replicated = NamedSharding(mesh, PartitionSpec())
   axes = _present_axes(mesh, rules.get("embed"))

@@ -275,14 +275,14 @@ def memory_command(config: TrainConfig, mesh: parallel.MeshConfig | None,
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   per_device = max(1, rows // config.micro_batches // (mesh.dp * mesh.fsdp))
   optimizer = "adam" if config.optimizer.name == "adam" else "logra"
-  reference = (f" --reference-dtype {config.policy.reference_dtype}"
-               if config.loss.beta > 0 else "")
+  flags = (f" --reference-dtype {config.policy.reference_dtype}"
+           if config.loss.beta > 0 else "")
   if config.optimizer.base_dtype != "float32":
-    reference += f" --base-dtype {config.optimizer.base_dtype}"
+    flags += f" --base-dtype {config.optimizer.base_dtype}"
   return (f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
           f"--optimizer {optimizer} --rank {config.optimizer.rank} "
           f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
-          f"--rollout-tokens {seq_len}{reference}")
+          f"--rollout-tokens {seq_len}{flags}")
 
 
 def out_of_memory_error(error: BaseException, step: int, command: str
