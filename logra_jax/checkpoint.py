@@ -355,7 +355,11 @@ def _array_checksum(x: jax.Array) -> jax.Array:
   return jnp.sum(mix32(words ^ keys), dtype=jnp.uint32)
 
 
-_leaf_checksums = jax.jit(lambda leaves: [_array_checksum(x) for x in leaves])
+@jax.jit
+def leaf_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+  """The checksums of :func:`array_checksums` of a list of arrays, as uint32
+  scalars, computed where the arrays are (one jitted call)."""
+  return [_array_checksum(x) for x in leaves]
 
 
 def array_checksums(tree: Any) -> dict[str, str]:
@@ -387,7 +391,7 @@ def array_checksums(tree: Any) -> dict[str, str]:
     False
   """
   named = jax.tree_util.tree_flatten_with_path(tree)[0]
-  values = jax.device_get(_leaf_checksums([x for _, x in named]))
+  values = jax.device_get(leaf_checksums([x for _, x in named]))
   return {_array_name(path): f"{int(value):08x}"
           for (path, _), value in zip(named, values)}
 

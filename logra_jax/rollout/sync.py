@@ -1,0 +1,407 @@
+"""Policy sync: messages that move a copy of the factored policy to the
+learner's, bit for bit.
+
+The learner's policy is factored (:mod:`logra_jax.optim.factored`): each
+projected weight is ``W = c B + P A`` and only ``A`` (``[batch, rank,
+short]``), ``c`` and the dense leaves change within a projector window; ``B``
+changes only when a window is merged, ``B <- round(c B + P A)``, which a
+receiver holding the same ``B``, ``P`` and ``A`` computes itself with the
+same program and the same rounding bits (:func:`factored.merge`). A
+:class:`SyncMessage` therefore carries, per step:
+
+* every leaf's coordinates ``A`` and scale ``c`` (the window's sum of step
+  factors, not the step's own factor: the same size, and a message applies
+  exactly, with no float arithmetic on the receiver);
+* the dense leaves' new values;
+* at a refresh, the step of the merge and the new window's projectors ``P``;
+* a checksum of every array the receiver must end with
+  (:func:`logra_jax.checkpoint.leaf_checksums`, computed on the device), a
+  sequence number, the policy version and a signature of the layout.
+
+A full message (``full=True``, a *resync*) carries every array, bases
+included. :class:`PolicyReceiver` verifies a message, applies it to a new
+copy and commits it only when every checksum matches: a message that does
+not fit (another model or layout, a sequence number out of order, a missing
+or misshapen array, a checksum mismatch) raises :class:`SyncError` and the
+receiver keeps its weights. :func:`encode` / :func:`decode` turn messages into
+bytes (msgpack arrays behind a checked header, never pickle) for a receiver
+in another process.
+
+Example:
+  >>> import jax, jax.numpy as jnp, logra_jax as logra
+  >>> from logra_jax.optim import factored
+  >>> params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+  >>> tx = logra.logra(1e-2, rank=2, refresh_every=2, factored=True)
+  >>> state = tx.init(params)
+  >>> weights = factored.factor(params, state)
+  >>> sender = PolicySender(weights, state, seed=0)
+  >>> full = decode(encode(sender.message(weights, state, full=True)))
+  >>> receiver = PolicyReceiver.from_message(
+  ...     full, policy_state(weights, state), seed=0)
+  >>> receiver.version, sorted(receiver.state)
+  (0, ['projectors', 'weights'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import struct
+import zlib
+from typing import Any, Optional
+
+from flax import serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax import checkpoint
+from logra_jax import sketch_grad
+from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import transforms
+
+FORMAT_VERSION = 1
+_MAGIC = b"LOGRASYN"
+_HEADER = struct.Struct("<8sIQI")   # magic, format, payload length, CRC-32
+
+BASE, COORDS, SCALE, PROJECTOR, DENSE = ("base", "coords", "scale",
+                                          "projector", "dense")
+
+
+class SyncError(ValueError):
+  """A sync message that does not fit the receiver; its weights are kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncMessage:
+  """One step of the learner's policy (or all of it, ``full``).
+
+  Attributes:
+    sequence: this message's number; a receiver applies ``n + 1`` after
+      ``n`` (a full message resets the sequence to its own).
+    version: the learner's optimizer steps behind these weights.
+    signature: :func:`signature` of the policy layout.
+    full: every array (a resync), else the arrays a step changes.
+    merge_step: the step (rounding key) of the window merge the learner made
+      before this update, or -1 when it made none.
+    arrays: name -> array (see :func:`named_arrays`).
+    checksums: name -> uint32 checksum of every array the receiver must end
+      with.
+  """
+
+  sequence: int
+  version: int
+  signature: str
+  full: bool
+  merge_step: int
+  arrays: dict[str, Any]
+  checksums: dict[str, int]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the arrays it carries."""
+    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+               for x in self.arrays.values())
+
+
+def policy_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
+  """What a receiver holds: the factored weights and the window's
+  projectors (``transforms.window_projectors``)."""
+  return {"weights": weights,
+          "projectors": transforms.window_projectors(opt_state)}
+
+
+def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+  """``{name: (kind, array)}`` of a :func:`policy_state`.
+
+  Names are the leaves' key paths (``jax.tree_util.keystr``) with the part of
+  a factored weight appended (``.base``, ``.coords``, ``.scale``); a
+  projector's name is its weight's, prefixed ``projector:``. Kinds:
+  ``"base"``, ``"coords"``, ``"scale"``, ``"projector"``, ``"dense"``.
+  """
+  out = {}
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      state["weights"], is_leaf=factored_lib.is_factored)
+  projectors = treedef.flatten_up_to(state["projectors"])
+  for (path, w), p in zip(flat, projectors):
+    name = jax.tree_util.keystr(path)
+    if not factored_lib.is_factored(w):
+      out[name] = (DENSE, w)
+      continue
+    out[f"{name}.base"] = (BASE, w.base)
+    out[f"{name}.coords"] = (COORDS, w.coords)
+    if w.scale is not None:
+      out[f"{name}.scale"] = (SCALE, w.scale)
+    out[f"projector:{name}"] = (PROJECTOR, p)
+  return out
+
+
+def signature(state: dict[str, Any], **fields: Any) -> str:
+  """A digest of the layout of ``state`` (every array's name, shape and
+  dtype) and of ``fields`` (e.g. the model config, the optimizer's rank and
+  projector kind): two policies with the same signature can sync."""
+  layout = [(name, list(np.shape(x)), str(jnp.result_type(x)))
+            for name, (_, x) in sorted(named_arrays(state).items())]
+  text = json.dumps({"layout": layout, "fields": fields}, sort_keys=True,
+                    default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
+  names = sorted(arrays)
+  values = jax.device_get(checkpoint.leaf_checksums(
+      [arrays[n] for n in names]))
+  return {n: int(v) for n, v in zip(names, values)}
+
+
+def _merge_step(opt_state: optax.OptState) -> int:
+  """The step of the merge the last update was preceded by, or -1: the
+  learner merges (``factored.merge_at_refresh``) when the ``project``
+  stage's count is a multiple of ``refresh_every``, then counts the update."""
+  state = sketch_grad.project_state(opt_state)
+  done = int(state.count)
+  if done > 0 and (done - 1) % state.spec.config.refresh_every == 0:
+    return done - 1
+  return -1
+
+
+class PolicySender:
+  """The learner's side: builds each step's :class:`SyncMessage`.
+
+  Args:
+    weights, opt_state: the learner's factored weights and optimizer state
+      (for the layout and the signature).
+    seed: the run's seed (the merge's rounding key).
+    **fields: more to put in the signature (model config, rank, ...).
+  """
+
+  def __init__(self, weights: Any, opt_state: optax.OptState, *, seed: int,
+               **fields: Any):
+    self.signature = signature(policy_state(weights, opt_state), seed=seed,
+                               **fields)
+    self.sequence = -1
+
+  def message(self, weights: Any, opt_state: optax.OptState, *,
+              version: Optional[int] = None, full: bool = False
+              ) -> SyncMessage:
+    """The message that moves a receiver from the last message's weights to
+    these (``full``: from anything).
+
+    Args:
+      weights, opt_state: the learner's state after its update.
+      version: the policy version; default the ``project`` stage's count.
+      full: carry every array (a resync).
+    """
+    named = named_arrays(policy_state(weights, opt_state))
+    merge_step = _merge_step(opt_state)
+    sent = lambda kind: (full or kind in (COORDS, SCALE, DENSE)
+                         or (kind == PROJECTOR and merge_step >= 0))
+    self.sequence += 1
+    if version is None:
+      version = int(sketch_grad.project_state(opt_state).count)
+    return SyncMessage(
+        sequence=self.sequence, version=version, signature=self.signature,
+        full=full, merge_step=merge_step,
+        arrays={n: x for n, (kind, x) in named.items() if sent(kind)},
+        checksums=_checksums({n: x for n, (_, x) in named.items()}))
+
+
+@functools.partial(jax.jit, static_argnames="seed")
+def _merge(weights, projectors, step, seed):
+  return factored_lib.merge(weights, projectors, seed=seed, step=step)
+
+
+class PolicyReceiver:
+  """A copy of the learner's factored policy, moved by :class:`SyncMessage`.
+
+  Start it from a full message (:meth:`from_message`); :meth:`apply` each
+  later one. ``weights`` and ``projectors`` are always a state some message
+  left, verified by its checksums.
+
+  Attributes:
+    state: the :func:`policy_state` held.
+    signature: the layout it accepts.
+    sequence, version: of the last message applied.
+    seed: the run's seed (the merge's rounding key).
+  """
+
+  def __init__(self, state: dict[str, Any], *, signature: str, seed: int,
+               sequence: int, version: int):
+    self.state = state
+    self.signature = signature
+    self.seed = seed
+    self.sequence = sequence
+    self.version = version
+
+  @classmethod
+  def from_message(cls, message: SyncMessage, template: dict[str, Any], *,
+                   seed: int) -> "PolicyReceiver":
+    """A receiver holding a full message's policy.
+
+    Args:
+      message: a full message.
+      template: a :func:`policy_state` of the same layout (e.g. the
+        learner's initial one, or its ``jax.eval_shape``) giving the tree
+        the arrays are placed in.
+      seed: the run's seed.
+
+    Raises:
+      SyncError: not a full message, or not of the template's layout.
+    """
+    if not message.full:
+      raise SyncError(f"message {message.sequence} is not a full message; a "
+                      "receiver starts from one")
+    receiver = cls(template, signature=message.signature, seed=seed,
+                   sequence=message.sequence - 1, version=-1)
+    receiver.apply(message)
+    return receiver
+
+  def apply(self, message: SyncMessage) -> None:
+    """Verifies ``message`` and moves the weights to it.
+
+    Raises:
+      SyncError: the message is for another layout, out of order, missing or
+        misshapen arrays, or the result's checksums differ from the
+        learner's; the receiver's state is unchanged.
+    """
+    if not isinstance(message, SyncMessage):
+      raise SyncError(f"expected a SyncMessage, got {type(message).__name__}")
+    if message.signature != self.signature:
+      raise SyncError(
+          f"message for another policy layout (signature "
+          f"{message.signature[:12]}..., this receiver "
+          f"{self.signature[:12]}...): model, rank, shapes, dtypes or seed "
+          "differ")
+    if not message.full and message.sequence != self.sequence + 1:
+      raise SyncError(
+          f"message {message.sequence} out of order: expected "
+          f"{self.sequence + 1} ("
+          + ("a duplicate or an old message" if message.sequence <= self.sequence
+             else "messages were lost") + "); a full resync restarts it")
+    if not message.full and message.version < self.version:
+      raise SyncError(f"message of policy version {message.version} is older "
+                      f"than the version held ({self.version})")
+    named = named_arrays(self.state)
+    state = self.state
+    if not message.full and message.merge_step >= 0:
+      state = dict(state, weights=_merge(
+          state["weights"], state["projectors"],
+          jnp.asarray(message.merge_step, jnp.int32), seed=self.seed))
+    expected = {n for n, (kind, _) in named.items()
+                if message.full or kind in (COORDS, SCALE, DENSE)
+                or (kind == PROJECTOR and message.merge_step >= 0)}
+    missing = sorted(expected - set(message.arrays))
+    extra = sorted(set(message.arrays) - expected)
+    if missing or extra:
+      raise SyncError(f"message {message.sequence} does not fit the layout: "
+                      f"missing {missing[:3]}, unexpected {extra[:3]}")
+    state = _replace(state, message.arrays)
+    got = _checksums({n: x for n, (_, x) in named_arrays(state).items()})
+    if set(got) != set(message.checksums):
+      raise SyncError(f"message {message.sequence} has checksums for other "
+                      "arrays than the layout's")
+    wrong = sorted(n for n in got if got[n] != message.checksums[n])
+    if wrong:
+      raise SyncError(
+          f"message {message.sequence}: checksum mismatch after applying it "
+          f"for {len(wrong)} array(s), e.g. {wrong[:3]}; the weights are "
+          "kept (a full resync heals them)")
+    self.state = state
+    self.sequence = message.sequence
+    self.version = message.version
+
+  def effective_weights(self, dtype: Any = None) -> Any:
+    """The dense weights ``c B + P A`` held (``factored.effective_weights``)."""
+    return _effective(self.state["weights"], self.state["projectors"],
+                      dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _effective(weights, projectors, dtype):
+  return factored_lib.effective_weights(weights, projectors, dtype)
+
+
+def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
+  """``state`` with the named arrays replaced (shapes and dtypes checked)."""
+  def take(name, old):
+    if name not in arrays:
+      return old
+    new = arrays[name]
+    if (tuple(np.shape(new)) != tuple(np.shape(old))
+        or jnp.result_type(new) != jnp.result_type(old)):
+      raise SyncError(
+          f"array {name}: shape {tuple(np.shape(new))} "
+          f"{jnp.result_type(new)} does not fit "
+          f"{tuple(np.shape(old))} {jnp.result_type(old)}")
+    return jnp.array(new, copy=True)   # never alias the sender's buffers
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      state["weights"], is_leaf=factored_lib.is_factored)
+  projectors = treedef.flatten_up_to(state["projectors"])
+  weights, new_projectors = [], []
+  for (path, w), p in zip(flat, projectors):
+    name = jax.tree_util.keystr(path)
+    if not factored_lib.is_factored(w):
+      weights.append(take(name, w))
+      new_projectors.append(p)
+      continue
+    weights.append(dataclasses.replace(
+        w, base=take(f"{name}.base", w.base),
+        coords=take(f"{name}.coords", w.coords),
+        scale=None if w.scale is None else take(f"{name}.scale", w.scale)))
+    new_projectors.append(take(f"projector:{name}", p))
+  return {"weights": treedef.unflatten(weights),
+          "projectors": treedef.unflatten(new_projectors)}
+
+
+def encode(message: SyncMessage) -> bytes:
+  """``message`` as bytes: a header (magic, format version, payload length,
+  CRC-32 of the payload) and a msgpack payload of the fields and the arrays
+  (``flax.serialization``; no pickle)."""
+  payload = serialization.msgpack_serialize({
+      "sequence": message.sequence, "version": message.version,
+      "signature": message.signature, "full": message.full,
+      "merge_step": message.merge_step,
+      "arrays": {n: np.asarray(x) for n, x in message.arrays.items()},
+      "checksums": dict(message.checksums)})
+  return _HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload),
+                      zlib.crc32(payload)) + payload
+
+
+def decode(data: bytes) -> SyncMessage:
+  """The :class:`SyncMessage` of :func:`encode`'s bytes.
+
+  Raises:
+    SyncError: not a sync message, another format version, truncated or
+      corrupted bytes, or fields of the wrong type.
+  """
+  if len(data) < _HEADER.size:
+    raise SyncError(f"sync message truncated: {len(data)} bytes, shorter "
+                    "than its header")
+  magic, version, length, crc = _HEADER.unpack_from(data)
+  if magic != _MAGIC:
+    raise SyncError("not a logra-jax sync message (bad magic bytes)")
+  if version != FORMAT_VERSION:
+    raise SyncError(f"sync message format {version}; this version reads "
+                    f"format {FORMAT_VERSION}")
+  payload = data[_HEADER.size:]
+  if len(payload) != length:
+    raise SyncError(f"sync message truncated or padded: payload of "
+                    f"{len(payload)} bytes, header says {length}")
+  if zlib.crc32(payload) != crc:
+    raise SyncError("sync message corrupted: CRC-32 of its payload differs")
+  fields = serialization.msgpack_restore(payload)
+  types = {"sequence": int, "version": int, "signature": str, "full": bool,
+           "merge_step": int, "arrays": dict, "checksums": dict}
+  for name, kind in types.items():
+    if not isinstance(fields.get(name), kind):
+      raise SyncError(f"sync message field {name!r} is missing or not "
+                      f"{kind.__name__}")
+  return SyncMessage(
+      sequence=fields["sequence"], version=fields["version"],
+      signature=fields["signature"], full=fields["full"],
+      merge_step=fields["merge_step"], arrays=fields["arrays"],
+      checksums={n: int(v) for n, v in fields["checksums"].items()})

@@ -1,0 +1,194 @@
+"""Policy sync: a receiver follows the learner bit for bit, and refuses what
+does not fit."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logra_jax as logra
+from logra_jax.optim import factored
+from logra_jax.rl import learner
+from logra_jax.rollout import sync
+from logra_jax.sketch_grad import matmul
+
+STEPS = 300
+REFRESH = 25     # 12 windows, 11 merges after the first
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  normal = lambda shape, scale: jnp.asarray(
+      scale * rng.standard_normal(shape), jnp.float32)
+  return {"w": normal((6, 20), 0.3),      # wide
+          "v": normal((12, 8), 0.3),      # tall
+          "b": normal((20,), 0.1)}        # dense
+
+
+def _learner(kind, base_dtype, weight_decay):
+  """A factored LoGRA loop (the README's) on a small tree: ``(weights,
+  state, step)``."""
+  params = _params()
+  tx = logra.logra(1e-2, rank=2, kind=kind, refresh_every=REFRESH,
+                   weight_decay=weight_decay, factored=True)
+  state = tx.init(params)
+  weights = factored.factor(params, state, base_dtype=base_dtype,
+                            decay=weight_decay > 0)
+
+  def loss(p, x):
+    h = jnp.tanh(matmul(x, p["v"]))          # [.., 12] -> [.., 8]
+    h = jnp.concatenate([h, h[:, :4] ** 2], axis=-1)[:, :6]
+    return jnp.mean(jnp.square(matmul(h, p["w"]) + p["b"] - 0.5))
+
+  @jax.jit
+  def step(weights, state, x):
+    weights = factored.merge_at_refresh(weights, state, seed=7)
+    _, sketches, projectors = logra.value_and_sketch_grad(loss)(
+        weights, state, x)
+    updates, state = tx.update(sketches, state, weights,
+                               projectors=projectors)
+    return factored.apply_updates(weights, updates), state
+
+  return weights, state, step
+
+
+def _batch(i):
+  return jax.random.normal(jax.random.key(i), (16, 12))
+
+
+def _same_bits(a, b):
+  return jax.tree.all(jax.tree.map(
+      lambda x, y: x.dtype == y.dtype and np.array_equal(
+          np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), a, b))
+
+
+@pytest.mark.parametrize("kind,base_dtype,weight_decay", [
+    ("range", "float32", 0.0), ("random", "bfloat16", 0.1),
+    ("svd", "bfloat16", 0.0)])
+def test_receiver_is_bit_identical_over_many_windows(kind, base_dtype,
+                                                     weight_decay):
+  weights, state, step = _learner(kind, base_dtype, weight_decay)
+  sender = sync.PolicySender(weights, state, seed=7, kind=kind)
+  receiver = sync.PolicyReceiver.from_message(
+      sync.decode(sync.encode(sender.message(weights, state, full=True))),
+      sync.policy_state(weights, state), seed=7)
+  merges = 0
+  dense = jax.jit(learner.dense_weights)
+  for i in range(STEPS):
+    weights, state = step(weights, state, _batch(i))
+    message = sender.message(weights, state)
+    merges += message.merge_step >= 0
+    if i % 2:   # every other message through bytes, as to another process
+      message = sync.decode(sync.encode(message))
+    receiver.apply(message)     # raises on any checksum mismatch
+  assert merges == STEPS // REFRESH and receiver.version == STEPS
+  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert _same_bits(receiver.effective_weights(), dense(weights, state))
+
+
+def test_a_step_message_carries_only_the_window():
+  weights, state, step = _learner("range", "bfloat16", 0.0)
+  sender = sync.PolicySender(weights, state, seed=7)
+  full = sender.message(weights, state, full=True)
+  weights, state = step(weights, state, _batch(0))   # merges (step 0)
+  first = sender.message(weights, state)
+  weights, state = step(weights, state, _batch(1))
+  second = sender.message(weights, state)
+  assert first.merge_step == 0 and second.merge_step == -1
+  kinds = {n: k for n, (k, _) in sync.named_arrays(
+      sync.policy_state(weights, state)).items()}
+  assert {kinds[n] for n in full.arrays} == {"base", "coords", "projector",
+                                              "dense"}
+  assert {kinds[n] for n in first.arrays} == {"coords", "projector", "dense"}
+  assert {kinds[n] for n in second.arrays} == {"coords", "dense"}
+  # coords [1, 2, 6] and [1, 2, 8] float32, dense bias [20] float32
+  assert second.nbytes == 4 * (12 + 16 + 20)
+
+
+@pytest.fixture(scope="module")
+def synced():
+  """A learner two steps in, its messages, and a receiver after the first."""
+  weights, state, step = _learner("range", "float32", 0.1)
+  sender = sync.PolicySender(weights, state, seed=7)
+  template = sync.policy_state(weights, state)
+  full = sender.message(weights, state, full=True)
+  messages = []
+  for i in range(2):
+    weights, state = step(weights, state, _batch(i))
+    messages.append(sender.message(weights, state))
+  return template, full, messages, sender, (weights, state)
+
+
+def _receiver(synced):
+  template, full, messages, _, _ = synced
+  receiver = sync.PolicyReceiver.from_message(full, template, seed=7)
+  receiver.apply(messages[0])
+  return receiver
+
+
+def _refused(receiver, message, match):
+  before = jax.tree.map(np.asarray, receiver.state)
+  sequence = receiver.sequence
+  with pytest.raises(sync.SyncError, match=match):
+    receiver.apply(message)
+  assert _same_bits(receiver.state, before) and receiver.sequence == sequence
+
+
+def test_bad_messages_are_refused_and_the_weights_kept(synced):
+  template, full, messages, _, (weights, state) = synced
+  receiver = _receiver(synced)
+  _refused(receiver, messages[0], "out of order.*duplicate")
+  ahead = dataclasses.replace(messages[1], sequence=5)
+  _refused(receiver, ahead, "out of order.*lost")
+  other = dataclasses.replace(messages[1], signature="0" * 32)
+  _refused(receiver, other, "another policy layout")
+  name = next(n for n in messages[1].arrays if n.endswith(".coords"))
+  tampered = dict(messages[1].arrays)
+  tampered[name] = np.asarray(tampered[name]) + 1e-6
+  _refused(receiver, dataclasses.replace(messages[1], arrays=tampered),
+           "checksum mismatch")
+  short = {n: x for n, x in messages[1].arrays.items() if n != name}
+  _refused(receiver, dataclasses.replace(messages[1], arrays=short),
+           "missing")
+  wrong_shape = dict(messages[1].arrays, **{name: np.zeros((3,), np.float32)})
+  _refused(receiver, dataclasses.replace(messages[1], arrays=wrong_shape),
+           "does not fit")
+  receiver.apply(messages[1])       # the right message still applies
+  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+
+
+def test_a_full_resync_heals_a_diverged_receiver(synced):
+  template, full, messages, sender, (weights, state) = synced
+  receiver = _receiver(synced)
+  # Damage the receiver's own base (which step messages do not carry): the
+  # next message's checksums catch it.
+  w = receiver.state["weights"]["w"]
+  receiver.state = {**receiver.state, "weights": {
+      **receiver.state["weights"],
+      "w": dataclasses.replace(w, base=w.base.at[0, 0].add(1.0))}}
+  with pytest.raises(sync.SyncError, match="checksum mismatch"):
+    receiver.apply(messages[1])
+  resync = sender.message(weights, state, full=True)
+  receiver.apply(resync)
+  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda b: b[:10], "truncated"),
+    (lambda b: b[:-3], "truncated"),
+    (lambda b: b + b"\0", "truncated or padded"),
+    (lambda b: b"X" + b[1:], "bad magic"),
+    (lambda b: b[:40] + bytes([b[40] ^ 0xFF]) + b[41:], "corrupted"),
+])
+def test_damaged_bytes_are_refused(synced, damage, match):
+  data = sync.encode(synced[2][0])
+  with pytest.raises(sync.SyncError, match=match):
+    sync.decode(damage(data))
+
+
+def test_a_receiver_starts_only_from_a_full_message(synced):
+  template, _, messages, _, _ = synced
+  with pytest.raises(sync.SyncError, match="not a full message"):
+    sync.PolicyReceiver.from_message(messages[0], template, seed=7)
