@@ -108,10 +108,15 @@ class SyncMessage:
 
 
 def policy_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
-  """What a receiver holds: the factored weights and the window's
-  projectors (``transforms.window_projectors``)."""
-  return {"weights": weights,
-          "projectors": transforms.window_projectors(opt_state)}
+  """What a receiver holds: the weights and, when they are factored, the
+  window's projectors (``transforms.window_projectors``; None elsewhere).
+  Weights that are not factored (another optimizer) are all dense leaves,
+  sent whole every step."""
+  if sketch_grad.project_state(opt_state) is None:
+    projectors = jax.tree.map(lambda _: None, weights)
+  else:
+    projectors = transforms.window_projectors(opt_state)
+  return {"weights": weights, "projectors": projectors}
 
 
 def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
@@ -162,6 +167,8 @@ def _merge_step(opt_state: optax.OptState) -> int:
   learner merges (``factored.merge_at_refresh``) when the ``project``
   stage's count is a multiple of ``refresh_every``, then counts the update."""
   state = sketch_grad.project_state(opt_state)
+  if state is None:
+    return -1
   done = int(state.count)
   if done > 0 and (done - 1) % state.spec.config.refresh_every == 0:
     return done - 1
@@ -192,7 +199,8 @@ class PolicySender:
 
     Args:
       weights, opt_state: the learner's state after its update.
-      version: the policy version; default the ``project`` stage's count.
+      version: the policy version; default the ``project`` stage's count
+      (without one, the message's sequence number).
       full: carry every array (a resync).
     """
     named = named_arrays(policy_state(weights, opt_state))
@@ -201,7 +209,8 @@ class PolicySender:
                          or (kind == PROJECTOR and merge_step >= 0))
     self.sequence += 1
     if version is None:
-      version = int(sketch_grad.project_state(opt_state).count)
+      project = sketch_grad.project_state(opt_state)
+      version = self.sequence if project is None else int(project.count)
     return SyncMessage(
         sequence=self.sequence, version=version, signature=self.signature,
         full=full, merge_step=merge_step,

@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import logra_jax as logra
@@ -192,3 +193,21 @@ def test_a_receiver_starts_only_from_a_full_message(synced):
   template, _, messages, _, _ = synced
   with pytest.raises(sync.SyncError, match="not a full message"):
     sync.PolicyReceiver.from_message(messages[0], template, seed=7)
+
+
+def test_weights_that_are_not_factored_are_sent_whole():
+  """Another optimizer (dense Adam): every leaf is a dense leaf, sent each
+  step, as a full broadcast would."""
+  params = _params()
+  tx = optax.adam(1e-2)
+  state = tx.init(params)
+  sender = sync.PolicySender(params, state, seed=0)
+  receiver = sync.PolicyReceiver.from_message(
+      sender.message(params, state, full=True),
+      sync.policy_state(params, state), seed=0)
+  params = optax.apply_updates(params, tx.update(params, state)[0])
+  message = sender.message(params, state)
+  assert message.merge_step == -1 and set(message.arrays) == {
+      "['b']", "['v']", "['w']"}
+  receiver.apply(sync.decode(sync.encode(message)))
+  assert _same_bits(receiver.effective_weights(), params)
