@@ -35,9 +35,8 @@ Example:
   >>> state = tx.init(params)
   >>> weights = factored.factor(params, state)
   >>> sender = PolicySender(weights, state, seed=0)
-  >>> full = decode(encode(sender.message(weights, state, full=True)))
-  >>> receiver = PolicyReceiver.from_message(
-  ...     full, policy_state(weights, state), seed=0)
+  >>> receiver = PolicyReceiver(policy_state(weights, state), seed=0)
+  >>> receiver.apply(decode(encode(sender.message(weights, state, full=True))))
   >>> receiver.version, sorted(receiver.state)
   (0, ['projectors', 'weights'])
 """
@@ -179,8 +178,8 @@ class PolicySender:
   """The learner's side: builds each step's :class:`SyncMessage`.
 
   Args:
-    weights, opt_state: the learner's factored weights and optimizer state
-      (for the layout and the signature).
+    weights, opt_state: the learner's weights and optimizer state (for the
+      layout and the signature).
     seed: the run's seed (the merge's rounding key).
     **fields: more to put in the signature (model config, rank, ...).
   """
@@ -224,73 +223,60 @@ def _merge(weights, projectors, step, seed):
 
 
 class PolicyReceiver:
-  """A copy of the learner's factored policy, moved by :class:`SyncMessage`.
+  """A copy of the learner's policy, moved by :class:`SyncMessage`.
 
-  Start it from a full message (:meth:`from_message`); :meth:`apply` each
-  later one. ``weights`` and ``projectors`` are always a state some message
-  left, verified by its checksums.
+  It accepts messages whose signature is its own (the layout of
+  ``template``, the seed and ``fields``, as the :class:`PolicySender`'s):
+  a full message first, then each later one in order. ``state`` is always
+  what some message left, verified by its checksums.
+
+  Args:
+    template: a :func:`policy_state` of the learner's layout (arrays, e.g.
+      its initial state, or ``jax.ShapeDtypeStruct``s) giving the tree the
+      arrays are placed in.
+    seed: the run's seed (the merge's rounding key).
+    **fields: as given to the sender (model config, rank, ...).
 
   Attributes:
-    state: the :func:`policy_state` held.
+    state: the :func:`policy_state` held (``template`` until the first full
+      message).
     signature: the layout it accepts.
-    sequence, version: of the last message applied.
-    seed: the run's seed (the merge's rounding key).
+    sequence, version: of the last message applied (-1 before the first).
   """
 
-  def __init__(self, state: dict[str, Any], *, signature: str, seed: int,
-               sequence: int, version: int):
-    self.state = state
-    self.signature = signature
+  def __init__(self, template: dict[str, Any], *, seed: int, **fields: Any):
+    self.state = template
+    self.signature = signature(template, seed=seed, **fields)
     self.seed = seed
-    self.sequence = sequence
-    self.version = version
-
-  @classmethod
-  def from_message(cls, message: SyncMessage, template: dict[str, Any], *,
-                   seed: int) -> "PolicyReceiver":
-    """A receiver holding a full message's policy.
-
-    Args:
-      message: a full message.
-      template: a :func:`policy_state` of the same layout (e.g. the
-        learner's initial one, or its ``jax.eval_shape``) giving the tree
-        the arrays are placed in.
-      seed: the run's seed.
-
-    Raises:
-      SyncError: not a full message, or not of the template's layout.
-    """
-    if not message.full:
-      raise SyncError(f"message {message.sequence} is not a full message; a "
-                      "receiver starts from one")
-    receiver = cls(template, signature=message.signature, seed=seed,
-                   sequence=message.sequence - 1, version=-1)
-    receiver.apply(message)
-    return receiver
+    self.sequence = -1
+    self.version = -1
 
   def apply(self, message: SyncMessage) -> None:
     """Verifies ``message`` and moves the weights to it.
 
     Raises:
-      SyncError: the message is for another layout, out of order, missing or
-        misshapen arrays, or the result's checksums differ from the
-        learner's; the receiver's state is unchanged.
+      SyncError: the message is for another layout or configuration, out of
+        order, older than the weights held, missing or misshapen arrays, or
+        the result's checksums differ from the learner's; the receiver's
+        state is unchanged.
     """
     if not isinstance(message, SyncMessage):
       raise SyncError(f"expected a SyncMessage, got {type(message).__name__}")
     if message.signature != self.signature:
       raise SyncError(
-          f"message for another policy layout (signature "
-          f"{message.signature[:12]}..., this receiver "
-          f"{self.signature[:12]}...): model, rank, shapes, dtypes or seed "
-          "differ")
+          f"message for another policy (signature {message.signature[:12]}"
+          f"..., this receiver {self.signature[:12]}...): the model, shapes, "
+          "dtypes, seed or optimizer settings of learner and receiver differ")
+    if not message.full and self.version < 0:
+      raise SyncError(f"message {message.sequence} is not a full message; a "
+                      "receiver starts from one")
     if not message.full and message.sequence != self.sequence + 1:
       raise SyncError(
           f"message {message.sequence} out of order: expected "
           f"{self.sequence + 1} ("
           + ("a duplicate or an old message" if message.sequence <= self.sequence
              else "messages were lost") + "); a full resync restarts it")
-    if not message.full and message.version < self.version:
+    if message.version < self.version:
       raise SyncError(f"message of policy version {message.version} is older "
                       f"than the version held ({self.version})")
     named = named_arrays(self.state)

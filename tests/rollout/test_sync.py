@@ -72,9 +72,10 @@ def test_receiver_is_bit_identical_over_many_windows(kind, base_dtype,
                                                      weight_decay):
   weights, state, step = _learner(kind, base_dtype, weight_decay)
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
-  receiver = sync.PolicyReceiver.from_message(
-      sync.decode(sync.encode(sender.message(weights, state, full=True))),
-      sync.policy_state(weights, state), seed=7)
+  receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7,
+                                 kind=kind)
+  receiver.apply(
+      sync.decode(sync.encode(sender.message(weights, state, full=True))))
   merges = 0
   dense = jax.jit(learner.dense_weights)
   for i in range(STEPS):
@@ -124,7 +125,8 @@ def synced():
 
 def _receiver(synced):
   template, full, messages, _, _ = synced
-  receiver = sync.PolicyReceiver.from_message(full, template, seed=7)
+  receiver = sync.PolicyReceiver(template, seed=7)
+  receiver.apply(full)
   receiver.apply(messages[0])
   return receiver
 
@@ -144,7 +146,7 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
   ahead = dataclasses.replace(messages[1], sequence=5)
   _refused(receiver, ahead, "out of order.*lost")
   other = dataclasses.replace(messages[1], signature="0" * 32)
-  _refused(receiver, other, "another policy layout")
+  _refused(receiver, other, "another policy")
   name = next(n for n in messages[1].arrays if n.endswith(".coords"))
   tampered = dict(messages[1].arrays)
   tampered[name] = np.asarray(tampered[name]) + 1e-6
@@ -189,10 +191,20 @@ def test_damaged_bytes_are_refused(synced, damage, match):
     sync.decode(damage(data))
 
 
-def test_a_receiver_starts_only_from_a_full_message(synced):
-  template, _, messages, _, _ = synced
+def test_a_receiver_starts_from_a_full_message_of_its_own_config(synced):
+  template, full, messages, _, _ = synced
+  receiver = sync.PolicyReceiver(template, seed=7)
   with pytest.raises(sync.SyncError, match="not a full message"):
-    sync.PolicyReceiver.from_message(messages[0], template, seed=7)
+    receiver.apply(messages[0])
+  for other in (sync.PolicyReceiver(template, seed=8),
+                sync.PolicyReceiver(template, seed=7, rank=3)):
+    with pytest.raises(sync.SyncError, match="another policy"):
+      other.apply(full)
+  receiver.apply(full)
+  receiver.apply(messages[0])
+  receiver.apply(messages[1])
+  with pytest.raises(sync.SyncError, match="older"):
+    receiver.apply(full)      # a stale resync does not roll it back
 
 
 def test_weights_that_are_not_factored_are_sent_whole():
@@ -202,9 +214,8 @@ def test_weights_that_are_not_factored_are_sent_whole():
   tx = optax.adam(1e-2)
   state = tx.init(params)
   sender = sync.PolicySender(params, state, seed=0)
-  receiver = sync.PolicyReceiver.from_message(
-      sender.message(params, state, full=True),
-      sync.policy_state(params, state), seed=0)
+  receiver = sync.PolicyReceiver(sync.policy_state(params, state), seed=0)
+  receiver.apply(sender.message(params, state, full=True))
   params = optax.apply_updates(params, tx.update(params, state)[0])
   message = sender.message(params, state)
   assert message.merge_step == -1 and set(message.arrays) == {
