@@ -30,7 +30,7 @@ from logra_jax import memory
 from logra_jax import models
 from logra_jax.configs import train as train_config
 from logra_jax.rl import learner
-from logra_jax.rollout import sync
+from logra_jax import sync
 
 SPARSE_BYTES_PER_VALUE = 4 + 2   # int32 index + bfloat16 value
 

@@ -12,7 +12,7 @@ import pytest
 import logra_jax as logra
 from logra_jax.optim import factored
 from logra_jax.rl import learner
-from logra_jax.rollout import sync
+from logra_jax import sync
 from logra_jax.sketch_grad import matmul
 
 STEPS = 300
