@@ -36,6 +36,7 @@ import numpy as np
 from logra_jax import models
 from logra_jax.configs import train as train_config
 from logra_jax.rl import learner, trainer
+from logra_jax.rollout import engine
 
 
 def arm_overrides(arm: str, lr: float, target_kl: float,
@@ -86,9 +87,9 @@ def measure_overhead(config, repeats: int) -> str:
   """Train-step time without and with the KL predictor, and one forward."""
   task = trainer.load_task(config)
   examples, _ = task.split(config.task.eval_size, seed=config.task.seed)
-  policy = trainer.Policy.load(trainer.policy_folder(config, examples,
+  policy = engine.Policy.load(trainer.policy_folder(config, examples,
                                                      log=lambda s: None))
-  batch, _ = trainer.rollout(
+  batch, _ = engine.rollout(
       policy, policy.params, list(examples[:config.rollout.prompts_per_step]),
       config, trainer.task_rewards(task), jax.random.key(0))
   forward = jax.jit(lambda params, state: (models.token_logprobs(

@@ -41,12 +41,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
+  from logra_jax.rollout import engine
   config = train_config.apply_overrides(
       train_config.get_preset(args.preset), args.set)
   task = trainer.load_task(config)
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
-  policy = trainer.Policy.load(args.policy)
-  result = trainer.evaluate(policy, policy.params, eval_examples,
+  policy = engine.Policy.load(args.policy)
+  result = engine.evaluate(policy, policy.params, eval_examples,
                             trainer.task_rewards(task),
                             config.rollout.max_new_tokens)
   print(json.dumps({"policy": args.policy, "task": task.name,

@@ -309,14 +309,19 @@ class PolicyReceiver:
     self.version = message.version
 
   def effective_weights(self, dtype: Any = None) -> Any:
-    """The dense weights ``c B + P A`` held (``factored.effective_weights``)."""
-    return _effective(self.state["weights"], self.state["projectors"],
-                      dtype=dtype)
+    """The dense weights ``c B + P A`` held (:func:`materialize`, jitted)."""
+    return _materialize(self.state, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def _effective(weights, projectors, dtype):
-  return factored_lib.effective_weights(weights, projectors, dtype)
+def materialize(state: dict[str, Any], dtype: Any = None) -> Any:
+  """The dense weights of a :func:`policy_state`, ``c B + P A`` for factored
+  ones (``factored.effective_weights``), each in its parameter's dtype or
+  ``dtype``."""
+  return factored_lib.effective_weights(state["weights"], state["projectors"],
+                                        dtype)
+
+
+_materialize = jax.jit(materialize, static_argnames="dtype")
 
 
 def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
@@ -331,7 +336,12 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
           f"array {name}: shape {tuple(np.shape(new))} "
           f"{jnp.result_type(new)} does not fit "
           f"{tuple(np.shape(old))} {jnp.result_type(old)}")
-    return jnp.array(new, copy=True)   # never alias the sender's buffers
+    # A copy, placed like the array it replaces: never the sender's buffers
+    # (which its next step may donate).
+    sharding = getattr(old, "sharding", None)
+    if sharding is None:
+      return jnp.array(new, copy=True)
+    return jax.device_put(new, sharding, may_alias=False)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       state["weights"], is_leaf=factored_lib.is_factored)

@@ -22,7 +22,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from orbax.checkpoint._src.path import atomicity  # noqa: E402
 
 from logra_jax import cli  # noqa: E402
-from logra_jax.rl import trainer  # noqa: E402
+from logra_jax.rollout import engine  # noqa: E402
 
 
 def block_save(step: int) -> None:
@@ -38,14 +38,14 @@ def block_save(step: int) -> None:
 
 
 def delay_steps(seconds: float) -> None:
-  original = trainer.rollout
+  original = engine.rollout
 
   def rollout(*args, **kwargs):
     print("ROLLOUT", flush=True)
     time.sleep(seconds)
     return original(*args, **kwargs)
 
-  trainer.rollout = rollout
+  engine.rollout = rollout
 
 
 def main() -> int:

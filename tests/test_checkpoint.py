@@ -28,6 +28,7 @@ from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.optim import factored
 from logra_jax.rl import learner, trainer
+from logra_jax.rollout import engine
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -103,7 +104,7 @@ def resumed(config, tmp_path_factory):
 
 def _final_state(run, config, step=None):
   """Params, optimizer state and loop of a run's checkpoint (the latest)."""
-  policy = trainer.Policy.load(config.policy.path)
+  policy = engine.Policy.load(config.policy.path)
   tx = learner.make_optimizer(config.optimizer, policy.params)
   one = jax.tree.leaves(policy.params)[0].sharding
   opt_state = checkpoint.abstract_state(jax.eval_shape(tx.init, policy.params),
@@ -203,9 +204,9 @@ def test_sigkill_during_a_save_then_sigterm_then_resume(
 
 @pytest.fixture(scope="module")
 def rollout_batch(policy_folder):
-  policy = trainer.Policy.load(policy_folder)
+  policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(SMOKE)
-  batch, _ = trainer.rollout(policy, policy.params, list(task.examples[:4]),
+  batch, _ = engine.rollout(policy, policy.params, list(task.examples[:4]),
                              SMOKE, trainer.task_rewards(task),
                              jax.random.key(1))
   return policy, batch.replace(
@@ -402,7 +403,7 @@ def test_train_or_reuse_resumes_an_unfinished_run(config, straight,
 
 
 def test_restore_reshards_into_the_current_mesh(config, straight):
-  policy = trainer.Policy.load(config.policy.path)
+  policy = engine.Policy.load(config.policy.path)
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
   params = parallel.param_shardings(policy.params, mesh)
   tx = learner.make_optimizer(config.optimizer, policy.params)
@@ -521,7 +522,7 @@ def test_exported_policy_loads_in_transformers_with_equal_logits(
   out = tmp_path / "hf"
   assert cli_main(["export", f"--checkpoint={straight}",
                    f"--out={out}"]) == 0
-  policy = trainer.Policy.load(config.policy.path)
+  policy = engine.Policy.load(config.policy.path)
   final = _final_state(straight, config)
   params = learner.dense_weights(final.params, final.opt_state)
   ids = policy.encode(["12+3-4=", "7-1+9="])[0]

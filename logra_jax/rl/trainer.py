@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -15,21 +14,20 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import filelock
 import jax
 import jax.numpy as jnp
-import numpy as np
 import tqdm
 
 import logra_jax as logra
 from logra_jax import checkpoint
-from logra_jax import models
 from logra_jax import parallel
+from logra_jax import sync
 from logra_jax.configs.train import TrainConfig, to_dict
 from logra_jax.data import tasks as tasks_lib
-from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
 from logra_jax.rl import learner as learner_lib
 from logra_jax.rl import reference as reference_lib
 from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rl.warm_start import warm_start
+from logra_jax.rollout import engine as engine_lib
 
 Log = Callable[[str], None]
 
@@ -56,122 +54,6 @@ def task_rewards(task: tasks_lib.Task) -> list[tuple[Callable, float]]:
   if task.score_answer is not None:
     return [(rewards_lib.reasoning_gym_reward(task.score_answer), 1.0)]
   return [(rewards_lib.math_verify_equivalence, 1.0)]
-
-
-def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
-  keys = [k for k in examples[0] if k != "prompt"]
-  return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
-
-
-def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
-  """``folder`` as a path if it is a Hugging Face model folder (it holds
-  ``config.json``), else a one-line error naming it: FileNotFoundError or
-  NotADirectoryError, or a ValueError that points a training run's folder
-  to ``logra export``."""
-  folder = pathlib.Path(folder)
-  if not folder.exists():
-    raise FileNotFoundError(f"policy folder {folder} does not exist")
-  if not folder.is_dir():
-    raise NotADirectoryError(f"policy folder {folder} is a file, not a "
-                             "folder")
-  if (folder / "checkpoints").is_dir():
-    raise ValueError(
-        f"{folder} is the folder of a training run, not a policy: write its "
-        f"policy as a Hugging Face folder with `logra export --checkpoint "
-        f"{folder} --out <folder>` and use that")
-  if not (folder / "config.json").is_file():
-    raise FileNotFoundError(f"policy folder {folder} holds no config.json: "
-                            "it is not a Hugging Face model folder")
-  return folder
-
-
-@dataclasses.dataclass
-class Policy:
-  """A policy on the host side: weights, tokenizer and a compiled sampler."""
-
-  graphdef: Any
-  params: Any
-  tokenizer: Any
-  sampler: models.Sampler
-  folder: pathlib.Path
-
-  @classmethod
-  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32,
-           mesh: jax.sharding.Mesh | None = None) -> "Policy":
-    """Loads an HF folder; under ``mesh``, the weights are placed by the
-    partition rules and the sampler is compiled for the mesh."""
-    folder = check_policy_folder(folder)
-    model = models.load_pretrained(folder, dtype=dtype)
-    tokenizer = models.load_tokenizer(folder)
-    graphdef, params = models.split_model(model)
-    rules = None if mesh is None else parallel.PARTITION_RULES
-    if mesh is not None:
-      params = jax.device_put(params, parallel.param_shardings(params, mesh))
-    return cls(graphdef, params, tokenizer,
-               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0,
-                              mesh=mesh, rules=rules),
-               folder)
-
-  def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-    return [self.tokenizer(p)["input_ids"] for p in prompts]
-
-  def decode(self, tokens) -> list[str]:
-    return decode_completions(self.tokenizer, np.asarray(tokens),
-                              stop_ids=[self.tokenizer.eos_token_id])
-
-
-def evaluate(policy: Policy, params, examples: Sequence[dict],
-             rewards: list[tuple[Callable, float]], max_new_tokens: int,
-             batch_size: int = 256) -> dict[str, float]:
-  """Greedy held-out accuracy (fraction of completions the verifier scores
-  1.0) and mean score."""
-  scores = []
-  for start in range(0, len(examples), batch_size):
-    chunk = list(examples[start:start + batch_size])
-    prompts = [e["prompt"] for e in chunk]
-    out = policy.sampler.sample(params, policy.encode(prompts),
-                                jax.random.key(0),
-                                max_new_tokens=max_new_tokens, temperature=0.0)
-    report = rewards_lib.evaluate_rewards(rewards, prompts,
-                                          policy.decode(out.tokens),
-                                          _columns(chunk, 1))
-    scores.append(report.rewards)
-  scores = np.concatenate(scores)
-  return {"accuracy": float(np.mean(scores >= 1.0)),
-          "score": float(np.mean(scores))}
-
-
-def rollout(policy: Policy, params, examples: Sequence[dict],
-            config: TrainConfig, rewards: list[tuple[Callable, float]],
-            key: jax.Array,
-            warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
-            ) -> tuple[algo.RolloutBatch, dict[str, float]]:
-  """Samples ``num_generations`` completions per prompt, scores them and
-  computes group advantages; ``warn`` (e.g.
-  :class:`rewards_lib.RewardFailureWarnings`) sees each reward report."""
-  group = config.rollout.num_generations
-  prompts = [e["prompt"] for e in examples for _ in range(group)]
-  out = policy.sampler.sample(
-      params, policy.encode(prompts), key,
-      max_new_tokens=config.rollout.max_new_tokens,
-      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-      top_k=config.rollout.top_k)
-  report = rewards_lib.evaluate_rewards(rewards, prompts,
-                                        policy.decode(out.tokens),
-                                        _columns(examples, group))
-  if warn is not None:
-    warn(report)
-  rewards_N = jnp.asarray(report.rewards, jnp.float32)
-  batch = algo.RolloutBatch(
-      prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
-      completion_tokens_BxT=out.tokens, completion_mask_BxT=out.mask,
-      old_logp_BxT=out.logprobs,
-      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
-      num_generations=group)
-  metrics = report.metrics()
-  metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
-  metrics["completion_length"] = float(np.mean(np.asarray(out.lengths)))
-  return batch, metrics
 
 
 def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
@@ -243,7 +125,7 @@ def _check_inputs(config: TrainConfig, out: pathlib.Path,
   policy folder, the checkpoint folder of a resumed run, the mesh and the
   task. Returns the task and the device mesh."""
   if config.policy.path:
-    check_policy_folder(config.policy.path)
+    engine_lib.check_policy_folder(config.policy.path)
   if resume and not (out / "checkpoints").is_dir():
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no folder {out / 'checkpoints'}")
@@ -415,7 +297,7 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
       checkpointer.close()
 
 
-def _learner_step(config: TrainConfig, policy: Policy,
+def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
                   mesh: jax.sharding.Mesh | None):
   """The optimizer and the jitted train step of a run, with the policy's
   params placed for it, the shardings of the optimizer state and of the
@@ -438,7 +320,7 @@ def _learner_step(config: TrainConfig, policy: Policy,
                       else None)
     return (params, tx, state_sharding, state_sharding, place_batch,
             train_step, fill_reference,
-            _rollout_weights(config, state_sharding))
+            state_sharding)
   params_sharding = parallel.param_shardings(params, mesh)
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, mesh)
@@ -464,16 +346,19 @@ def _learner_step(config: TrainConfig, policy: Policy,
       activation_rules=parallel.PARTITION_RULES) if with_reference else None)
   return (params, tx, state_sharding, weights_sharding, place_batch,
           train_step, fill_reference,
-          _rollout_weights(config, params_sharding))
+          params_sharding)
 
 
-def _rollout_weights(config: TrainConfig, params_sharding: Any) -> Callable:
-  """``(weights, opt_state) -> params`` for the sampler: the learner's
-  weights themselves, or, when they are factored, ``W = c B + P A``
-  materialized in the policy's dtype (jitted, laid out like the params)."""
-  if not learner_lib.factored_policy(config.optimizer):
-    return lambda weights, opt_state: weights
-  return jax.jit(learner_lib.dense_weights, out_shardings=params_sharding)
+def _sync_metrics(stats: engine_lib.SyncStats, resyncs: int
+                  ) -> dict[str, float]:
+  """A step's sync figures: bytes of the message, of a full bfloat16
+  broadcast and of a sparse delta of the changed bfloat16 values, seconds,
+  and the resyncs so far."""
+  return {"sync/bytes": float(stats.message_bytes),
+          "sync/full_bf16_bytes": float(stats.full_bfloat16_bytes),
+          "sync/sparse_delta_bytes": float(stats.sparse_delta_bytes),
+          "sync/seconds": stats.seconds,
+          "sync/resyncs": float(resyncs)}
 
 
 def _check_finite(step: int, skipped: set[str],
@@ -511,8 +396,9 @@ def _train(config: TrainConfig, out: pathlib.Path,
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
   folder = policy_folder(config, train_examples, log)
-  policy = Policy.load(folder, dtype=jnp.dtype(config.policy.dtype),
-                       mesh=device_mesh)
+  policy = engine_lib.Policy.load(folder,
+                                  dtype=jnp.dtype(config.policy.dtype),
+                                  mesh=device_mesh)
   rewards = task_rewards(task)
   reward_warnings = rewards_lib.RewardFailureWarnings(log)
   max_new = config.rollout.max_new_tokens
@@ -528,7 +414,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
   (params, tx, state_sharding, weights_sharding, place_batch, train_step,
-   fill_reference, rollout_weights) = _learner_step(config, policy,
+   fill_reference, params_sharding) = _learner_step(config, policy,
                                                     device_mesh)
   # The frozen reference policy (loss.beta > 0): the initial weights, in
   # policy.reference_dtype, laid out like the params.
@@ -564,8 +450,15 @@ def _train(config: TrainConfig, out: pathlib.Path,
     loop = checkpoint.LoopState(step=0, key=jax.random.key(config.seed),
                                 data_position=0)
   # From here on the learner's weights are the policy (a bfloat16 base would
-  # otherwise sit next to the float32 weights it was made from).
+  # otherwise sit next to the float32 weights it was made from), and the
+  # rollout engine's copy follows them through sync messages.
   policy.params = None
+  signature = {"model": meta["model"], "optimizer": to_dict(config)["optimizer"]}
+  sender = sync.PolicySender(params, opt_state, seed=config.seed, **signature)
+  engine = engine_lib.RolloutEngine(
+      policy, sync.policy_state(params, opt_state), seed=config.seed,
+      shardings=params_sharding, **signature)
+  engine.sync(sender.message(params, opt_state, full=True))
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
@@ -581,8 +474,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
   before = loop.extras.get("eval_before")
   if before is None:
     with _explain_out_of_memory(0, memory_hint(eval_examples)):
-      before = evaluate(policy, rollout_weights(params, opt_state),
-                        eval_examples, rewards, max_new)
+      before = engine.evaluate(eval_examples, rewards, max_new)
   summary["eval_accuracy_before"] = before["accuracy"]
   log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
       f"({len(eval_examples)} prompts)")
@@ -617,9 +509,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
         examples = next(batches)
         key, rollout_key = jax.random.split(key)
         with _explain_out_of_memory(done, memory_hint(examples)):
-          batch, metrics = rollout(policy, rollout_weights(params, opt_state),
-                                   examples, config, rewards, rollout_key,
-                                   warn=reward_warnings)
+          batch, metrics = engine.rollout(examples, config, rewards,
+                                          rollout_key, warn=reward_warnings)
           batch = place_batch(batch)
           if fill_reference is not None:
             batch = fill_reference(ref_params, batch)
@@ -630,19 +521,23 @@ def _train(config: TrainConfig, out: pathlib.Path,
                                                          batch)
             guard = learner_lib.non_finite_state(opt_state)
             skipped.update(learner_lib.non_finite_reasons(guard.reason))
+          synced = engine.sync(
+              sender.message(params, opt_state),
+              resync=lambda: sender.message(params, opt_state, full=True))
         metrics.update({k: float(v) for k, v in step_metrics.items()})
         metrics["step"] = done
         metrics["skipped"] = float(bool(skipped))
         metrics["skipped/total"] = float(guard.skipped_steps)
+        metrics.update(_sync_metrics(synced, engine.resyncs))
         metrics["time/rollout_s"] = rollout_seconds
         metrics["time/step_s"] = time.perf_counter() - step_start
-        metrics["time/train_s"] = metrics["time/step_s"] - rollout_seconds
+        metrics["time/train_s"] = (metrics["time/step_s"] - rollout_seconds
+                                   - synced.seconds)
         evaluated = bool(config.eval_every and done % config.eval_every == 0
                          and done < config.steps)
         if evaluated:
-          metrics["accuracy/eval"] = evaluate(
-              policy, rollout_weights(params, opt_state), eval_examples,
-              rewards, max_new)["accuracy"]
+          metrics["accuracy/eval"] = engine.evaluate(
+              eval_examples, rewards, max_new)["accuracy"]
         history.append(metrics)
         metrics_file.write(json.dumps(metrics) + "\n")
         metrics_file.flush()
@@ -668,8 +563,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
     finally:
       if tensorboard is not None:
         tensorboard.close()
-    after = evaluate(policy, rollout_weights(params, opt_state),
-                     eval_examples, rewards, max_new)
+    after = engine.evaluate(eval_examples, rewards, max_new)
     if checkpointer.latest_step() != len(history):
       save(len(history), after["accuracy"], wait=True)
   summary.update({

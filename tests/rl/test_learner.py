@@ -16,6 +16,7 @@ from logra_jax import sketch_grad
 from logra_jax.cli import main as cli_main
 from logra_jax.configs import train as train_config
 from logra_jax.rl import algo, learner, trainer
+from logra_jax.rollout import engine
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -24,9 +25,9 @@ SMOKE = configs.get_preset("smoke")
 
 @pytest.fixture(scope="module")
 def rollout_batch(policy_folder):
-  policy = trainer.Policy.load(policy_folder)
+  policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(SMOKE)
-  batch, metrics = trainer.rollout(
+  batch, metrics = engine.rollout(
       policy, policy.params, list(task.examples[:4]), SMOKE,
       trainer.task_rewards(task), jax.random.key(1))
   return policy, batch, metrics
@@ -173,7 +174,7 @@ def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
 
 
 def test_logra_state_is_smaller_than_dense_adam(policy_folder):
-  policy = trainer.Policy.load(policy_folder)
+  policy = engine.Policy.load(policy_folder)
   config = dataclasses.replace(SMOKE.optimizer, rank=2)
   state = learner.make_optimizer(config, policy.params).init(policy.params)
   from logra_jax import optimizer_state_bytes
@@ -183,7 +184,8 @@ def test_logra_state_is_smaller_than_dense_adam(policy_folder):
 
 def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   config = train_config.apply_overrides(
-      SMOKE, [f"policy.path={policy_folder}", "steps=2"])
+      SMOKE, [f"policy.path={policy_folder}", "steps=2",
+              "optimizer.refresh_every=1"])   # a window merged every step
   summary = trainer.train(config, tmp_path, progress=False, log=lambda s: None)
   written = json.loads((tmp_path / "summary.json").read_text())
   for key in ("eval_accuracy_before", "eval_accuracy_after",
@@ -196,6 +198,13 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   assert len(lines) == 2 == summary["steps"]
   assert (tmp_path / "curves.png").stat().st_size > 0
   assert {"reward/total", "kl/realized", "loss"} <= set(json.loads(lines[0]))
+  # The rollout engine followed the learner through every sync message (a
+  # message whose result differs from the learner's weights by one bit
+  # would have been counted as a resync).
+  for line in map(json.loads, lines):
+    assert line["sync/resyncs"] == 0
+    assert 0 < line["sync/bytes"] and line["sync/seconds"] >= 0
+    assert line["sync/full_bf16_bytes"] == 2 * summary["num_params"]
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 

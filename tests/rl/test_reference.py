@@ -19,6 +19,7 @@ from logra_jax.configs import train as train_config
 from logra_jax.rl import learner
 from logra_jax.rl import reference
 from logra_jax.rl import trainer
+from logra_jax.rollout import engine
 
 QUIET = lambda s: None
 
@@ -32,9 +33,9 @@ def config(policy_folder):
 
 @pytest.fixture(scope="module")
 def rollout_batch(policy_folder, config):
-  policy = trainer.Policy.load(policy_folder)
+  policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(config)
-  batch, _ = trainer.rollout(policy, policy.params, list(task.examples[:4]),
+  batch, _ = engine.rollout(policy, policy.params, list(task.examples[:4]),
                              config, trainer.task_rewards(task),
                              jax.random.key(1))
   return policy, batch
@@ -135,7 +136,7 @@ def test_a_run_with_a_kl_penalty(straight, config):
   num_params = summary["num_params"]
   assert summary["reference_bytes"] == 2 * num_params   # bfloat16
   # The checkpoint holds the reference weights: the initial policy's.
-  policy = trainer.Policy.load(config.policy.path)
+  policy = engine.Policy.load(config.policy.path)
   with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
     tx = learner.make_optimizer(config.optimizer, policy.params)
     restored = ckpt.restore(

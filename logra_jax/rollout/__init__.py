@@ -1,0 +1,1 @@
+"""The rollout engine (:mod:`logra_jax.rollout.engine`)."""

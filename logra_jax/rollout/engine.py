@@ -1,0 +1,257 @@
+"""The rollout engine: its own copy of the policy, its sampler and its
+evaluation, kept in step with the learner by policy sync.
+
+The trainer reaches the engine only through :class:`logra_jax.sync.SyncMessage`
+and rollout / evaluation requests. :class:`RolloutEngine` runs colocated with
+the learner (same process and devices); its copy of the policy is a
+:class:`logra_jax.sync.PolicyReceiver`, bit-identical to the learner's
+weights after every message, and the sampler uses the weights it
+materializes, ``W = c B + P A``, once per message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax import models
+from logra_jax import parallel
+from logra_jax import sync
+from logra_jax.configs.train import TrainConfig
+from logra_jax.data.batching import decode_completions
+from logra_jax.rl import algo
+from logra_jax.rl import rewards as rewards_lib
+
+
+def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
+  keys = [k for k in examples[0] if k != "prompt"]
+  return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
+
+
+
+def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
+  """``folder`` as a path if it is a Hugging Face model folder (it holds
+  ``config.json``), else a one-line error naming it: FileNotFoundError or
+  NotADirectoryError, or a ValueError that points a training run's folder
+  to ``logra export``."""
+  folder = pathlib.Path(folder)
+  if not folder.exists():
+    raise FileNotFoundError(f"policy folder {folder} does not exist")
+  if not folder.is_dir():
+    raise NotADirectoryError(f"policy folder {folder} is a file, not a "
+                             "folder")
+  if (folder / "checkpoints").is_dir():
+    raise ValueError(
+        f"{folder} is the folder of a training run, not a policy: write its "
+        f"policy as a Hugging Face folder with `logra export --checkpoint "
+        f"{folder} --out <folder>` and use that")
+  if not (folder / "config.json").is_file():
+    raise FileNotFoundError(f"policy folder {folder} holds no config.json: "
+                            "it is not a Hugging Face model folder")
+  return folder
+
+
+@dataclasses.dataclass
+class Policy:
+  """A policy on the host side: weights, tokenizer and a compiled sampler."""
+
+  graphdef: Any
+  params: Any
+  tokenizer: Any
+  sampler: models.Sampler
+  folder: pathlib.Path
+
+  @classmethod
+  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32,
+           mesh: jax.sharding.Mesh | None = None) -> "Policy":
+    """Loads an HF folder; under ``mesh``, the weights are placed by the
+    partition rules and the sampler is compiled for the mesh."""
+    folder = check_policy_folder(folder)
+    model = models.load_pretrained(folder, dtype=dtype)
+    tokenizer = models.load_tokenizer(folder)
+    graphdef, params = models.split_model(model)
+    rules = None if mesh is None else parallel.PARTITION_RULES
+    if mesh is not None:
+      params = jax.device_put(params, parallel.param_shardings(params, mesh))
+    return cls(graphdef, params, tokenizer,
+               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0,
+                              mesh=mesh, rules=rules),
+               folder)
+
+  def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+    return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+  def decode(self, tokens) -> list[str]:
+    return decode_completions(self.tokenizer, np.asarray(tokens),
+                              stop_ids=[self.tokenizer.eos_token_id])
+
+
+def evaluate(policy: Policy, params, examples: Sequence[dict],
+             rewards: list[tuple[Callable, float]], max_new_tokens: int,
+             batch_size: int = 256) -> dict[str, float]:
+  """Greedy held-out accuracy (fraction of completions the verifier scores
+  1.0) and mean score."""
+  scores = []
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start:start + batch_size])
+    prompts = [e["prompt"] for e in chunk]
+    out = policy.sampler.sample(params, policy.encode(prompts),
+                                jax.random.key(0),
+                                max_new_tokens=max_new_tokens, temperature=0.0)
+    report = rewards_lib.evaluate_rewards(rewards, prompts,
+                                          policy.decode(out.tokens),
+                                          _columns(chunk, 1))
+    scores.append(report.rewards)
+  scores = np.concatenate(scores)
+  return {"accuracy": float(np.mean(scores >= 1.0)),
+          "score": float(np.mean(scores))}
+
+
+def rollout(policy: Policy, params, examples: Sequence[dict],
+            config: TrainConfig, rewards: list[tuple[Callable, float]],
+            key: jax.Array,
+            warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
+            ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """Samples ``num_generations`` completions per prompt, scores them and
+  computes group advantages; ``warn`` (e.g.
+  :class:`rewards_lib.RewardFailureWarnings`) sees each reward report."""
+  group = config.rollout.num_generations
+  prompts = [e["prompt"] for e in examples for _ in range(group)]
+  out = policy.sampler.sample(
+      params, policy.encode(prompts), key,
+      max_new_tokens=config.rollout.max_new_tokens,
+      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k)
+  report = rewards_lib.evaluate_rewards(rewards, prompts,
+                                        policy.decode(out.tokens),
+                                        _columns(examples, group))
+  if warn is not None:
+    warn(report)
+  rewards_N = jnp.asarray(report.rewards, jnp.float32)
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
+      completion_tokens_BxT=out.tokens, completion_mask_BxT=out.mask,
+      old_logp_BxT=out.logprobs,
+      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
+      num_generations=group)
+  metrics = report.metrics()
+  metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
+  metrics["completion_length"] = float(np.mean(np.asarray(out.lengths)))
+  return batch, metrics
+
+
+# Bytes of one changed value in a sparse delta of bfloat16 weights (the
+# scheme of verl-style delta sync): an int32 flat index and the value.
+SPARSE_DELTA_BYTES_PER_VALUE = 4 + 2
+
+
+@jax.jit
+def changed_bfloat16_values(old: Any, new: Any) -> jax.Array:
+  """How many values of ``new`` differ from ``old`` once both are rounded
+  to bfloat16: what a sparse delta of bfloat16 weights would send."""
+  bf16 = lambda x: x.astype(jnp.bfloat16)
+  return sum(jnp.sum(bf16(a) != bf16(b), dtype=jnp.int32)
+             for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+  """What one sync cost and what the alternatives would have.
+
+  Attributes:
+    message_bytes: the arrays of the message applied.
+    seconds: applying it (verifying, merging, materializing the weights).
+    resynced: the message did not fit and a full one was applied instead.
+    full_bfloat16_bytes: a broadcast of every weight in bfloat16.
+    sparse_delta_bytes: a sparse delta of the bfloat16 values that changed
+      (measured by comparing the weights before and after).
+  """
+
+  message_bytes: int
+  seconds: float
+  resynced: bool
+  full_bfloat16_bytes: int
+  sparse_delta_bytes: int
+
+
+class RolloutEngine:
+  """A colocated rollout engine.
+
+  Args:
+    policy: the tokenizer, sampler and model graph (its ``params`` unused).
+    template: the learner's :func:`sync.policy_state`, giving the layout
+      (and, for arrays, the device placement) of the engine's copy.
+    seed: the run's seed (the merge's rounding key).
+    shardings: a tree like the params of the shardings the sampler's
+      weights take (None: where XLA places them).
+    **fields: the signature fields the learner's :class:`sync.PolicySender`
+      uses.
+  """
+
+  def __init__(self, policy: Policy, template: dict[str, Any], *, seed: int,
+               shardings: Any = None, **fields: Any):
+    self.policy = policy
+    self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
+    self._materialize = jax.jit(
+        lambda state: sync.materialize(state), out_shardings=shardings)
+    self._params = None
+    self.resyncs = 0
+
+  @property
+  def params(self) -> Any:
+    """The weights the sampler uses, ``c B + P A`` (materialized once per
+    message)."""
+    if self._params is None:
+      raise RuntimeError("the rollout engine has no policy yet: sync a full "
+                         "message first")
+    return self._params
+
+  def sync(self, message: sync.SyncMessage,
+           resync: Optional[Callable[[], sync.SyncMessage]] = None
+           ) -> SyncStats:
+    """Applies ``message``; when it does not fit (:class:`sync.SyncError`),
+    applies ``resync()`` (a full message) instead and counts a resync, or
+    raises without ``resync``. The engine's weights change only to a
+    verified state."""
+    start = time.perf_counter()
+    resynced = False
+    try:
+      self.receiver.apply(message)
+    except sync.SyncError:
+      if resync is None:
+        raise
+      message = resync()
+      self.receiver.apply(message)
+      self.resyncs += 1
+      resynced = True
+    old, self._params = self._params, self._materialize(self.receiver.state)
+    jax.block_until_ready(self._params)
+    seconds = time.perf_counter() - start
+    num_params = sum(x.size for x in jax.tree.leaves(self._params))
+    changed = (num_params if old is None
+               else int(changed_bfloat16_values(old, self._params)))
+    return SyncStats(
+        message_bytes=message.nbytes, seconds=seconds, resynced=resynced,
+        full_bfloat16_bytes=2 * num_params,
+        sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed)
+
+  def rollout(self, examples: Sequence[dict], config: TrainConfig,
+              rewards: list[tuple[Callable, float]], key: jax.Array,
+              warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None
+              ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+    """:func:`rollout` with the engine's weights."""
+    return rollout(self.policy, self.params, examples, config, rewards, key,
+                   warn)
+
+  def evaluate(self, examples: Sequence[dict],
+               rewards: list[tuple[Callable, float]], max_new_tokens: int
+               ) -> dict[str, float]:
+    """:func:`evaluate` with the engine's weights."""
+    return evaluate(self.policy, self.params, examples, rewards,
+                    max_new_tokens)
