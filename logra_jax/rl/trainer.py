@@ -357,7 +357,7 @@ def _sync_metrics(stats: engine_lib.SyncStats, resyncs: int
   return {"sync/bytes": float(stats.message_bytes),
           "sync/full_bf16_bytes": float(stats.full_bfloat16_bytes),
           "sync/sparse_delta_bytes": float(stats.sparse_delta_bytes),
-          "sync/seconds": stats.seconds,
+          "time/sync_s": stats.seconds,
           "sync/resyncs": float(resyncs)}
 
 

@@ -203,7 +203,7 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   # would have been counted as a resync).
   for line in map(json.loads, lines):
     assert line["sync/resyncs"] == 0
-    assert 0 < line["sync/bytes"] and line["sync/seconds"] >= 0
+    assert 0 < line["sync/bytes"] and line["time/sync_s"] >= 0
     assert line["sync/full_bf16_bytes"] == 2 * summary["num_params"]
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
