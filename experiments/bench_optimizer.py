@@ -19,7 +19,13 @@ updated from sketches; `logra_jax.optim.factored`) is timed on its
 non-refresh update and, in the refresh column, the update plus the merge of
 the window into `B` that a factored run does once per refresh.
 
+`--arms` restricts the rows to optimizers whose name contains one of the given
+strings (optax.adam always runs: it is the reference); `--rounds N` times every
+arm N times, interleaved, and reports the median of the N medians (steadier on a
+busy machine).
+
 Run: python experiments/bench_optimizer.py [--rank 64] [--repeats 20]
+     [--trees gpt2 1b] [--arms adam factored] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -217,7 +223,13 @@ def main() -> None:
                       choices=["gpt2", "1b"])
   parser.add_argument("--layers-1b", type=int, default=1,
                       help="transformer blocks of the 1B tree to time")
+  parser.add_argument("--arms", nargs="+", default=None,
+                      help="only optimizers whose name contains one of these")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="interleaved timings of every arm (median taken)")
   args = parser.parse_args()
+  wanted = lambda name: name == "optax.adam" or args.arms is None or any(
+      arm in name for arm in args.arms)
   print(f"JAX {jax.__version__} on {jax.devices()[0].platform}, "
         f"{jax.device_count()} device(s); rank {args.rank}\n")
   print("| tree | optimizer | state MiB | state / adam | non-refresh ms "
@@ -231,12 +243,30 @@ def main() -> None:
     timed = param_shapes(cfg, timed_layers)
     rows = {}
     for name, tx in optimizers(args.rank, 10**9, full).items():
-      rows[name] = [state_bytes(tx, full)]
+      if wanted(name):
+        rows[name] = [state_bytes(tx, full)]
     never = optimizers(args.rank, 10**9, timed)   # refresh only at step 0
     always = optimizers(args.rank, 1, timed)      # refresh on every step
+    factored_kinds = [kind for kind in ("random", "range")
+                      if wanted(f"logra factored ({kind}), from sketches")]
+    factored_tx = {kind: logra.logra(
+        1e-3, rank=args.rank, kind=kind, refresh_every=10**9,
+        dimension_numbers=logra_dimension_numbers(timed), factored=True)
+                   for kind in factored_kinds}
+    timers = {}
     for name in rows:
-      print(f"{tree_name}: {name}", file=sys.stderr, flush=True)
-      rows[name].append(time_steps(never[name], timed, args.repeats))
+      timers[name] = functools.partial(time_steps, never[name], timed,
+                                       args.repeats)
+    for kind, tx in factored_tx.items():
+      timers[kind] = functools.partial(time_factored_steps, tx, timed,
+                                       args.repeats, merge=False)
+    times = {name: [] for name in timers}
+    for _ in range(args.rounds):
+      for name, timer in timers.items():
+        print(f"{tree_name}: {name}", file=sys.stderr, flush=True)
+        times[name].append(timer())
+    for name in rows:
+      rows[name].append(statistics.median(times[name]))
       refresh_repeats = 0 if name == "optax.adam" else args.refresh_repeats
       rows[name].append(time_steps(always[name], timed, refresh_repeats)
                         if refresh_repeats else rows[name][1])
@@ -246,13 +276,9 @@ def main() -> None:
             f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
             f"{step / adam_step:.2f} | {1e3 * refresh:,.1f} | "
             f"{refresh / adam_step:.2f} |")
-    for kind in ("random", "range"):
-      tx = logra.logra(1e-3, rank=args.rank, kind=kind, refresh_every=10**9,
-                       dimension_numbers=logra_dimension_numbers(timed),
-                       factored=True)
+    for kind, tx in factored_tx.items():
       name = f"logra factored ({kind}), from sketches"
-      print(f"{tree_name}: {name}", file=sys.stderr, flush=True)
-      step = time_factored_steps(tx, timed, args.repeats, merge=False)
+      step = statistics.median(times[kind])
       merged = time_factored_steps(tx, timed, args.refresh_repeats,
                                    merge=True)
       nbytes = state_bytes(tx, full)
@@ -260,6 +286,8 @@ def main() -> None:
             f"{nbytes / adam_bytes:.3f} | {1e3 * step:,.1f} | "
             f"{step / adam_step:.2f} | {1e3 * merged:,.1f} (merge) | "
             f"{merged / adam_step:.2f} |")
+    if not wanted(f"rank-{args.rank} products"):
+      continue
     floor = time_products(timed, args.rank, args.repeats)
     print(f"| {tree_name} | rank-{args.rank} products `P^T G`, `P S` only | - "
           f"| - | {1e3 * floor:,.1f} | {floor / adam_step:.2f} | - | - |")
