@@ -2,6 +2,7 @@
 does not fit."""
 
 import dataclasses
+import doctest
 
 import jax
 import jax.numpy as jnp
@@ -222,3 +223,8 @@ def test_weights_that_are_not_factored_are_sent_whole():
       "['b']", "['v']", "['w']"}
   receiver.apply(sync.decode(sync.encode(message)))
   assert _same_bits(receiver.effective_weights(), params)
+
+
+def test_docstring_examples_run():
+  result = doctest.testmod(sync, optionflags=doctest.ELLIPSIS)
+  assert result.failed == 0 and result.attempted > 0
