@@ -57,6 +57,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from logra_jax.configs.train import (CheckpointConfig, OptimizerConfig,
                                      TrainConfig, to_dict)
+from logra_jax.optim.factored import flat_index
 from logra_jax.optim.factored import mix32
 
 # 2: checksums in ``meta``, arrays without elements not written.
@@ -345,13 +346,8 @@ def _array_checksum(x: jax.Array) -> jax.Array:
         x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
   else:   # a trailing axis of two words for 64-bit types
     words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  position, stride = jnp.zeros(words.shape, jnp.uint32), 1
-  for axis in reversed(range(words.ndim)):
-    position += (jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-                 * np.uint32(stride % 2**32))
-    stride *= words.shape[axis]
   # An odd factor: distinct positions get distinct keys.
-  keys = position * np.uint32(0x9E3779B9)
+  keys = flat_index(words.shape) * np.uint32(0x9E3779B9)
   return jnp.sum(mix32(words ^ keys), dtype=jnp.uint32)
 
 

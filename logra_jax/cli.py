@@ -48,8 +48,8 @@ def _eval(args: argparse.Namespace) -> int:
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
   policy = engine.Policy.load(args.policy)
   result = engine.evaluate(policy, policy.params, eval_examples,
-                            trainer.task_rewards(task),
-                            config.rollout.max_new_tokens)
+                           trainer.task_rewards(task),
+                           config.rollout.max_new_tokens)
   print(json.dumps({"policy": args.policy, "task": task.name,
                     "examples": len(eval_examples), **result}))
   return 0

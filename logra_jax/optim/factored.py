@@ -252,13 +252,24 @@ def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   or replicated temporaries (``jax.random.bits`` on a ``[V, D]`` table held
   several table-sized uint32 buffers per device)."""
   k0, k1 = (jnp.asarray(w, jnp.uint32) for w in jax.random.key_data(key))
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
+  return mix32(mix32(flat_index(shape) ^ k0) + k1)
+
+
+def flat_index(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's row-major flat position in ``shape``, as uint32 (mod
+  2**32), built from iotas so that a sharded array's shards compute theirs
+  locally.
+
+  Example:
+    >>> flat_index((2, 3)).tolist()
+    [[0, 1, 2], [3, 4, 5]]
+  """
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
   for axis in reversed(range(len(shape))):
     index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
         stride % 2**32)
     stride *= shape[axis]
-  return mix32(mix32(index ^ k0) + k1)
+  return index
 
 
 def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:

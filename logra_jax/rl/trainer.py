@@ -453,11 +453,13 @@ def _train(config: TrainConfig, out: pathlib.Path,
   # otherwise sit next to the float32 weights it was made from), and the
   # rollout engine's copy follows them through sync messages.
   policy.params = None
-  signature = {"model": meta["model"], "optimizer": to_dict(config)["optimizer"]}
-  sender = sync.PolicySender(params, opt_state, seed=config.seed, **signature)
+  sync_fields = {"model": meta["model"],
+                 "optimizer": to_dict(config)["optimizer"]}
+  sender = sync.PolicySender(params, opt_state, seed=config.seed,
+                             **sync_fields)
   engine = engine_lib.RolloutEngine(
       policy, sync.policy_state(params, opt_state), seed=config.seed,
-      shardings=params_sharding, **signature)
+      shardings=params_sharding, **sync_fields)
   engine.sync(sender.message(params, opt_state, full=True))
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {

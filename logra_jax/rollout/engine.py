@@ -198,8 +198,7 @@ class RolloutEngine:
                shardings: Any = None, **fields: Any):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
-    self._materialize = jax.jit(
-        lambda state: sync.materialize(state), out_shardings=shardings)
+    self._materialize = jax.jit(sync.materialize, out_shardings=shardings)
     self._params = None
     self.resyncs = 0
 
