@@ -3,6 +3,7 @@ does not fit."""
 
 import dataclasses
 import doctest
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,10 @@ def _params():
           "b": normal((20,), 0.1)}        # dense
 
 
-def _learner(kind, base_dtype, weight_decay):
+def _learner(kind, base_dtype, weight_decay, donate=False):
   """A factored LoGRA loop (the README's) on a small tree: ``(weights,
-  state, step)``."""
+  state, step)``; ``donate``: the step donates its inputs, as the
+  trainer's does."""
   params = _params()
   tx = logra.logra(1e-2, rank=2, kind=kind, refresh_every=REFRESH,
                    weight_decay=weight_decay, factored=True)
@@ -44,7 +46,7 @@ def _learner(kind, base_dtype, weight_decay):
     h = jnp.concatenate([h, h[:, :4] ** 2], axis=-1)[:, :6]
     return jnp.mean(jnp.square(matmul(h, p["w"]) + p["b"] - 0.5))
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
   def step(weights, state, x):
     weights = factored.merge_at_refresh(weights, state, seed=7)
     _, sketches, projectors = logra.value_and_sketch_grad(loss)(
@@ -71,7 +73,8 @@ def _same_bits(a, b):
     ("svd", "bfloat16", 0.0)])
 def test_receiver_is_bit_identical_over_many_windows(kind, base_dtype,
                                                      weight_decay):
-  weights, state, step = _learner(kind, base_dtype, weight_decay)
+  weights, state, step = _learner(kind, base_dtype, weight_decay,
+                                  donate=True)
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
   receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7,
                                  kind=kind)
