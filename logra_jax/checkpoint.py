@@ -72,7 +72,7 @@ BEST_METRIC = "accuracy/eval"
 # config is checked separately) lives. Every other change is refused.
 RESUMABLE_FIELDS = ("steps", "eval_every", "checkpoint",
                     "max_consecutive_skips", "policy.path",
-                    "policy.cache_dir")
+                    "policy.cache_dir", "rollout.engine", "sync")
 # HF config keys that name a file or a library version, not the model.
 _VOLATILE_MODEL_KEYS = ("_name_or_path", "transformers_version", "torch_dtype",
                         "dtype", "architectures")

@@ -38,14 +38,14 @@ def block_save(step: int) -> None:
 
 
 def delay_steps(seconds: float) -> None:
-  original = engine.rollout
+  original = engine.Engine.rollout
 
   def rollout(*args, **kwargs):
     print("ROLLOUT", flush=True)
     time.sleep(seconds)
     return original(*args, **kwargs)
 
-  engine.rollout = rollout
+  engine.Engine.rollout = rollout
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 
 OPTIMIZERS = ("logra", "adam", "galore")
 GRADIENT_MODES = ("sketch", "dense")
+ROLLOUT_ENGINES = ("colocated", "process")
 
 
 def _check(section: str, config: Any, names: str, **bounds: float) -> None:
@@ -143,6 +144,10 @@ class RolloutConfig:
     temperature: sampling temperature (> 0 for RL rollouts).
     top_p: nucleus mass in (0, 1].
     top_k: 0 disables.
+    engine: where the rollout engine runs: ``"colocated"`` (the learner's
+      process and devices) or ``"process"`` (a separate process on its own
+      devices, sent each sync message as bytes over a local socket). Its
+      weights are bit-identical either way, so the run's results are too.
   """
 
   prompts_per_step: int = 64
@@ -151,8 +156,10 @@ class RolloutConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  engine: str = "colocated"
 
   def __post_init__(self):
+    check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
     _check("rollout", self, "num_generations", ge=2)   # a group baseline
     _check("rollout", self, "temperature", gt=0)
@@ -272,6 +279,25 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncConfig:
+  """Policy sync from the learner to the rollout engine.
+
+  After every step the learner sends the step's low-rank message
+  (:mod:`logra_jax.sync`); a message the engine refuses (checksums, order,
+  layout) is followed by a full one, counted in ``sync/resyncs``.
+
+  Attributes:
+    resync_every: also send a full message every this many steps (0: only
+      to heal a refused message).
+  """
+
+  resync_every: int = 0
+
+  def __post_init__(self):
+    _check("sync", self, "resync_every", ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """A whole RL run.
 
@@ -288,6 +314,7 @@ class TrainConfig:
     eval_every: steps between held-out evaluations (0: only before/after).
     seed: seed of sampling and batching.
     checkpoint: when the run's state is saved and what is kept.
+    sync: policy sync to the rollout engine.
     max_consecutive_skips: consecutive steps skipped for a non-finite loss,
       gradient or predicted KL after which the run stops with an error.
   """
@@ -304,6 +331,7 @@ class TrainConfig:
   eval_every: int = 25
   seed: int = 0
   checkpoint: CheckpointConfig = CheckpointConfig()
+  sync: SyncConfig = SyncConfig()
   max_consecutive_skips: int = 3
 
   def __post_init__(self):
@@ -408,3 +436,33 @@ def _replace_path(node: Any, parts: list[str], value: str, key: str) -> Any:
 def to_dict(config: TrainConfig) -> dict[str, Any]:
   """The config as nested plain dicts (for JSON)."""
   return dataclasses.asdict(config)
+
+
+def from_dict(data: dict[str, Any], cls: type = TrainConfig) -> Any:
+  """The config of :func:`to_dict`'s nested dicts (each section checked as
+  it is built).
+
+  Raises:
+    ValueError: a key that is not a field, naming its dotted path.
+
+  Example:
+    >>> config = apply_overrides(TrainConfig(), ["optimizer.rank=8"])
+    >>> from_dict(to_dict(config)) == config
+    True
+  """
+  return _from_dict(data, cls, "")
+
+
+def _from_dict(data: dict[str, Any], cls: type, prefix: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - fields)
+  if unknown:
+    raise ValueError(f"unknown config field {prefix}{unknown[0]}")
+  values = {}
+  for name, value in data.items():
+    kind = hints[name]
+    if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+      value = _from_dict(value, kind, f"{prefix}{name}.")
+    values[name] = value
+  return cls(**values)

@@ -28,6 +28,7 @@ from logra_jax.rl import reference as reference_lib
 from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rl.warm_start import warm_start
 from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout import transport
 
 Log = Callable[[str], None]
 
@@ -287,14 +288,12 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
   task, device_mesh = _check_inputs(config, out, mesh, resume)
-  with _locked_run_folder(out):
+  with _locked_run_folder(out), contextlib.ExitStack() as closing:
     checkpointer = checkpoint.Checkpointer(out / "checkpoints",
                                            config.checkpoint)
-    try:
-      return _train(config, out, checkpointer, task, progress, log, mesh,
-                    device_mesh, resume, allow_reshard, start_time)
-    finally:
-      checkpointer.close()
+    closing.callback(checkpointer.close)
+    return _train(config, out, checkpointer, task, progress, log, mesh,
+                  device_mesh, resume, allow_reshard, start_time, closing)
 
 
 def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
@@ -382,8 +381,10 @@ def _train(config: TrainConfig, out: pathlib.Path,
            checkpointer: checkpoint.Checkpointer, task: tasks_lib.Task,
            progress: bool, log: Log, mesh: parallel.MeshConfig | None,
            device_mesh: jax.sharding.Mesh | None, resume: bool,
-           allow_reshard: bool, start_time: float) -> dict[str, Any]:
-  """:func:`train` with its inputs checked and its folder locked."""
+           allow_reshard: bool, start_time: float,
+           closing: contextlib.ExitStack) -> dict[str, Any]:
+  """:func:`train` with its inputs checked and its folder locked; what it
+  opens (the rollout engine) is closed by ``closing``."""
   if resume and checkpointer.latest_step() is None:
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no finished checkpoint in "
@@ -453,13 +454,17 @@ def _train(config: TrainConfig, out: pathlib.Path,
   # otherwise sit next to the float32 weights it was made from), and the
   # rollout engine's copy follows them through sync messages.
   policy.params = None
-  sync_fields = {"model": meta["model"],
-                 "optimizer": to_dict(config)["optimizer"]}
+  sync_fields = engine_lib.sync_fields(config, folder)
   sender = sync.PolicySender(params, opt_state, seed=config.seed,
                              **sync_fields)
-  engine = engine_lib.RolloutEngine(
-      policy, sync.policy_state(params, opt_state), seed=config.seed,
-      shardings=params_sharding, **sync_fields)
+  if config.rollout.engine == "process":
+    engine = transport.ProcessEngine(policy, config, folder,
+                                     log_path=out / "rollout_engine.log")
+  else:
+    engine = engine_lib.RolloutEngine(
+        policy, sync.policy_state(params, opt_state), seed=config.seed,
+        shardings=params_sharding, **sync_fields)
+  closing.callback(engine.close)
   engine.sync(sender.message(params, opt_state, full=True))
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
@@ -523,8 +528,10 @@ def _train(config: TrainConfig, out: pathlib.Path,
                                                          batch)
             guard = learner_lib.non_finite_state(opt_state)
             skipped.update(learner_lib.non_finite_reasons(guard.reason))
+          full = bool(config.sync.resync_every
+                      and done % config.sync.resync_every == 0)
           synced = engine.sync(
-              sender.message(params, opt_state),
+              sender.message(params, opt_state, full=full),
               resync=lambda: sender.message(params, opt_state, full=True))
         metrics.update({k: float(v) for k, v in step_metrics.items()})
         metrics["step"] = done

@@ -12,6 +12,8 @@ materializes, ``W = c B + P A``, once per message.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import pathlib
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -23,7 +25,7 @@ import numpy as np
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import TrainConfig
+from logra_jax.configs.train import TrainConfig, to_dict
 from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
 from logra_jax.rl import rewards as rewards_lib
@@ -92,18 +94,29 @@ class Policy:
                               stop_ids=[self.tokenizer.eos_token_id])
 
 
+# sample(prompt_ids, key, **settings) -> models.SampleOutput: the sampler
+# with some weights (``Sampler.sample``'s arguments after ``params``).
+SampleFn = Callable[..., models.SampleOutput]
+
+
 def evaluate(policy: Policy, params, examples: Sequence[dict],
              rewards: list[tuple[Callable, float]], max_new_tokens: int,
              batch_size: int = 256) -> dict[str, float]:
   """Greedy held-out accuracy (fraction of completions the verifier scores
   1.0) and mean score."""
+  return _evaluate(policy, functools.partial(policy.sampler.sample, params),
+                   examples, rewards, max_new_tokens, batch_size)
+
+
+def _evaluate(policy: Policy, sample: SampleFn, examples: Sequence[dict],
+              rewards: list[tuple[Callable, float]], max_new_tokens: int,
+              batch_size: int = 256) -> dict[str, float]:
   scores = []
   for start in range(0, len(examples), batch_size):
     chunk = list(examples[start:start + batch_size])
     prompts = [e["prompt"] for e in chunk]
-    out = policy.sampler.sample(params, policy.encode(prompts),
-                                jax.random.key(0),
-                                max_new_tokens=max_new_tokens, temperature=0.0)
+    out = sample(policy.encode(prompts), jax.random.key(0),
+                 max_new_tokens=max_new_tokens, temperature=0.0)
     report = rewards_lib.evaluate_rewards(rewards, prompts,
                                           policy.decode(out.tokens),
                                           _columns(chunk, 1))
@@ -121,13 +134,21 @@ def rollout(policy: Policy, params, examples: Sequence[dict],
   """Samples ``num_generations`` completions per prompt, scores them and
   computes group advantages; ``warn`` (e.g.
   :class:`rewards_lib.RewardFailureWarnings`) sees each reward report."""
+  return _rollout(policy, functools.partial(policy.sampler.sample, params),
+                  examples, config, rewards, key, warn)
+
+
+def _rollout(policy: Policy, sample: SampleFn, examples: Sequence[dict],
+             config: TrainConfig, rewards: list[tuple[Callable, float]],
+             key: jax.Array,
+             warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
+             ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
-  out = policy.sampler.sample(
-      params, policy.encode(prompts), key,
-      max_new_tokens=config.rollout.max_new_tokens,
-      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-      top_k=config.rollout.top_k)
+  out = sample(policy.encode(prompts), key,
+               max_new_tokens=config.rollout.max_new_tokens,
+               temperature=config.rollout.temperature,
+               top_p=config.rollout.top_p, top_k=config.rollout.top_k)
   report = rewards_lib.evaluate_rewards(rewards, prompts,
                                         policy.decode(out.tokens),
                                         _columns(examples, group))
@@ -180,8 +201,72 @@ class SyncStats:
   sparse_delta_bytes: int
 
 
-class RolloutEngine:
-  """A colocated rollout engine.
+def sync_fields(config: TrainConfig, folder: pathlib.Path | str
+                ) -> dict[str, Any]:
+  """What the learner's :class:`sync.PolicySender` and an engine put in the
+  sync signature besides the layout and the seed: the policy's HF config
+  (the model) and the optimizer section (rank, projector kind, base dtype,
+  ...). Engines and learners built from different configs refuse each
+  other's messages."""
+  model = json.loads((pathlib.Path(folder) / "config.json").read_text())
+  return {"model": model, "optimizer": to_dict(config)["optimizer"]}
+
+
+class Engine:
+  """What every rollout engine offers: ``sync`` a message, ``sample`` with
+  the synced weights, and ``rollout`` / ``evaluate`` built on ``sample``.
+  Prompts are encoded and completions decoded and scored on the caller's
+  side (``policy``'s tokenizer): the engine only samples.
+
+  Attributes:
+    policy: the caller's :class:`Policy` (its tokenizer).
+    resyncs: full messages applied because a message was refused.
+  """
+
+  policy: Policy
+  resyncs: int
+
+  def sync(self, message: sync.SyncMessage,
+           resync: Optional[Callable[[], sync.SyncMessage]] = None
+           ) -> SyncStats:
+    """Applies ``message``; when it is refused (:class:`sync.SyncError`),
+    applies ``resync()`` (a full message) instead and counts a resync, or
+    raises without ``resync``. The engine's weights change only to a
+    verified state."""
+    raise NotImplementedError
+
+  def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
+             **settings: Any) -> models.SampleOutput:
+    """``Sampler.sample`` with the engine's weights."""
+    raise NotImplementedError
+
+  def rollout(self, examples: Sequence[dict], config: TrainConfig,
+              rewards: list[tuple[Callable, float]], key: jax.Array,
+              warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None
+              ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+    """:func:`rollout` with the engine's weights."""
+    return _rollout(self.policy, self.sample, examples, config, rewards, key,
+                    warn)
+
+  def evaluate(self, examples: Sequence[dict],
+               rewards: list[tuple[Callable, float]], max_new_tokens: int
+               ) -> dict[str, float]:
+    """:func:`evaluate` with the engine's weights."""
+    return _evaluate(self.policy, self.sample, examples, rewards,
+                     max_new_tokens)
+
+  def close(self) -> None:
+    """Releases the engine's resources (a process engine's process)."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
+
+class RolloutEngine(Engine):
+  """A colocated rollout engine: the learner's process and devices.
 
   Args:
     policy: the tokenizer, sampler and model graph (its ``params`` unused).
@@ -191,7 +276,7 @@ class RolloutEngine:
     shardings: a tree like the params of the shardings the sampler's
       weights take (None: where XLA places them).
     **fields: the signature fields the learner's :class:`sync.PolicySender`
-      uses.
+      uses (:func:`sync_fields`).
   """
 
   def __init__(self, policy: Policy, template: dict[str, Any], *, seed: int,
@@ -214,10 +299,6 @@ class RolloutEngine:
   def sync(self, message: sync.SyncMessage,
            resync: Optional[Callable[[], sync.SyncMessage]] = None
            ) -> SyncStats:
-    """Applies ``message``; when it does not fit (:class:`sync.SyncError`),
-    applies ``resync()`` (a full message) instead and counts a resync, or
-    raises without ``resync``. The engine's weights change only to a
-    verified state."""
     start = time.perf_counter()
     resynced = False
     try:
@@ -240,17 +321,7 @@ class RolloutEngine:
         full_bfloat16_bytes=2 * num_params,
         sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed)
 
-  def rollout(self, examples: Sequence[dict], config: TrainConfig,
-              rewards: list[tuple[Callable, float]], key: jax.Array,
-              warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None
-              ) -> tuple[algo.RolloutBatch, dict[str, float]]:
-    """:func:`rollout` with the engine's weights."""
-    return rollout(self.policy, self.params, examples, config, rewards, key,
-                   warn)
-
-  def evaluate(self, examples: Sequence[dict],
-               rewards: list[tuple[Callable, float]], max_new_tokens: int
-               ) -> dict[str, float]:
-    """:func:`evaluate` with the engine's weights."""
-    return evaluate(self.policy, self.params, examples, rewards,
-                    max_new_tokens)
+  def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
+             **settings: Any) -> models.SampleOutput:
+    return self.policy.sampler.sample(self.params, prompt_ids, key,
+                                      **settings)

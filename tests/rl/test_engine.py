@@ -1,0 +1,221 @@
+"""The rollout engine in a separate process follows the learner bit for bit
+and refuses what does not fit."""
+
+import dataclasses
+import functools
+import json
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from logra_jax import sync
+from logra_jax.configs import train as train_config
+from logra_jax.rl import learner, trainer
+from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout import transport
+
+SMOKE = train_config.get_preset("smoke")
+STEPS = 300
+REFRESH = 25     # 12 windows: 11 merges after the first
+QUIET = lambda message: None
+
+
+def _config(policy_folder, *overrides):
+  return train_config.apply_overrides(SMOKE, [
+      f"policy.path={policy_folder}", f"optimizer.refresh_every={REFRESH}",
+      *overrides])
+
+
+def _prompts(policy, count=6):
+  task = trainer.load_task(SMOKE)
+  return policy.encode([e["prompt"] for e in task.examples[:count]])
+
+
+def _greedy(sample, prompts):
+  return sample(prompts, jax.random.key(0), max_new_tokens=4,
+                temperature=0.0)
+
+
+def _same_bits(a, b):
+  return all(x.dtype == y.dtype and np.array_equal(
+      np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _learn(config, policy, engines, steps, messages=None):
+  """Runs ``steps`` learner steps on one rollout batch (its advantages
+  redrawn each step), syncing ``engines`` after each; returns the learner's
+  ``(weights, opt_state, sender)``."""
+  params = jax.tree.map(jnp.copy, policy.params)   # the step donates them
+  tx = learner.make_optimizer(config.optimizer, params)
+  weights, opt_state = learner.init_train_state(config.optimizer, tx, params)
+  fields = engine_lib.sync_fields(config, policy.folder)
+  sender = sync.PolicySender(weights, opt_state, seed=config.seed, **fields)
+  full = sender.message(weights, opt_state, full=True)
+  for engine in engines:
+    engine.sync(full)
+  task = trainer.load_task(config)
+  batch, _ = engine_lib.rollout(policy, policy.params,
+                                list(task.examples[:4]), config,
+                                trainer.task_rewards(task), jax.random.key(1))
+  train_step = learner.make_train_step(policy.graphdef, tx, config)
+  for i in range(steps):
+    advantages = jax.random.normal(jax.random.key(i), (batch.batch_size,))
+    weights, opt_state, _ = train_step(
+        weights, opt_state, batch.replace(advantages_B=advantages))
+    message = sender.message(weights, opt_state)
+    if messages is not None:   # a copy: the next step donates the arrays
+      messages.append(sync.decode(sync.encode(message)))
+    for engine in engines:
+      stats = engine.sync(message)
+      assert not stats.resynced
+  return weights, opt_state, sender
+
+
+@pytest.mark.parametrize("kind,base_dtype", [
+    ("range", "float32"), ("random", "bfloat16"), ("svd", "bfloat16")])
+def test_engines_in_and_out_of_process_follow_the_learner(
+    policy_folder, tmp_path, kind, base_dtype):
+  config = _config(policy_folder, f"optimizer.kind={kind}",
+                   f"optimizer.base_dtype={base_dtype}")
+  policy = engine_lib.Policy.load(policy_folder)
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  weights, opt_state = learner.init_train_state(config.optimizer, tx,
+                                                policy.params)
+  fields = engine_lib.sync_fields(config, policy_folder)
+  colocated = engine_lib.RolloutEngine(
+      policy, sync.policy_state(weights, opt_state), seed=config.seed,
+      **fields)
+  with transport.ProcessEngine(policy, config, policy_folder,
+                               log_path=tmp_path / "engine.log") as remote:
+    weights, opt_state, _ = _learn(config, policy, [colocated, remote],
+                                   STEPS)
+    prompts = _prompts(policy)
+    learner_params = learner.dense_weights(weights, opt_state)
+    expected = _greedy(functools.partial(policy.sampler.sample,
+                                         learner_params), prompts)
+    remote_out = _greedy(remote.sample, prompts)
+  assert colocated.receiver.version == STEPS
+  assert _same_bits(colocated.receiver.state,
+                    sync.policy_state(weights, opt_state))
+  assert _same_bits(colocated.params, learner_params)
+  # Every message's checksums matched in the child (no resync), and its
+  # greedy completions and their log-probabilities are the learner's.
+  assert remote.resyncs == 0 and colocated.resyncs == 0
+  for name in ("tokens", "mask", "logprobs"):
+    assert _same_bits(getattr(remote_out, name), getattr(expected, name))
+  assert _same_bits(_greedy(colocated.sample, prompts), expected)
+
+
+@pytest.fixture(scope="module")
+def remote_run(policy_folder, tmp_path_factory):
+  """A process engine after 3 learner steps, the messages it applied and
+  the learner."""
+  config = _config(policy_folder)
+  policy = engine_lib.Policy.load(policy_folder)
+  log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+  remote = transport.ProcessEngine(policy, config, policy_folder,
+                                   log_path=log_path)
+  messages = []
+  weights, opt_state, sender = _learn(config, policy, [remote], 3, messages)
+  yield config, policy, remote, messages, (weights, opt_state, sender)
+  remote.close()
+
+
+def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(
+    remote_run):
+  _, policy, remote, messages, (weights, opt_state, sender) = remote_run
+  prompts = _prompts(policy)
+  before = _greedy(remote.sample, prompts)
+  for stale in (messages[-1], messages[0]):   # duplicated, out of order
+    with pytest.raises(sync.SyncError, match="out of order"):
+      remote.sync(stale)
+    assert _same_bits(_greedy(remote.sample, prompts), before)
+  resyncs = remote.resyncs
+  stats = remote.sync(messages[0],
+                      resync=lambda: sender.message(weights, opt_state,
+                                                    full=True))
+  assert stats.resynced and remote.resyncs == resyncs + 1
+  assert _same_bits(_greedy(remote.sample, prompts), before)
+
+
+def test_a_message_of_another_config_is_refused(remote_run, policy_folder,
+                                                tmp_path):
+  config, policy, _, _, _ = remote_run
+  other = dataclasses.replace(
+      config, optimizer=dataclasses.replace(config.optimizer, rank=2))
+  tx = learner.make_optimizer(other.optimizer, policy.params)
+  weights, opt_state = learner.init_train_state(other.optimizer, tx,
+                                                policy.params)
+  sender = sync.PolicySender(weights, opt_state, seed=other.seed,
+                             **engine_lib.sync_fields(other, policy_folder))
+  with transport.ProcessEngine(policy, config, policy_folder,
+                               log_path=tmp_path / "engine.log") as remote:
+    with pytest.raises(sync.SyncError, match="another policy"):
+      remote.sync(sender.message(weights, opt_state, full=True))
+    with pytest.raises(transport.TransportError, match="no policy yet"):
+      _greedy(remote.sample, _prompts(policy))
+
+
+def test_an_engine_that_dies_is_a_clear_error(policy_folder, tmp_path):
+  config = _config(policy_folder)
+  policy = engine_lib.Policy.load(policy_folder)
+  remote = transport.ProcessEngine(policy, config, policy_folder,
+                                   log_path=tmp_path / "engine.log")
+  remote._process.kill()
+  with pytest.raises(transport.TransportError, match="exited with code -9"):
+    _greedy(remote.sample, _prompts(policy))
+  remote.close()
+  with pytest.raises(transport.TransportError, match="closed"):
+    _greedy(remote.sample, _prompts(policy))
+
+
+def test_frames_cut_short_or_damaged_are_refused():
+  payload = b"x" * 1000
+  for cut in (5, transport._FRAME.size + 400):
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+      frame = transport._FRAME.pack(transport._MAGIC, transport._SYNC,
+                                    len(payload), 0) + payload
+      ours.sendall(frame[:cut])
+      ours.close()
+      with pytest.raises(transport.TransportError, match="closed after"):
+        transport.recv_frame(theirs)
+  ours, theirs = socket.socketpair()
+  with ours, theirs:
+    transport.send_frame(ours, transport._SYNC, payload)
+    transport.recv_frame(theirs)      # intact
+    data = bytearray(transport._FRAME.pack(
+        transport._MAGIC, transport._SYNC, len(payload), 7)) + payload
+    ours.sendall(bytes(data))
+    with pytest.raises(transport.TransportError, match="CRC-32"):
+      transport.recv_frame(theirs)
+    ours.sendall(b"NOPE" + bytes(transport._FRAME.size - 4))
+    with pytest.raises(transport.TransportError, match="magic"):
+      transport.recv_frame(theirs)
+
+
+def test_the_default_job_in_a_process_matches_the_colocated_one(
+    policy_folder, tmp_path):
+  runs = {}
+  for engine in ("colocated", "process"):
+    config = train_config.apply_overrides(SMOKE, [
+        f"policy.path={policy_folder}", f"rollout.engine={engine}",
+        "sync.resync_every=2"])
+    summary = trainer.train(config, tmp_path / engine, progress=False,
+                            log=QUIET)
+    rows = [json.loads(line)
+            for line in (tmp_path / engine / "metrics.jsonl").open()]
+    runs[engine] = summary, [{k: v for k, v in row.items()
+                              if not k.startswith("time/")} for row in rows]
+  (colocated, colocated_rows), (process, process_rows) = runs.values()
+  assert process_rows == colocated_rows
+  for key in ("eval_accuracy_before", "eval_accuracy_after"):
+    assert process[key] == colocated[key]
+  # sync.resync_every=2: step 2's message is a full one.
+  full_bytes = [row["sync/bytes"] for row in process_rows]
+  assert full_bytes[1] > full_bytes[0] and full_bytes[1] > full_bytes[2]
+  assert all(row["sync/resyncs"] == 0 for row in process_rows)
