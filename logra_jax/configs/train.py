@@ -23,6 +23,7 @@ from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 OPTIMIZERS = ("logra", "adam", "galore")
 GRADIENT_MODES = ("sketch", "dense")
 ROLLOUT_ENGINES = ("colocated", "process")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _check(section: str, config: Any, names: str, **bounds: float) -> None:
@@ -148,6 +149,11 @@ class RolloutConfig:
       process and devices) or ``"process"`` (a separate process on its own
       devices, sent each sync message as bytes over a local socket). Its
       weights are bit-identical either way, so the run's results are too.
+    dtype: the dtype of the weights the engine samples with, cast from the
+      synced policy once per message: ``"float32"``, ``"bfloat16"`` or
+      ``"auto"`` (bfloat16 on GPU and TPU, float32 on CPU, whose bfloat16
+      matmuls are slow). The engine's synced copy, which its checksums
+      verify, keeps the learner's dtypes.
   """
 
   prompts_per_step: int = 64
@@ -157,9 +163,11 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   engine: str = "colocated"
+  dtype: str = "auto"
 
   def __post_init__(self):
     check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
+    check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
     _check("rollout", self, "num_generations", ge=2)   # a group baseline
     _check("rollout", self, "temperature", gt=0)

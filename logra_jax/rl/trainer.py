@@ -463,7 +463,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
   else:
     engine = engine_lib.RolloutEngine(
         policy, sync.policy_state(params, opt_state), seed=config.seed,
-        shardings=params_sharding, **sync_fields)
+        shardings=params_sharding,
+        dtype=engine_lib.sampling_dtype(config.rollout.dtype), **sync_fields)
   closing.callback(engine.close)
   engine.sync(sender.message(params, opt_state, full=True))
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))

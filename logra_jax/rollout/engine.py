@@ -265,6 +265,22 @@ class Engine:
     self.close()
 
 
+def sampling_dtype(name: str) -> jnp.dtype:
+  """The dtype ``rollout.dtype`` names; ``"auto"``: bfloat16 on GPU and TPU,
+  float32 on CPU."""
+  if name == "auto":
+    name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  return jnp.dtype(name)
+
+
+def _sampling_weights(state: dict[str, Any], dtype: Any) -> Any:
+  """The dense weights of ``state`` (``c B + P A``), floating ones in
+  ``dtype``."""
+  cast = lambda x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                    else x)
+  return jax.tree.map(cast, sync.materialize(state, dtype))
+
+
 class RolloutEngine(Engine):
   """A colocated rollout engine: the learner's process and devices.
 
@@ -275,22 +291,27 @@ class RolloutEngine(Engine):
     seed: the run's seed (the merge's rounding key).
     shardings: a tree like the params of the shardings the sampler's
       weights take (None: where XLA places them).
+    dtype: the dtype of the weights the sampler uses (``rollout.dtype``;
+      :func:`sampling_dtype`).
     **fields: the signature fields the learner's :class:`sync.PolicySender`
       uses (:func:`sync_fields`).
   """
 
   def __init__(self, policy: Policy, template: dict[str, Any], *, seed: int,
-               shardings: Any = None, **fields: Any):
+               shardings: Any = None, dtype: Any = jnp.float32,
+               **fields: Any):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
-    self._materialize = jax.jit(sync.materialize, out_shardings=shardings)
+    self._materialize = jax.jit(
+        functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
+        out_shardings=shardings)
     self._params = None
     self.resyncs = 0
 
   @property
   def params(self) -> Any:
-    """The weights the sampler uses, ``c B + P A`` (materialized once per
-    message)."""
+    """The weights the sampler uses, ``c B + P A`` in the engine's dtype
+    (materialized once per message)."""
     if self._params is None:
       raise RuntimeError("the rollout engine has no policy yet: sync a full "
                          "message first")

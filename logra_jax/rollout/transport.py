@@ -132,6 +132,7 @@ class _Server:
       policy.params = None
       self.engine = engine_lib.RolloutEngine(
           policy, template, seed=config.seed,
+          dtype=engine_lib.sampling_dtype(config.rollout.dtype),
           **engine_lib.sync_fields(config, folder))
       return _OK, _pack({"signature": self.engine.receiver.signature})
     if self.engine is None:

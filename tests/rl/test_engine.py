@@ -219,3 +219,27 @@ def test_the_default_job_in_a_process_matches_the_colocated_one(
   full_bytes = [row["sync/bytes"] for row in process_rows]
   assert full_bytes[1] > full_bytes[0] and full_bytes[1] > full_bytes[2]
   assert all(row["sync/resyncs"] == 0 for row in process_rows)
+
+
+def test_the_engine_samples_in_its_own_dtype(policy_folder):
+  config = _config(policy_folder, "optimizer.base_dtype=bfloat16")
+  policy = engine_lib.Policy.load(policy_folder)
+  tx = learner.make_optimizer(config.optimizer, policy.params)
+  weights, opt_state = learner.init_train_state(config.optimizer, tx,
+                                                policy.params)
+  fields = engine_lib.sync_fields(config, policy_folder)
+  sender = sync.PolicySender(weights, opt_state, seed=config.seed, **fields)
+  engine = engine_lib.RolloutEngine(
+      policy, sync.policy_state(weights, opt_state), seed=config.seed,
+      dtype=jnp.bfloat16, **fields)
+  engine.sync(sender.message(weights, opt_state, full=True))
+  expected = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                          learner.dense_weights(weights, opt_state))
+  assert _same_bits(engine.params, expected)
+  # The synced copy keeps the learner's dtypes (its checksums are theirs).
+  assert _same_bits(engine.receiver.state,
+                    sync.policy_state(weights, opt_state))
+  out = _greedy(engine.sample, _prompts(policy))
+  assert out.tokens.shape == (6, 4)
+  assert engine_lib.sampling_dtype("auto") == (
+      jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
