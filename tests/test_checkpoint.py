@@ -21,6 +21,7 @@ import pytest
 
 from logra_jax import checkpoint
 from logra_jax import configs
+from logra_jax import memory
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
@@ -357,15 +358,18 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
   allowed = train_config.apply_overrides(SMOKE, [
       "steps=100", "eval_every=5", "checkpoint.every_steps=7",
       "checkpoint.keep=5", "checkpoint.async_save=false",
-      "max_consecutive_skips=9", "policy.path=/elsewhere"])
+      "max_consecutive_skips=9", "policy.path=/elsewhere",
+      "rollout.engine=process", "sync.resync_every=3"])
   meta = lambda config: checkpoint.run_meta(config, {"hidden_size": 64})
   checkpoint.check_resumable(meta(SMOKE), meta(allowed))
   changes = checkpoint.config_changes(base, train_config.to_dict(allowed))
   assert {c[0].split(".")[0] for c in changes} == {
-      "steps", "eval_every", "checkpoint", "max_consecutive_skips", "policy"}
+      "steps", "eval_every", "checkpoint", "max_consecutive_skips", "policy",
+      "rollout", "sync"}
   for override in ["optimizer.rank=8", "optimizer.name=adam",
                    "rollout.prompts_per_step=8", "task.seed=3",
-                   "policy.warm_start_steps=5", "loss.eps_low=0.3"]:
+                   "policy.warm_start_steps=5", "loss.eps_low=0.3",
+                   "rollout.dtype=bfloat16"]:
     refused = train_config.apply_overrides(SMOKE, [override])
     with pytest.raises(checkpoint.CheckpointError,
                        match=override.split("=")[0]):
@@ -717,6 +721,33 @@ def test_array_checksums_see_every_bit_and_not_the_layout():
   sharded = jax.device_put(x, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("a", "b")))
   assert checkpoint.array_checksums({"w": sharded}) == {"w": sums["w"]}
+
+
+def _numpy_checksum(x: np.ndarray) -> int:
+  """The checksum of :func:`checkpoint.array_checksums` by its definition:
+  the sum mod 2**32 of MurmurHash3's finalizer of each 32-bit word XOR its
+  flat position times 0x9E3779B9."""
+  words = x.reshape(-1).view(np.uint32 if x.dtype.itemsize == 4
+                             else np.uint16).astype(np.uint64)
+  h = words ^ ((np.arange(words.size, dtype=np.uint64) * 0x9E3779B9)
+               % 2**32)
+  h = ((h ^ (h >> 16)) * 0x85EBCA6B) % 2**32
+  h = ((h ^ (h >> 13)) * 0xC2B2AE35) % 2**32
+  return int(np.sum(h ^ (h >> 16)) % 2**32)
+
+
+def test_checksums_of_a_layer_stack_are_summed_a_layer_at_a_time():
+  x = jax.random.normal(jax.random.key(0), (6, 5, 7))
+  for a in (x, x.astype(jnp.bfloat16), x[:1], x[0]):
+    expected = _numpy_checksum(np.asarray(a))
+    assert checkpoint.array_checksums({"a": a})["a"] == f"{expected:08x}"
+  # Temporaries of one layer, not of the stack (compiled as the memory
+  # planner compiles on CPU).
+  stack = jax.ShapeDtypeStruct((16, 256, 512), jnp.float32)
+  temp = checkpoint.leaf_checksums.lower([stack]).compile(
+      memory._CPU_PLAN_COMPILER_OPTIONS).memory_analysis().temp_size_in_bytes
+  layer = 256 * 512 * 4
+  assert temp < 2 * layer + 2**12
 
 
 def test_export_over_a_file_is_a_one_line_error(straight, tmp_path, capsys):
