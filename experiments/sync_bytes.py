@@ -2,11 +2,10 @@
 broadcast vs a sparse delta of the changed bfloat16 values.
 
 For each model and rank, builds the learner's factored policy on abstract
-shapes (`learner.init_train_state` under `jax.eval_shape`: nothing is
-allocated) and sums the arrays a `logra_jax.sync.SyncMessage`
-carries: per step the window coordinates A (float32 `[batch, rank, short]`
-per projected matrix), the scales c and the dense leaves (float32); at a
-refresh also the new projectors (float32 `[batch, long, rank]`, shown per
+shapes (`learner.abstract_policy_state`: nothing is allocated) and sums the
+arrays a `logra_jax.sync.SyncMessage` carries: per step the window
+coordinates A (float32 `[batch, rank, short]` per projected matrix), the
+scales c and the dense leaves (float32); at a refresh also the new projectors (float32 `[batch, long, rank]`, shown per
 refresh and amortized over `--refresh-every` steps). Against: a full
 broadcast of the bfloat16 weights (2 bytes per parameter, what TRL and
 OpenRLHF send) and a sparse delta of the bfloat16 values that changed
@@ -50,7 +49,7 @@ from logra_jax import sync
 SPARSE_BYTES_PER_VALUE = 4 + 2   # int32 index + bfloat16 value
 
 
-def abstract_policy_state(model: str, rank: int, project_embeddings: bool
+def model_policy_state(model: str, rank: int, project_embeddings: bool
                           ) -> tuple[dict, int]:
   """The shapes of the learner's :func:`sync.policy_state` for ``model``
   (float32 weights, default optimizer settings) and its parameter count."""
@@ -60,14 +59,8 @@ def abstract_policy_state(model: str, rank: int, project_embeddings: bool
       jax.eval_shape(lambda: models.init_model(config, rngs=0)))
   opt_config = train_config.OptimizerConfig(
       rank=rank, project_embeddings=project_embeddings)
-  tx = learner.make_optimizer(opt_config, params)
-
-  def state(params):
-    weights, opt_state = learner.init_train_state(opt_config, tx, params)
-    return sync.policy_state(weights, opt_state)
-
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-  return jax.eval_shape(state, params), count
+  return learner.abstract_policy_state(opt_config, params), count
 
 
 def checksum_temp_bytes(state: dict) -> int:
@@ -85,7 +78,7 @@ def checksum_temp_bytes(state: dict) -> int:
 def message_bytes(model: str, rank: int, project_embeddings: bool
                   ) -> dict[str, int]:
   """Bytes a sync message carries, by kind of array, and the parameters."""
-  state, count = abstract_policy_state(model, rank, project_embeddings)
+  state, count = model_policy_state(model, rank, project_embeddings)
   named = sync.named_arrays(state)
   out = {kind: 0 for kind in (sync.BASE, sync.COORDS, sync.SCALE,
                               sync.PROJECTOR, sync.DENSE)}
@@ -156,7 +149,7 @@ def main() -> None:
               + f" {full / mean:,.0f}x | "
               f"{sparse(0.01) / mean:.1f}x |", flush=True)
   for model in args.models:
-    state, count = abstract_policy_state(model, min(args.ranks), True)
+    state, count = model_policy_state(model, min(args.ranks), True)
     print(f"\nLearner side, {model}: the message's checksums compile to "
           f"{mb(checksum_temp_bytes(state))} MB of temporaries; no snapshot "
           f"(a sparse delta diffs against one: {mb(2 * count)} MB in "

@@ -20,6 +20,7 @@ import optax.contrib
 import logra_jax as logra
 from logra_jax import models
 from logra_jax import sketch_grad
+from logra_jax import sync
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
 from logra_jax.optim import factored as factored_lib
@@ -120,6 +121,20 @@ def abstract_weights(config: OptimizerConfig,
   """The shapes and dtypes (``jax.ShapeDtypeStruct``) of
   :func:`init_weights` for ``params``, without computing anything."""
   return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
+
+
+def abstract_policy_state(config: OptimizerConfig, params: Any
+                          ) -> dict[str, Any]:
+  """The shapes and dtypes of :func:`sync.policy_state` of the learner's
+  state for dense ``params`` (what a rollout engine of this config holds),
+  without computing anything."""
+  tx = make_optimizer(config, params)
+
+  def state(p):
+    weights, opt_state = init_train_state(config, tx, p)
+    return sync.policy_state(weights, opt_state)
+
+  return jax.eval_shape(state, params)
 
 
 def dense_weights(weights: Any, opt_state: optax.OptState,

@@ -102,19 +102,6 @@ def _unpack(payload: bytes) -> dict[str, Any]:
   return serialization.msgpack_restore(payload)
 
 
-def _engine_template(config: TrainConfig, params: Any) -> dict[str, Any]:
-  """The shapes and dtypes of the learner's :func:`sync.policy_state` for
-  ``config`` and dense ``params``, computed without the learner."""
-  from logra_jax.rl import learner as learner_lib  # noqa: PLC0415 (cycle)
-  tx = learner_lib.make_optimizer(config.optimizer, params)
-
-  def state(p):
-    weights, opt_state = learner_lib.init_train_state(config.optimizer, tx, p)
-    return sync.policy_state(weights, opt_state)
-
-  return jax.eval_shape(state, params)
-
-
 class _Server:
   """The child's side: one :class:`RolloutEngine` and its requests."""
 
@@ -128,7 +115,11 @@ class _Server:
       folder = pathlib.Path(request["folder"])
       policy = engine_lib.Policy.load(folder,
                                       dtype=jnp.dtype(config.policy.dtype))
-      template = _engine_template(config, policy.params)
+      # The learner's layout, from the config alone (lazily: rl/ builds on
+      # rollout/, not the other way; only this child needs the learner).
+      from logra_jax.rl import learner   # noqa: PLC0415
+      template = learner.abstract_policy_state(config.optimizer,
+                                               policy.params)
       policy.params = None
       self.engine = engine_lib.RolloutEngine(
           policy, template, seed=config.seed,
