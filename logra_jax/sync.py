@@ -410,13 +410,27 @@ def decode(data: bytes) -> SyncMessage:
                     f"{len(payload)} bytes, header says {length}")
   if zlib.crc32(payload) != crc:
     raise SyncError("sync message corrupted: CRC-32 of its payload differs")
-  fields = serialization.msgpack_restore(payload)
+  try:
+    fields = serialization.msgpack_restore(payload)
+  except Exception as e:   # noqa: BLE001 (any msgpack failure)
+    raise SyncError(f"sync message payload unreadable: {e}") from None
+  if not isinstance(fields, dict):
+    raise SyncError("sync message payload is not a map of fields")
   types = {"sequence": int, "version": int, "signature": str, "full": bool,
            "merge_step": int, "arrays": dict, "checksums": dict}
   for name, kind in types.items():
-    if not isinstance(fields.get(name), kind):
+    value = fields.get(name)
+    if not isinstance(value, kind) or (kind is int
+                                       and isinstance(value, bool)):
       raise SyncError(f"sync message field {name!r} is missing or not "
                       f"{kind.__name__}")
+  if not all(isinstance(x, np.ndarray) for x in fields["arrays"].values()):
+    raise SyncError("sync message field 'arrays' holds values that are not "
+                    "arrays")
+  if not all(isinstance(v, int) and not isinstance(v, bool)
+             for v in fields["checksums"].values()):
+    raise SyncError("sync message field 'checksums' holds values that are "
+                    "not integers")
   return SyncMessage(
       sequence=fields["sequence"], version=fields["version"],
       signature=fields["signature"], full=fields["full"],

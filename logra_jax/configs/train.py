@@ -451,7 +451,8 @@ def from_dict(data: dict[str, Any], cls: type = TrainConfig) -> Any:
   it is built).
 
   Raises:
-    ValueError: a key that is not a field, naming its dotted path.
+    ValueError: a key that is not a field or a section that is not a map,
+      naming its dotted path; a value out of range, as when built.
 
   Example:
     >>> config = apply_overrides(TrainConfig(), ["optimizer.rank=8"])
@@ -470,7 +471,10 @@ def _from_dict(data: dict[str, Any], cls: type, prefix: str) -> Any:
   values = {}
   for name, value in data.items():
     kind = hints[name]
-    if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+    if dataclasses.is_dataclass(kind):
+      if not isinstance(value, dict):
+        raise ValueError(f"config section {prefix}{name} must be a map of "
+                         f"fields, got {type(value).__name__}")
       value = _from_dict(value, kind, f"{prefix}{name}.")
     values[name] = value
   return cls(**values)

@@ -127,6 +127,10 @@ def _check_inputs(config: TrainConfig, out: pathlib.Path,
   task. Returns the task and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
+  if mesh is not None and config.rollout.engine == "process":
+    raise ValueError("rollout.engine=process runs the engine unsharded on "
+                     "the devices of its own process; it cannot be combined "
+                     "with a mesh yet (use rollout.engine=colocated)")
   if resume and not (out / "checkpoints").is_dir():
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no folder {out / 'checkpoints'}")
@@ -466,6 +470,10 @@ def _train(config: TrainConfig, out: pathlib.Path,
         shardings=params_sharding,
         dtype=engine_lib.sampling_dtype(config.rollout.dtype), **sync_fields)
   closing.callback(engine.close)
+  if engine.signature != sender.signature:
+    raise ValueError(
+        "the rollout engine was built for another policy than the learner's "
+        "(model, shapes, dtypes, seed or optimizer settings differ)")
   engine.sync(sender.message(params, opt_state, full=True))
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {

@@ -221,10 +221,13 @@ class Engine:
   Attributes:
     policy: the caller's :class:`Policy` (its tokenizer).
     resyncs: full messages applied because a message was refused.
+    signature: the sync signature of the messages it accepts
+      (:func:`sync.signature`).
   """
 
   policy: Policy
   resyncs: int
+  signature: str
 
   def sync(self, message: sync.SyncMessage,
            resync: Optional[Callable[[], sync.SyncMessage]] = None
@@ -302,6 +305,7 @@ class RolloutEngine(Engine):
                **fields: Any):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
+    self.signature = self.receiver.signature
     self._materialize = jax.jit(
         functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
         out_shardings=shardings)
@@ -331,8 +335,9 @@ class RolloutEngine(Engine):
       self.receiver.apply(message)
       self.resyncs += 1
       resynced = True
-    old, self._params = self._params, self._materialize(self.receiver.state)
-    jax.block_until_ready(self._params)
+    old, self._params = self._params, None   # none until these are made
+    self._params = jax.block_until_ready(
+        self._materialize(self.receiver.state))
     seconds = time.perf_counter() - start
     num_params = sum(x.size for x in jax.tree.leaves(self._params))
     changed = (num_params if old is None

@@ -41,57 +41,78 @@ from logra_jax import sync
 from logra_jax.configs.train import TrainConfig, from_dict, to_dict
 from logra_jax.rollout import engine as engine_lib
 
-_FRAME = struct.Struct("<4sBQI")   # magic, kind, payload length, CRC-32
+# magic, kind, request id, payload length, CRC-32 of the payload, CRC-32 of
+# the header's other fields (checked before the payload is read, so that a
+# damaged length is not waited for).
+_FRAME = struct.Struct("<4sBQQII")
 _MAGIC = b"LGRT"
 # Requests.
 _INIT, _SYNC, _SAMPLE, _CLOSE = 1, 2, 3, 4
 # Replies.
 _OK, _REFUSED, _ERROR = 16, 17, 18
+_REPLIES = (_OK, _REFUSED, _ERROR)
 _KINDS = {_INIT: "init", _SYNC: "sync", _SAMPLE: "sample", _CLOSE: "close",
           _OK: "ok", _REFUSED: "refused", _ERROR: "error"}
+# jax.config settings the engine process takes from the learner's, so that
+# both compute alike (e.g. the tests' matmul precision).
+_JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64",
+                 "jax_default_prng_impl", "jax_threefry_partitionable")
 
 
 class TransportError(RuntimeError):
   """The connection to a rollout engine process failed: it closed, a frame
-  was cut short or damaged, or the engine failed on a request."""
+  was cut short or damaged, no reply came in time, or the engine failed on
+  a request."""
 
 
-def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
-  """Sends one frame: header and ``payload``."""
-  sock.sendall(_FRAME.pack(_MAGIC, kind, len(payload), zlib.crc32(payload))
-               + payload)
+def _header(kind: int, request: int, length: int, crc: int) -> bytes:
+  fields = struct.pack("<4sBQQI", _MAGIC, kind, request, length, crc)
+  return fields + struct.pack("<I", zlib.crc32(fields))
 
 
-def _read_exactly(sock: socket.socket, size: int, what: str) -> bytes:
-  chunks, got = [], 0
+def send_frame(sock: socket.socket, kind: int, payload: bytes,
+               request: int = 0) -> None:
+  """Sends one frame: its header, then ``payload`` (no joined copy)."""
+  sock.sendall(_header(kind, request, len(payload), zlib.crc32(payload)))
+  sock.sendall(payload)
+
+
+def _read_exactly(sock: socket.socket, size: int, what: str) -> bytearray:
+  buffer = bytearray(size)
+  view, got = memoryview(buffer), 0
   while got < size:
-    chunk = sock.recv(min(size - got, 1 << 24))
-    if not chunk:
+    try:
+      count = sock.recv_into(view[got:], min(size - got, 1 << 26))
+    except socket.timeout:
+      raise TransportError(f"no reply within {sock.gettimeout():.0f} s "
+                           f"({got} of the {size} bytes of {what})") from None
+    if not count:
       raise TransportError(f"the connection closed after {got} of the "
                            f"{size} bytes of {what}")
-    chunks.append(chunk)
-    got += len(chunk)
-  return b"".join(chunks)
+    got += count
+  return buffer
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-  """Receives one frame: ``(kind, payload)``.
+def recv_frame(sock: socket.socket) -> tuple[int, int, bytearray]:
+  """Receives one frame: ``(kind, request id, payload)``.
 
   Raises:
-    TransportError: the connection closed before or within the frame, or
-      its header or CRC-32 is wrong.
+    TransportError: the connection closed before or within the frame, no
+      frame came within the socket's timeout, or the header or the
+      payload's CRC-32 is wrong.
   """
   header = _read_exactly(sock, _FRAME.size, "a frame header")
-  magic, kind, length, crc = _FRAME.unpack(header)
-  if magic != _MAGIC or kind not in _KINDS:
-    raise TransportError("not a rollout engine frame (bad magic bytes or "
-                         "kind)")
-  payload = _read_exactly(sock, length,
-                          f"a {_KINDS[kind]} frame's payload")
+  magic, kind, request, length, crc, header_crc = _FRAME.unpack(header)
+  if magic != _MAGIC:
+    raise TransportError("not a rollout engine frame (bad magic bytes)")
+  if zlib.crc32(header[:-4]) != header_crc or kind not in _KINDS:
+    raise TransportError("frame header corrupted (its CRC-32 differs or "
+                         "its kind is unknown)")
+  payload = _read_exactly(sock, length, f"a {_KINDS[kind]} frame's payload")
   if zlib.crc32(payload) != crc:
     raise TransportError(f"{_KINDS[kind]} frame corrupted: CRC-32 of its "
                          "payload differs")
-  return kind, payload
+  return kind, request, payload
 
 
 def _pack(value: dict[str, Any]) -> bytes:
@@ -111,6 +132,8 @@ class _Server:
   def handle(self, kind: int, payload: bytes) -> tuple[int, bytes]:
     if kind == _INIT:
       request = _unpack(payload)
+      for name, value in request["jax"].items():
+        jax.config.update(name, value)
       config = from_dict(json.loads(request["config"]))
       folder = pathlib.Path(request["folder"])
       policy = engine_lib.Policy.load(folder,
@@ -137,10 +160,11 @@ class _Server:
     if kind == _SAMPLE:
       request = _unpack(payload)
       ends = np.cumsum(request["prompt_lengths"])
+      key = jax.random.wrap_key_data(np.asarray(request["key"]),
+                                     impl=request["key_impl"])
       out = self.engine.sample(
           [p.tolist() for p in np.split(request["prompt_ids"], ends[:-1])],
-          jax.random.wrap_key_data(np.asarray(request["key"])),
-          **request["settings"])
+          key, **request["settings"])
       return _OK, _pack({k: np.asarray(v) for k, v in out._asdict().items()})
     raise TransportError(f"unexpected {_KINDS[kind]} frame")
 
@@ -148,25 +172,43 @@ class _Server:
 def serve(sock: socket.socket) -> None:
   """Answers requests on ``sock`` until a close request or the connection
   closes. A failed request is answered with its traceback; the engine's
-  weights are only ever changed by a verified message."""
+  weights are only ever changed by a verified message. A damaged frame ends
+  the connection (the stream cannot be trusted after it), said on stderr."""
   server = _Server()
   while True:
     try:
-      kind, payload = recv_frame(sock)
-    except TransportError:
-      return   # the learner went away
+      kind, request, payload = recv_frame(sock)
+    except TransportError as e:
+      if "closed after 0 of" not in str(e):   # not a plain close
+        print(f"rollout engine: {e}; exiting", file=sys.stderr, flush=True)
+      return
     if kind == _CLOSE:
-      send_frame(sock, _OK, b"")
+      send_frame(sock, _OK, b"", request)
       return
     try:
-      reply = server.handle(kind, payload)
+      reply = server.handle(kind, bytes(payload))
     except Exception:   # noqa: BLE001 (reported to the learner)
       reply = _ERROR, traceback.format_exc().encode()
-    send_frame(sock, *reply)
+    send_frame(sock, *reply, request)
 
 
 class ProcessEngine(engine_lib.Engine):
-  """A rollout engine in a separate process, on its own devices.
+  """A rollout engine in a separate process.
+
+  The child runs in a session of its own (a SIGTERM or Ctrl-C to the
+  learner's process group reaches only the learner, which stops after its
+  step and closes the engine) and exits when its socket closes, e.g. when
+  the learner dies. It takes the learner's ``jax.config`` numerics settings
+  (matmul precision, x64, PRNG implementation) and the devices its
+  environment gives it: on a GPU shared with the learner, bound each side's
+  memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``) or give the child devices of
+  its own (``CUDA_VISIBLE_DEVICES``) in its environment, ``env``.
+
+  Every request waits at most ``timeout`` seconds for its reply; a request
+  that fails half-way (a timeout, a closed or damaged connection, an
+  interrupt) stops the child, and every later request raises
+  :class:`TransportError`: replies are matched to requests by id, never
+  guessed.
 
   Args:
     policy: the learner's :class:`engine_lib.Policy` (its tokenizer encodes
@@ -174,6 +216,9 @@ class ProcessEngine(engine_lib.Engine):
     config: the run's config; the child builds its engine from it.
     folder: the policy's HF folder, which the child loads the model from.
     log_path: where the child's output goes (None: this process's stderr).
+    timeout: seconds to wait for each reply (loading, compiling and sampling
+      included).
+    env: the child's environment (None: this process's).
 
   Example (``logra train --set rollout.engine=process`` does this)::
 
@@ -184,53 +229,88 @@ class ProcessEngine(engine_lib.Engine):
 
   def __init__(self, policy: engine_lib.Policy, config: TrainConfig,
                folder: pathlib.Path | str, *,
-               log_path: Optional[pathlib.Path | str] = None):
+               log_path: Optional[pathlib.Path | str] = None,
+               timeout: float = 3600.0,
+               env: Optional[dict[str, str]] = None):
     self.policy = policy
     self.resyncs = 0
+    self._requests = 0
+    self._sock = self._process = self._log = None
     self._log_path = None if log_path is None else pathlib.Path(log_path)
-    self._log = None if log_path is None else open(log_path, "ab")
-    ours, theirs = socket.socketpair()
-    self._sock = ours
+    init = _pack({"config": json.dumps(to_dict(config)),
+                  "folder": str(folder),
+                  "jax": {name: getattr(jax.config, name)
+                          for name in _JAX_SETTINGS}})
     try:
-      self._process = subprocess.Popen(
-          [sys.executable, "-m", "logra_jax.rollout.transport",
-           "--fd", str(theirs.fileno())],
-          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-          stdout=self._log, stderr=self._log)
-    finally:
-      theirs.close()
-    reply = self._request(_INIT, _pack({
-        "config": json.dumps(to_dict(config)), "folder": str(folder)}))
-    self.signature = _unpack(reply)["signature"]
+      self._log = (sys.stderr if log_path is None
+                   else open(log_path, "ab"))
+      self._sock, theirs = socket.socketpair()
+      with theirs:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "logra_jax.rollout.transport",
+             "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=self._log, env=env,
+            start_new_session=True)
+      self._sock.settimeout(timeout)
+      self.signature = _unpack(self._request(_INIT, init))["signature"]
+    except BaseException:
+      self._stop()
+      raise
 
   def _request(self, kind: int, payload: bytes) -> bytes:
     """Sends a request; its reply's payload (raises on an error reply)."""
     reply_kind, reply = self._exchange(kind, payload)
     if reply_kind == _REFUSED:
-      raise sync.SyncError(reply.decode())
+      raise sync.SyncError(bytes(reply).decode())
     return reply
 
-  def _exchange(self, kind: int, payload: bytes) -> tuple[int, bytes]:
+  def _exchange(self, kind: int, payload: bytes) -> tuple[int, bytearray]:
     if self._sock is None:
       raise TransportError("the rollout engine process is closed")
+    self._requests += 1
     try:
-      send_frame(self._sock, kind, payload)
-      reply_kind, reply = recv_frame(self._sock)
-    except (TransportError, OSError) as e:
-      raise TransportError(f"rollout engine process: {e}{self._exit_note()}"
-                           ) from e
+      send_frame(self._sock, kind, payload, self._requests)
+      reply_kind, request, reply = recv_frame(self._sock)
+      if request != self._requests or reply_kind not in _REPLIES:
+        raise TransportError(
+            f"reply {request} ({_KINDS[reply_kind]}) to request "
+            f"{self._requests} ({_KINDS[kind]})")
+    except BaseException as e:
+      note = self._stop()
+      if isinstance(e, (TransportError, OSError)):
+        raise TransportError(f"rollout engine process: {e}{note}") from e
+      raise
     if reply_kind == _ERROR:
       raise TransportError(f"the rollout engine process failed on a "
-                           f"{_KINDS[kind]} request:\n{reply.decode()}")
+                           f"{_KINDS[kind]} request:\n"
+                           f"{bytes(reply).decode()}")
     return reply_kind, reply
 
-  def _exit_note(self) -> str:
-    try:
-      code = self._process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-      return ""
-    where = "" if self._log_path is None else f"; its log: {self._log_path}"
-    return f" (it exited with code {code}{where})"
+  def _stop(self, grace: float = 0.0) -> str:
+    """Closes the socket and ends the child (killed after ``grace``
+    seconds); what became of it, for an error message."""
+    if self._sock is not None:
+      self._sock.close()
+      self._sock = None
+    note = ""
+    if self._process is not None:
+      try:
+        code = self._process.wait(timeout=grace)
+      except subprocess.TimeoutExpired:
+        self._process.kill()
+        code = self._process.wait()
+        note = " (it was stopped"
+      else:
+        note = f" (it exited with code {code}"
+      if self._log_path is not None:
+        note += f"; its log: {self._log_path}"
+      note += ")"
+      self._process = None
+    if self._log not in (None, sys.stderr):
+      self._log.close()
+    self._log = None
+    return note
 
   def sync(self, message: sync.SyncMessage,
            resync: Optional[Callable[[], sync.SyncMessage]] = None
@@ -251,11 +331,14 @@ class ProcessEngine(engine_lib.Engine):
 
   def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
              **settings: Any) -> models.SampleOutput:
+    if not prompt_ids:
+      raise ValueError("sample needs at least one prompt")
     reply = self._request(_SAMPLE, _pack({
         "prompt_ids": np.concatenate(
             [np.asarray(p, np.int32) for p in prompt_ids]),
         "prompt_lengths": np.array([len(p) for p in prompt_ids], np.int64),
         "key": np.asarray(jax.random.key_data(key)),
+        "key_impl": str(jax.random.key_impl(key)),
         "settings": settings}))
     arrays = _unpack(reply)
     return models.SampleOutput(**{name: jnp.asarray(arrays[name])
@@ -264,21 +347,15 @@ class ProcessEngine(engine_lib.Engine):
   def close(self) -> None:
     """Asks the process to exit and waits for it (killing it after 30 s)."""
     if self._sock is None:
+      self._stop()
       return
     try:
-      send_frame(self._sock, _CLOSE, b"")
+      self._sock.settimeout(30.0)
+      send_frame(self._sock, _CLOSE, b"", self._requests + 1)
       recv_frame(self._sock)
     except (TransportError, OSError):
-      pass   # already gone
-    self._sock.close()
-    self._sock = None
-    try:
-      self._process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      self._process.kill()
-      self._process.wait()
-    if self._log is not None:
-      self._log.close()
+      pass   # already gone, or it will be stopped
+    self._stop(grace=30.0)
 
 
 def _main() -> None:
@@ -286,8 +363,6 @@ def _main() -> None:
   parser.add_argument("--fd", type=int, required=True,
                       help="the file descriptor of this end of the socket")
   args = parser.parse_args()
-  import signal   # noqa: PLC0415
-  signal.signal(signal.SIGINT, signal.SIG_IGN)   # the learner stops us
   with socket.socket(fileno=args.fd) as sock:
     serve(sock)
 

@@ -1,10 +1,12 @@
 """The rollout engine in a separate process follows the learner bit for bit
 and refuses what does not fit."""
 
-import dataclasses
 import functools
 import json
+import os
 import socket
+import subprocess
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,7 @@ QUIET = lambda message: None
 def _config(policy_folder, *overrides):
   return train_config.apply_overrides(SMOKE, [
       f"policy.path={policy_folder}", f"optimizer.refresh_every={REFRESH}",
-      *overrides])
+      "rollout.dtype=float32", *overrides])
 
 
 def _prompts(policy, count=6):
@@ -45,10 +47,11 @@ def _same_bits(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _learn(config, policy, engines, steps, messages=None):
+def _learn(config, policy, engines, steps, messages=None, synced=None):
   """Runs ``steps`` learner steps on one rollout batch (its advantages
-  redrawn each step), syncing ``engines`` after each; returns the learner's
-  ``(weights, opt_state, sender)``."""
+  redrawn each step), syncing ``engines`` after each of the first
+  ``synced`` (default all); returns the learner's ``(weights, opt_state,
+  sender)``."""
   params = jax.tree.map(jnp.copy, policy.params)   # the step donates them
   tx = learner.make_optimizer(config.optimizer, params)
   weights, opt_state = learner.init_train_state(config.optimizer, tx, params)
@@ -69,7 +72,8 @@ def _learn(config, policy, engines, steps, messages=None):
     message = sender.message(weights, opt_state)
     if messages is not None:   # a copy: the next step donates the arrays
       messages.append(sync.decode(sync.encode(message)))
-    for engine in engines:
+    for engine in engines[:len(engines) if synced is None or i < synced
+                          else 0]:
       stats = engine.sync(message)
       assert not stats.resynced
   return weights, opt_state, sender
@@ -112,25 +116,26 @@ def test_engines_in_and_out_of_process_follow_the_learner(
 
 @pytest.fixture(scope="module")
 def remote_run(policy_folder, tmp_path_factory):
-  """A process engine after 3 learner steps, the messages it applied and
-  the learner."""
-  config = _config(policy_folder)
+  """A process engine that applied the first 3 of 4 learner steps (two
+  merges among them: a refresh every 2 steps), the 4 messages, the
+  learner."""
+  config = _config(policy_folder, "optimizer.refresh_every=2")
   policy = engine_lib.Policy.load(policy_folder)
   log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-  remote = transport.ProcessEngine(policy, config, policy_folder,
-                                   log_path=log_path)
-  messages = []
-  weights, opt_state, sender = _learn(config, policy, [remote], 3, messages)
-  yield config, policy, remote, messages, (weights, opt_state, sender)
-  remote.close()
+  with transport.ProcessEngine(policy, config, policy_folder,
+                               log_path=log_path) as remote:
+    messages = []
+    learned = _learn(config, policy, [remote], 4, messages, synced=3)
+    assert sum(m.merge_step >= 0 for m in messages) == 2
+    yield config, policy, remote, messages, learned
 
 
 def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(
     remote_run):
-  _, policy, remote, messages, (weights, opt_state, sender) = remote_run
+  config, policy, remote, messages, (weights, opt_state, sender) = remote_run
   prompts = _prompts(policy)
   before = _greedy(remote.sample, prompts)
-  for stale in (messages[-1], messages[0]):   # duplicated, out of order
+  for stale in (messages[2], messages[0]):   # duplicated, out of order
     with pytest.raises(sync.SyncError, match="out of order"):
       remote.sync(stale)
     assert _same_bits(_greedy(remote.sample, prompts), before)
@@ -139,62 +144,92 @@ def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(
                       resync=lambda: sender.message(weights, opt_state,
                                                     full=True))
   assert stats.resynced and remote.resyncs == resyncs + 1
-  assert _same_bits(_greedy(remote.sample, prompts), before)
+  # Now at the learner's newest weights (one step past the engine's).
+  learner_params = learner.dense_weights(weights, opt_state)
+  expected = _greedy(functools.partial(policy.sampler.sample,
+                                       learner_params), prompts)
+  assert _same_bits(_greedy(remote.sample, prompts), expected)
+  assert not _same_bits(expected.logprobs, before.logprobs)
 
 
+@pytest.mark.parametrize("override", ["optimizer.rank=2",
+                                      "optimizer.learning_rate=0.5", "seed=3"])
 def test_a_message_of_another_config_is_refused(remote_run, policy_folder,
-                                                tmp_path):
+                                                tmp_path, override):
   config, policy, _, _, _ = remote_run
-  other = dataclasses.replace(
-      config, optimizer=dataclasses.replace(config.optimizer, rank=2))
-  tx = learner.make_optimizer(other.optimizer, policy.params)
-  weights, opt_state = learner.init_train_state(other.optimizer, tx,
-                                                policy.params)
+  other = train_config.apply_overrides(config, [override])
+  params = jax.tree.map(jnp.copy, policy.params)
+  tx = learner.make_optimizer(other.optimizer, params)
+  weights, opt_state = learner.init_train_state(other.optimizer, tx, params)
   sender = sync.PolicySender(weights, opt_state, seed=other.seed,
                              **engine_lib.sync_fields(other, policy_folder))
   with transport.ProcessEngine(policy, config, policy_folder,
                                log_path=tmp_path / "engine.log") as remote:
+    assert remote.signature != sender.signature
     with pytest.raises(sync.SyncError, match="another policy"):
       remote.sync(sender.message(weights, opt_state, full=True))
     with pytest.raises(transport.TransportError, match="no policy yet"):
       _greedy(remote.sample, _prompts(policy))
 
 
-def test_an_engine_that_dies_is_a_clear_error(policy_folder, tmp_path):
+def test_an_engine_that_dies_or_fails_to_start_is_a_clear_error(
+    policy_folder, tmp_path, monkeypatch):
   config = _config(policy_folder)
   policy = engine_lib.Policy.load(policy_folder)
   remote = transport.ProcessEngine(policy, config, policy_folder,
                                    log_path=tmp_path / "engine.log")
+  # Its own session: a SIGTERM to the learner's process group (a scheduler's
+  # preemption) does not kill it mid-step; the learner closes it.
+  assert os.getsid(remote._process.pid) != os.getsid(0)
   remote._process.kill()
   with pytest.raises(transport.TransportError, match="exited with code -9"):
     _greedy(remote.sample, _prompts(policy))
-  remote.close()
   with pytest.raises(transport.TransportError, match="closed"):
     _greedy(remote.sample, _prompts(policy))
+  remote.close()
+  # A child whose init fails is stopped, its socket and log closed.
+  started = []
+  popen = subprocess.Popen
+  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(
+      popen(*a, **k)) or started[-1])
+  with pytest.raises(transport.TransportError, match="does not exist"):
+    transport.ProcessEngine(policy, config, tmp_path / "no-such-policy",
+                            log_path=tmp_path / "engine.log")
+  assert started and started[0].poll() is not None
 
 
-def test_frames_cut_short_or_damaged_are_refused():
+def test_frames_cut_short_damaged_or_late_are_refused():
   payload = b"x" * 1000
+  frame = transport._header(transport._SYNC, 1, len(payload),
+                            zlib.crc32(payload)) + payload
   for cut in (5, transport._FRAME.size + 400):
     ours, theirs = socket.socketpair()
     with ours, theirs:
-      frame = transport._FRAME.pack(transport._MAGIC, transport._SYNC,
-                                    len(payload), 0) + payload
       ours.sendall(frame[:cut])
       ours.close()
       with pytest.raises(transport.TransportError, match="closed after"):
         transport.recv_frame(theirs)
   ours, theirs = socket.socketpair()
   with ours, theirs:
-    transport.send_frame(ours, transport._SYNC, payload)
-    transport.recv_frame(theirs)      # intact
-    data = bytearray(transport._FRAME.pack(
-        transport._MAGIC, transport._SYNC, len(payload), 7)) + payload
-    ours.sendall(bytes(data))
-    with pytest.raises(transport.TransportError, match="CRC-32"):
+    theirs.settimeout(5.0)
+    transport.send_frame(ours, transport._SYNC, payload, request=7)
+    kind, request, got = transport.recv_frame(theirs)     # intact
+    assert (kind, request, bytes(got)) == (transport._SYNC, 7, payload)
+    bad_payload = transport._header(transport._SYNC, 1, len(payload), 7)
+    ours.sendall(bad_payload + payload)
+    with pytest.raises(transport.TransportError, match="payload differs"):
+      transport.recv_frame(theirs)
+    # A flipped bit of the length is seen before its bytes are waited for.
+    bad_length = bytearray(frame[:transport._FRAME.size])
+    bad_length[14] ^= 0x40
+    ours.sendall(bytes(bad_length))
+    with pytest.raises(transport.TransportError, match="header corrupted"):
       transport.recv_frame(theirs)
     ours.sendall(b"NOPE" + bytes(transport._FRAME.size - 4))
     with pytest.raises(transport.TransportError, match="magic"):
+      transport.recv_frame(theirs)
+    theirs.settimeout(0.2)   # nothing comes
+    with pytest.raises(transport.TransportError, match="no reply within"):
       transport.recv_frame(theirs)
 
 
@@ -241,5 +276,3 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
                     sync.policy_state(weights, opt_state))
   out = _greedy(engine.sample, _prompts(policy))
   assert out.tokens.shape == (6, 4)
-  assert engine_lib.sampling_dtype("auto") == (
-      jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
