@@ -160,17 +160,18 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   return {n: int(v) for n, v in zip(names, values)}
 
 
-def _merge_step(opt_state: optax.OptState) -> int:
-  """The step of the merge the last update was preceded by, or -1: the
-  learner merges (``factored.merge_at_refresh``) when the ``project``
-  stage's count is a multiple of ``refresh_every``, then counts the update."""
+def _merges(opt_state: optax.OptState, since: Optional[int]) -> list[int]:
+  """The steps of the merges the updates since the ``project`` stage's count
+  ``since`` were preceded by (None: the last update's): the learner merges
+  (``factored.merge_at_refresh``) when the count is a multiple of
+  ``refresh_every``, then counts the update."""
   state = sketch_grad.project_state(opt_state)
   if state is None:
-    return -1
-  done = int(state.count)
-  if done > 0 and (done - 1) % state.spec.config.refresh_every == 0:
-    return done - 1
-  return -1
+    return []
+  count = int(state.count)
+  first = count - 1 if since is None else since
+  every = state.spec.config.refresh_every
+  return [m for m in range(max(first, 0), count) if m % every == 0]
 
 
 class PolicySender:
@@ -189,6 +190,7 @@ class PolicySender:
                                **fields)
     self.sequence = -1
     self._window = None        # (window index, its projectors)
+    self._count = None         # the project stage's count at the last message
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
     """:func:`policy_state`, with ``"random"`` projectors regenerated once
@@ -212,15 +214,22 @@ class PolicySender:
       weights, opt_state: the learner's state after its update.
       version: the policy version; default the ``project`` stage's count
       (without one, the message's sequence number).
-      full: carry every array (a resync).
+      full: carry every array (a resync). A message is also full when the
+        receiver could not follow the updates since the last one: a merge
+        after the first of them (several updates per message, e.g.
+        ``num_iterations > 1``), whose window the receiver never held.
     """
     named = named_arrays(self._state(weights, opt_state))
-    merge_step = _merge_step(opt_state)
+    merges = _merges(opt_state, self._count)
+    full = (full or self.sequence < 0   # a receiver starts from a full one
+            or any(m != self._count for m in merges))
+    merge_step = merges[-1] if merges else -1
     sent = lambda kind: (full or kind in (COORDS, SCALE, DENSE)
                          or (kind == PROJECTOR and merge_step >= 0))
     self.sequence += 1
+    project = sketch_grad.project_state(opt_state)
+    self._count = None if project is None else int(project.count)
     if version is None:
-      project = sketch_grad.project_state(opt_state)
       version = self.sequence if project is None else int(project.count)
     return SyncMessage(
         sequence=self.sequence, version=version, signature=self.signature,

@@ -113,6 +113,27 @@ def test_a_step_message_carries_only_the_window():
   assert second.nbytes == 4 * (12 + 16 + 20)
 
 
+def test_several_updates_per_message_stay_exact():
+  """Two updates per message (``num_iterations=2``): a merge before the
+  first of them is sent as a merge, one before the second (whose window the
+  receiver never held) as a full message."""
+  weights, state, step = _learner("range", "bfloat16", 0.0)
+  sender = sync.PolicySender(weights, state, seed=7)
+  receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7)
+  receiver.apply(sender.message(weights, state))   # the first is full
+  fulls, merges = [], []
+  for i in range(0, 60, 2):     # merges before the updates at counts 0, 25, 50
+    for j in (i, i + 1):
+      weights, state = step(weights, state, _batch(j))
+    message = sender.message(weights, state)
+    fulls.append(message.full)
+    merges.append(message.merge_step)
+    receiver.apply(message)     # raises on any checksum mismatch
+  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert [i for i, f in enumerate(fulls) if f] == [12]       # counts 24-26
+  assert [m for m in merges if m >= 0] == [0, 25, 50]
+
+
 @pytest.fixture(scope="module")
 def synced():
   """A learner two steps in, its messages, and a receiver after the first."""
