@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from logra_jax import parallel
 from logra_jax import sync
 from logra_jax.configs import train as train_config
 from logra_jax.rl import learner, trainer
@@ -276,3 +277,12 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
                     sync.policy_state(weights, opt_state))
   out = _greedy(engine.sample, _prompts(policy))
   assert out.tokens.shape == (6, 4)
+
+
+def test_a_process_engine_with_a_mesh_is_refused_before_anything_is_written(
+    policy_folder, tmp_path):
+  config = _config(policy_folder, "rollout.engine=process")
+  with pytest.raises(ValueError, match="rollout.engine=process"):
+    trainer.train(config, tmp_path / "run", progress=False, log=QUIET,
+                  mesh=parallel.MeshConfig(fsdp=2))
+  assert not (tmp_path / "run").exists()
