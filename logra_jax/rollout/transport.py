@@ -215,7 +215,8 @@ class ProcessEngine(engine_lib.Engine):
       prompts and decodes completions here; its weights are not sent).
     config: the run's config; the child builds its engine from it.
     folder: the policy's HF folder, which the child loads the model from.
-    log_path: where the child's output goes (None: this process's stderr).
+    log_path: where the child's output goes (None: its stderr is this
+      process's, its stdout discarded).
     timeout: seconds to wait for each reply (loading, compiling and sampling
       included).
     env: the child's environment (None: this process's).
@@ -242,15 +243,18 @@ class ProcessEngine(engine_lib.Engine):
                   "jax": {name: getattr(jax.config, name)
                           for name in _JAX_SETTINGS}})
     try:
-      self._log = (sys.stderr if log_path is None
-                   else open(log_path, "ab"))
+      if log_path is not None:
+        self._log = open(log_path, "ab")
       self._sock, theirs = socket.socketpair()
       with theirs:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "logra_jax.rollout.transport",
              "--fd", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=self._log, stderr=self._log, env=env,
+            # Without a log: its stderr is this process's (file descriptor
+            # 2, which also works under notebooks' replaced sys.stderr).
+            stdout=self._log or subprocess.DEVNULL, stderr=self._log,
+            env=env,
             start_new_session=True)
       self._sock.settimeout(timeout)
       self.signature = _unpack(self._request(_INIT, init))["signature"]
@@ -307,7 +311,7 @@ class ProcessEngine(engine_lib.Engine):
         note += f"; its log: {self._log_path}"
       note += ")"
       self._process = None
-    if self._log not in (None, sys.stderr):
+    if self._log is not None:
       self._log.close()
     self._log = None
     return note
