@@ -16,8 +16,10 @@ a non-refresh LoGRA step that takes full gradients. Embeddings and the
 LM head stay dense for GaLore and LoGRA alike; every transformer-block matrix
 is projected at the same rank. LoGRA with factored weights (`W = B + P A`,
 updated from sketches; `logra_jax.optim.factored`) is timed on its
-non-refresh update and, in the refresh column, the update plus the merge of
-the window into `B` that a factored run does once per refresh.
+non-refresh update, with the window's projectors as the learner's sketch
+gradients hand them over (stored ones passed through, random ones
+regenerated), and, in the refresh column, the update plus the merge of the
+window into `B` that a factored run does once per refresh.
 
 `--arms` restricts the rows to optimizers whose name contains one of the given
 strings (optax.adam always runs: it is the reference); `--rounds N` times every
@@ -44,6 +46,7 @@ import optax.contrib
 import logra_jax as logra
 from logra_jax import sketch_grad
 from logra_jax.optim import factored
+from logra_jax.optim import transforms
 
 GPT2_SMALL = dict(vocab=50257, positions=1024, d=768, heads_dim=768,
                   kv_dim=768, mlp=3072, layers=12, gated=False)
@@ -162,6 +165,10 @@ def time_factored_steps(tx, shapes, repeats: int, merge: bool) -> float:
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(weights, state, grads, projectors):
+    if projectors is None:
+      # Within a window, as value_and_sketch_grad hands them over: the
+      # stored projectors passed through, or the random ones regenerated.
+      projectors = transforms.window_projectors(state)
     updates, state = tx.update(grads, state, weights, projectors=projectors)
     weights = factored.apply_updates(weights, updates)
     if merge:
@@ -169,13 +176,14 @@ def time_factored_steps(tx, shapes, repeats: int, merge: bool) -> float:
                                step=sketch_grad.project_state(state).count)
     return weights, state
 
-  weights, state = jax.block_until_ready(step(weights, state, grads,
-                                              projectors))   # compile
+  # The first update stores the window's projectors; then compile the
+  # in-window step.
+  weights, state = step(weights, state, grads, projectors)
+  weights, state = jax.block_until_ready(step(weights, state, grads, None))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    weights, state = jax.block_until_ready(step(weights, state, grads,
-                                                projectors))
+    weights, state = jax.block_until_ready(step(weights, state, grads, None))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
 
