@@ -352,6 +352,47 @@ def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
           params_sharding)
 
 
+def _start_engine(config: TrainConfig, policy: engine_lib.Policy,
+                  folder: pathlib.Path, out: pathlib.Path, params: Any,
+                  opt_state: Any, params_sharding: Any,
+                  closing: contextlib.ExitStack
+                  ) -> tuple[sync.PolicySender, engine_lib.Engine]:
+  """The learner's sync sender and the rollout engine of
+  ``config.rollout.engine`` (closed by ``closing``), synced to the learner's
+  weights by a full message."""
+  sync_fields = engine_lib.sync_fields(config, folder)
+  sender = sync.PolicySender(params, opt_state, seed=config.seed,
+                             **sync_fields)
+  if config.rollout.engine == "process":
+    engine = transport.ProcessEngine(policy, config, folder,
+                                     log_path=out / "rollout_engine.log")
+  else:
+    engine = engine_lib.RolloutEngine(
+        policy, sync.policy_state(params, opt_state), seed=config.seed,
+        shardings=params_sharding,
+        dtype=engine_lib.sampling_dtype(config.rollout.dtype), **sync_fields)
+  closing.callback(engine.close)
+  if engine.signature != sender.signature:
+    raise ValueError(
+        "the rollout engine was built for another policy than the learner's "
+        "(model, shapes, dtypes, seed or optimizer settings differ)")
+  engine.sync(sender.message(params, opt_state, full=True))
+  return sender, engine
+
+
+def _update(train_step: Callable, params: Any, opt_state: Any,
+            batch: algo.RolloutBatch, num_iterations: int):
+  """``num_iterations`` learner updates on one rollout batch: the new
+  ``(params, opt_state)``, the last update's metrics, the non-finite guard's
+  state and the quantities it skipped an update for."""
+  skipped = set()
+  for _ in range(num_iterations):
+    params, opt_state, metrics = train_step(params, opt_state, batch)
+    guard = learner_lib.non_finite_state(opt_state)
+    skipped.update(learner_lib.non_finite_reasons(guard.reason))
+  return params, opt_state, metrics, guard, skipped
+
+
 def _sync_metrics(stats: engine_lib.SyncStats, resyncs: int
                   ) -> dict[str, float]:
   """A step's sync figures: bytes of the message, of a full bfloat16
@@ -458,23 +499,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
   # otherwise sit next to the float32 weights it was made from), and the
   # rollout engine's copy follows them through sync messages.
   policy.params = None
-  sync_fields = engine_lib.sync_fields(config, folder)
-  sender = sync.PolicySender(params, opt_state, seed=config.seed,
-                             **sync_fields)
-  if config.rollout.engine == "process":
-    engine = transport.ProcessEngine(policy, config, folder,
-                                     log_path=out / "rollout_engine.log")
-  else:
-    engine = engine_lib.RolloutEngine(
-        policy, sync.policy_state(params, opt_state), seed=config.seed,
-        shardings=params_sharding,
-        dtype=engine_lib.sampling_dtype(config.rollout.dtype), **sync_fields)
-  closing.callback(engine.close)
-  if engine.signature != sender.signature:
-    raise ValueError(
-        "the rollout engine was built for another policy than the learner's "
-        "(model, shapes, dtypes, seed or optimizer settings differ)")
-  engine.sync(sender.message(params, opt_state, full=True))
+  sender, engine = _start_engine(config, policy, folder, out, params,
+                                 opt_state, params_sharding, closing)
   (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
@@ -531,12 +557,8 @@ def _train(config: TrainConfig, out: pathlib.Path,
           if fill_reference is not None:
             batch = fill_reference(ref_params, batch)
           rollout_seconds = time.perf_counter() - step_start
-          skipped = set()
-          for _ in range(config.num_iterations):
-            params, opt_state, step_metrics = train_step(params, opt_state,
-                                                         batch)
-            guard = learner_lib.non_finite_state(opt_state)
-            skipped.update(learner_lib.non_finite_reasons(guard.reason))
+          params, opt_state, step_metrics, guard, skipped = _update(
+              train_step, params, opt_state, batch, config.num_iterations)
           full = bool(config.sync.resync_every
                       and done % config.sync.resync_every == 0)
           synced = engine.sync(
