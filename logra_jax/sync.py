@@ -387,17 +387,23 @@ def encode(message: SyncMessage) -> bytes:
   """``message`` as bytes: a header (magic, format version, payload length,
   CRC-32 of the payload) and a msgpack payload of the fields and the arrays
   (``flax.serialization``; no pickle)."""
+  return b"".join(encode_parts(message))
+
+
+def encode_parts(message: SyncMessage) -> tuple[bytes, bytes]:
+  """:func:`encode`'s header and payload, not joined (a transport sends them
+  one after the other instead of copying a large message once more)."""
   payload = serialization.msgpack_serialize({
       "sequence": message.sequence, "version": message.version,
       "signature": message.signature, "full": message.full,
       "merge_step": message.merge_step,
       "arrays": {n: np.asarray(x) for n, x in message.arrays.items()},
       "checksums": dict(message.checksums)})
-  return _HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload),
-                      zlib.crc32(payload)) + payload
+  return (_HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload),
+                       zlib.crc32(payload)), payload)
 
 
-def decode(data: bytes) -> SyncMessage:
+def decode(data: bytes | bytearray | memoryview) -> SyncMessage:
   """The :class:`SyncMessage` of :func:`encode`'s bytes.
 
   Raises:
@@ -413,7 +419,7 @@ def decode(data: bytes) -> SyncMessage:
   if version != FORMAT_VERSION:
     raise SyncError(f"sync message format {version}; this version reads "
                     f"format {FORMAT_VERSION}")
-  payload = data[_HEADER.size:]
+  payload = memoryview(data)[_HEADER.size:]   # not a copy
   if len(payload) != length:
     raise SyncError(f"sync message truncated or padded: payload of "
                     f"{len(payload)} bytes, header says {length}")

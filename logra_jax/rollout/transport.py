@@ -70,11 +70,17 @@ def _header(kind: int, request: int, length: int, crc: int) -> bytes:
   return fields + struct.pack("<I", zlib.crc32(fields))
 
 
-def send_frame(sock: socket.socket, kind: int, payload: bytes,
-               request: int = 0) -> None:
-  """Sends one frame: its header, then ``payload`` (no joined copy)."""
-  sock.sendall(_header(kind, request, len(payload), zlib.crc32(payload)))
-  sock.sendall(payload)
+def send_frame(sock: socket.socket, kind: int,
+               payload: bytes | Sequence[bytes], request: int = 0) -> None:
+  """Sends one frame: its header, then ``payload`` (bytes, or parts sent one
+  after the other: nothing is joined)."""
+  parts = (payload,) if isinstance(payload, (bytes, bytearray)) else payload
+  crc = 0
+  for part in parts:
+    crc = zlib.crc32(part, crc)
+  sock.sendall(_header(kind, request, sum(map(len, parts)), crc))
+  for part in parts:
+    sock.sendall(part)
 
 
 def _read_exactly(sock: socket.socket, size: int, what: str) -> bytearray:
@@ -129,7 +135,7 @@ class _Server:
   def __init__(self):
     self.engine: Optional[engine_lib.RolloutEngine] = None
 
-  def handle(self, kind: int, payload: bytes) -> tuple[int, bytes]:
+  def handle(self, kind: int, payload: bytearray) -> tuple[int, bytes]:
     if kind == _INIT:
       request = _unpack(payload)
       for name, value in request["jax"].items():
@@ -153,7 +159,7 @@ class _Server:
       raise TransportError(f"a {_KINDS[kind]} request before init")
     if kind == _SYNC:
       try:
-        stats = self.engine.sync(sync.decode(payload))
+        stats = self.engine.sync(sync.decode(payload))   # no copy
       except sync.SyncError as e:
         return _REFUSED, str(e).encode()
       return _OK, _pack(dataclasses.asdict(stats))
@@ -186,7 +192,7 @@ def serve(sock: socket.socket) -> None:
       send_frame(sock, _OK, b"", request)
       return
     try:
-      reply = server.handle(kind, bytes(payload))
+      reply = server.handle(kind, payload)
     except Exception:   # noqa: BLE001 (reported to the learner)
       reply = _ERROR, traceback.format_exc().encode()
     send_frame(sock, *reply, request)
@@ -262,14 +268,15 @@ class ProcessEngine(engine_lib.Engine):
       self._stop()
       raise
 
-  def _request(self, kind: int, payload: bytes) -> bytes:
+  def _request(self, kind: int, payload: bytes | Sequence[bytes]) -> bytes:
     """Sends a request; its reply's payload (raises on an error reply)."""
     reply_kind, reply = self._exchange(kind, payload)
     if reply_kind == _REFUSED:
       raise sync.SyncError(bytes(reply).decode())
     return reply
 
-  def _exchange(self, kind: int, payload: bytes) -> tuple[int, bytearray]:
+  def _exchange(self, kind: int, payload: bytes | Sequence[bytes]
+                ) -> tuple[int, bytearray]:
     if self._sock is None:
       raise TransportError("the rollout engine process is closed")
     self._requests += 1
@@ -281,7 +288,7 @@ class ProcessEngine(engine_lib.Engine):
             f"reply {request} ({_KINDS[reply_kind]}) to request "
             f"{self._requests} ({_KINDS[kind]})")
     except BaseException as e:
-      note = self._stop()
+      note = self._stop(grace=5.0)   # a dead child is reaped at once
       if isinstance(e, (TransportError, OSError)):
         raise TransportError(f"rollout engine process: {e}{note}") from e
       raise
@@ -322,11 +329,11 @@ class ProcessEngine(engine_lib.Engine):
     start = time.perf_counter()
     resynced = False
     try:
-      reply = self._request(_SYNC, sync.encode(message))
+      reply = self._request(_SYNC, sync.encode_parts(message))
     except sync.SyncError:
       if resync is None:
         raise
-      reply = self._request(_SYNC, sync.encode(resync()))
+      reply = self._request(_SYNC, sync.encode_parts(resync()))
       self.resyncs += 1
       resynced = True
     stats = engine_lib.SyncStats(**_unpack(reply))

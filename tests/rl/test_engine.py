@@ -216,6 +216,8 @@ def test_frames_cut_short_damaged_or_late_are_refused():
     transport.send_frame(ours, transport._SYNC, payload, request=7)
     kind, request, got = transport.recv_frame(theirs)     # intact
     assert (kind, request, bytes(got)) == (transport._SYNC, 7, payload)
+    transport.send_frame(ours, transport._SYNC, [payload[:300], payload[300:]])
+    assert bytes(transport.recv_frame(theirs)[2]) == payload   # sent in parts
     bad_payload = transport._header(transport._SYNC, 1, len(payload), 7)
     ours.sendall(bad_payload + payload)
     with pytest.raises(transport.TransportError, match="payload differs"):
