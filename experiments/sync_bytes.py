@@ -67,12 +67,8 @@ def checksum_temp_bytes(state: dict) -> int:
   """Temporaries of the compiled checksum program over every array of an
   abstract policy state (what the learner computes for each message)."""
   leaves = [x for _, x in sync.named_arrays(state).values()]
-  # As the planner compiles on CPU: without hoisting a float32 copy of the
-  # bfloat16 arrays out of the loop, which an accelerator never makes.
-  options = (memory._CPU_PLAN_COMPILER_OPTIONS
-             if jax.default_backend() == "cpu" else None)
-  compiled = checkpoint.leaf_checksums.lower(leaves).compile(options)
-  return compiled.memory_analysis().temp_size_in_bytes
+  return memory.compiled_memory(
+      checkpoint.leaf_checksums.lower(leaves)).temp_size_in_bytes
 
 
 def message_bytes(model: str, rank: int, project_embeddings: bool

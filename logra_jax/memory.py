@@ -93,6 +93,24 @@ _CPU_PLAN_COMPILER_OPTIONS = {
     "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
+def compiled_memory(lowered: jax.stages.Lowered,
+                    platform: Optional[str] = None) -> Any:
+  """XLA's memory analysis of ``lowered`` compiled as an accelerator would
+  lay it out: on CPU without hoisting loop-invariant work (see above), so
+  that a bfloat16 stack is not widened to a float32 copy before its loop.
+  ``platform``: where it compiles (default: JAX's default backend).
+
+  Example:
+    >>> x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    >>> compiled_memory(jax.jit(jnp.sin).lower(x)).output_size_in_bytes
+    128
+  """
+  on_cpu = (platform or jax.default_backend()) == "cpu"
+  return lowered.compile(
+      compiler_options=_CPU_PLAN_COMPILER_OPTIONS if on_cpu else None
+  ).memory_analysis()
+
+
 def load_model_config(model: str) -> models.DecoderConfig:
   """A decoder config from a preset name or a local HF ``config.json``.
 
@@ -349,10 +367,8 @@ def plan_memory(
       graphdef, tx, run_config,
       shardings=(weights_sharding, state_sharding, batch_sharding),
       activation_rules=parallel.PARTITION_RULES)
-  on_cpu = device_mesh.devices.flat[0].platform == "cpu"
-  stats = step.lower(weights, state, batch).compile(
-      compiler_options=_CPU_PLAN_COMPILER_OPTIONS if on_cpu else None
-  ).memory_analysis()
+  stats = compiled_memory(step.lower(weights, state, batch),
+                          device_mesh.devices.flat[0].platform)
 
   params_bytes = _sharded_bytes(weights, weights_sharding)
   grads_bytes = (_sketched_gradient_bytes(state, params, params_sharding)

@@ -160,12 +160,12 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   return {n: int(v) for n, v in zip(names, values)}
 
 
-def _merges(opt_state: optax.OptState, since: Optional[int]) -> list[int]:
+def _merges(state: Optional[transforms.ProjectState],
+            since: Optional[int]) -> list[int]:
   """The steps of the merges the updates since the ``project`` stage's count
   ``since`` were preceded by (None: the last update's): the learner merges
   (``factored.merge_at_refresh``) when the count is a multiple of
   ``refresh_every``, then counts the update."""
-  state = sketch_grad.project_state(opt_state)
   if state is None:
     return []
   count = int(state.count)
@@ -219,15 +219,15 @@ class PolicySender:
         after the first of them (several updates per message, e.g.
         ``num_iterations > 1``), whose window the receiver never held.
     """
+    project = sketch_grad.project_state(opt_state)
     named = named_arrays(self._state(weights, opt_state))
-    merges = _merges(opt_state, self._count)
+    merges = _merges(project, self._count)
     full = (full or self.sequence < 0   # a receiver starts from a full one
             or any(m != self._count for m in merges))
     merge_step = merges[-1] if merges else -1
     sent = lambda kind: (full or kind in (COORDS, SCALE, DENSE)
                          or (kind == PROJECTOR and merge_step >= 0))
     self.sequence += 1
-    project = sketch_grad.project_state(opt_state)
     self._count = None if project is None else int(project.count)
     if version is None:
       version = self.sequence if project is None else int(project.count)

@@ -744,8 +744,8 @@ def test_checksums_of_a_layer_stack_are_summed_a_layer_at_a_time():
   # Temporaries of one layer, not of the stack (compiled as the memory
   # planner compiles on CPU).
   stack = jax.ShapeDtypeStruct((16, 256, 512), jnp.float32)
-  temp = checkpoint.leaf_checksums.lower([stack]).compile(
-      memory._CPU_PLAN_COMPILER_OPTIONS).memory_analysis().temp_size_in_bytes
+  temp = memory.compiled_memory(
+      checkpoint.leaf_checksums.lower([stack])).temp_size_in_bytes
   layer = 256 * 512 * 4
   assert temp < 2 * layer + 2**12
 

@@ -226,7 +226,7 @@ class Engine:
   """
 
   policy: Policy
-  resyncs: int
+  resyncs: int = 0
   signature: str
 
   def sync(self, message: sync.SyncMessage,
@@ -236,6 +236,21 @@ class Engine:
     applies ``resync()`` (a full message) instead and counts a resync, or
     raises without ``resync``. The engine's weights change only to a
     verified state."""
+    start = time.perf_counter()
+    resynced = False
+    try:
+      stats = self._apply(message)
+    except sync.SyncError:
+      if resync is None:
+        raise
+      stats = self._apply(resync())
+      self.resyncs += 1
+      resynced = True
+    return dataclasses.replace(stats, resynced=resynced,
+                               seconds=time.perf_counter() - start)
+
+  def _apply(self, message: sync.SyncMessage) -> SyncStats:
+    """Applies one message (raises :class:`sync.SyncError` if refused)."""
     raise NotImplementedError
 
   def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
@@ -310,7 +325,6 @@ class RolloutEngine(Engine):
         functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
         out_shardings=shardings)
     self._params = None
-    self.resyncs = 0
 
   @property
   def params(self) -> Any:
@@ -321,29 +335,16 @@ class RolloutEngine(Engine):
                          "message first")
     return self._params
 
-  def sync(self, message: sync.SyncMessage,
-           resync: Optional[Callable[[], sync.SyncMessage]] = None
-           ) -> SyncStats:
-    start = time.perf_counter()
-    resynced = False
-    try:
-      self.receiver.apply(message)
-    except sync.SyncError:
-      if resync is None:
-        raise
-      message = resync()
-      self.receiver.apply(message)
-      self.resyncs += 1
-      resynced = True
+  def _apply(self, message: sync.SyncMessage) -> SyncStats:
+    self.receiver.apply(message)
     old, self._params = self._params, None   # none until these are made
     self._params = jax.block_until_ready(
         self._materialize(self.receiver.state))
-    seconds = time.perf_counter() - start
     num_params = sum(x.size for x in jax.tree.leaves(self._params))
     changed = (num_params if old is None
                else int(changed_bfloat16_values(old, self._params)))
     return SyncStats(
-        message_bytes=message.nbytes, seconds=seconds, resynced=resynced,
+        message_bytes=message.nbytes, seconds=0.0, resynced=False,
         full_bfloat16_bytes=2 * num_params,
         sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed)
 

@@ -7,13 +7,14 @@ its own, so a learner of another model, rank or projector kind is refused)
 and serves requests until it is closed or the socket closes.
 
 Every request and reply is one frame: a header (magic ``LGRT``, kind,
-payload length, CRC-32 of the payload) and a msgpack payload
-(``flax.serialization``; never pickle). A sync request carries the bytes of
+request id, payload length, CRC-32 of the payload, CRC-32 of the header) and
+a msgpack payload (``flax.serialization``; never pickle); a reply carries
+its request's id. A sync request carries the bytes of
 :func:`logra_jax.sync.encode`, which have their own header and checksum.
-A frame cut short (the other side died or closed mid-message) or damaged is
-a :class:`TransportError`; a sync message the child refuses comes back as a
-refusal, and :meth:`ProcessEngine.sync` then sends a full message, as the
-colocated engine does.
+A frame cut short (the other side died or closed mid-message), damaged or
+late is a :class:`TransportError`; a sync message the child refuses comes
+back as a refusal, and :meth:`ProcessEngine.sync` then sends a full message,
+as the colocated engine does.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import traceback
 import zlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,8 @@ from logra_jax.rollout import engine as engine_lib
 # magic, kind, request id, payload length, CRC-32 of the payload, CRC-32 of
 # the header's other fields (checked before the payload is read, so that a
 # damaged length is not waited for).
-_FRAME = struct.Struct("<4sBQQII")
+_FIELDS = struct.Struct("<4sBQQI")
+_FRAME = struct.Struct(_FIELDS.format + "I")
 _MAGIC = b"LGRT"
 # Requests.
 _INIT, _SYNC, _SAMPLE, _CLOSE = 1, 2, 3, 4
@@ -65,8 +66,12 @@ class TransportError(RuntimeError):
   a request."""
 
 
+class _Closed(TransportError):
+  """The connection closed between frames."""
+
+
 def _header(kind: int, request: int, length: int, crc: int) -> bytes:
-  fields = struct.pack("<4sBQQI", _MAGIC, kind, request, length, crc)
+  fields = _FIELDS.pack(_MAGIC, kind, request, length, crc)
   return fields + struct.pack("<I", zlib.crc32(fields))
 
 
@@ -83,6 +88,9 @@ def send_frame(sock: socket.socket, kind: int,
     sock.sendall(part)
 
 
+_HEADER_WHAT = "a frame header"
+
+
 def _read_exactly(sock: socket.socket, size: int, what: str) -> bytearray:
   buffer = bytearray(size)
   view, got = memoryview(buffer), 0
@@ -93,8 +101,9 @@ def _read_exactly(sock: socket.socket, size: int, what: str) -> bytearray:
       raise TransportError(f"no reply within {sock.gettimeout():.0f} s "
                            f"({got} of the {size} bytes of {what})") from None
     if not count:
-      raise TransportError(f"the connection closed after {got} of the "
-                           f"{size} bytes of {what}")
+      raise (_Closed if got == 0 and what == _HEADER_WHAT else
+             TransportError)(f"the connection closed after {got} of the "
+                             f"{size} bytes of {what}")
     got += count
   return buffer
 
@@ -107,7 +116,7 @@ def recv_frame(sock: socket.socket) -> tuple[int, int, bytearray]:
       frame came within the socket's timeout, or the header or the
       payload's CRC-32 is wrong.
   """
-  header = _read_exactly(sock, _FRAME.size, "a frame header")
+  header = _read_exactly(sock, _FRAME.size, _HEADER_WHAT)
   magic, kind, request, length, crc, header_crc = _FRAME.unpack(header)
   if magic != _MAGIC:
     raise TransportError("not a rollout engine frame (bad magic bytes)")
@@ -184,9 +193,10 @@ def serve(sock: socket.socket) -> None:
   while True:
     try:
       kind, request, payload = recv_frame(sock)
+    except _Closed:
+      return   # the learner went away
     except TransportError as e:
-      if "closed after 0 of" not in str(e):   # not a plain close
-        print(f"rollout engine: {e}; exiting", file=sys.stderr, flush=True)
+      print(f"rollout engine: {e}; exiting", file=sys.stderr, flush=True)
       return
     if kind == _CLOSE:
       send_frame(sock, _OK, b"", request)
@@ -240,7 +250,6 @@ class ProcessEngine(engine_lib.Engine):
                timeout: float = 3600.0,
                env: Optional[dict[str, str]] = None):
     self.policy = policy
-    self.resyncs = 0
     self._requests = 0
     self._sock = self._process = self._log = None
     self._log_path = None if log_path is None else pathlib.Path(log_path)
@@ -323,22 +332,9 @@ class ProcessEngine(engine_lib.Engine):
     self._log = None
     return note
 
-  def sync(self, message: sync.SyncMessage,
-           resync: Optional[Callable[[], sync.SyncMessage]] = None
-           ) -> engine_lib.SyncStats:
-    start = time.perf_counter()
-    resynced = False
-    try:
-      reply = self._request(_SYNC, sync.encode_parts(message))
-    except sync.SyncError:
-      if resync is None:
-        raise
-      reply = self._request(_SYNC, sync.encode_parts(resync()))
-      self.resyncs += 1
-      resynced = True
-    stats = engine_lib.SyncStats(**_unpack(reply))
-    return dataclasses.replace(stats, resynced=resynced,
-                               seconds=time.perf_counter() - start)
+  def _apply(self, message: sync.SyncMessage) -> engine_lib.SyncStats:
+    return engine_lib.SyncStats(
+        **_unpack(self._request(_SYNC, sync.encode_parts(message))))
 
   def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
              **settings: Any) -> models.SampleOutput:
