@@ -12,7 +12,7 @@ Writes to the output folder: one run folder per arm and seed,
 held-out accuracy and the KL statistics), `kl_control.png` (realized KL per
 step and held-out accuracy), and `overhead.md`: the compiled train step's time
 without and with the predictor next to one forward pass on the same batch.
-Finished runs whose `config.json` matches are reused (`--rerun` to redo them).
+Finished runs whose `config.yaml` matches are reused (`--rerun` to redo them).
 
 Run: python experiments/kl_control.py [--seeds 0 1 2] [--steps 125]
      [--target-kl 5e-3] [--arms logra-1x adam logra logra+kl adam+kl]
@@ -91,7 +91,7 @@ def measure_overhead(config, repeats: int) -> str:
                                                      log=lambda s: None))
   batch, _ = engine.rollout(
       policy, policy.params, list(examples[:config.rollout.prompts_per_step]),
-      config, trainer.task_rewards(task), jax.random.key(0))
+      config, [(trainer.task_verifier(task), 1.0)], jax.random.key(0))
   forward = jax.jit(lambda params, state: (models.token_logprobs(
       policy.graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
       batch.completion_tokens_BxT, batch.completion_mask_BxT), state))

@@ -3,7 +3,7 @@
 Runs the tiny default task (the same warm-started policy) with each optimizer
 and several seeds, then writes `parity.csv` and `parity.md` (accuracy mean and
 standard deviation over seeds, optimizer-state bytes) to the output folder.
-Finished runs whose `config.json` matches are reused (`--rerun` redoes them).
+Finished runs whose `config.yaml` matches are reused (`--rerun` redoes them).
 
 Run: python experiments/parity.py [--seeds 0 1 2] [--out runs/parity]
      [--set key=value ...]   (overrides applied to every run)

@@ -71,7 +71,7 @@ BEST_METRIC = "accuracy/eval"
 # means: how long the run goes on, how often it evaluates and saves, when it
 # gives up on non-finite steps, and where the policy folder (whose model
 # config is checked separately) lives. Every other change is refused.
-RESUMABLE_FIELDS = ("steps", "eval_every", "checkpoint",
+RESUMABLE_FIELDS = ("steps", "eval_every", "checkpoint", "logging",
                     "max_consecutive_skips", "policy.path",
                     "policy.cache_dir", "rollout.engine", "sync")
 # HF config keys that name a file or a library version, not the model.

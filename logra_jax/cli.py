@@ -1,5 +1,5 @@
-"""Command line: ``logra train``, ``logra eval``, ``logra memory`` and
-``logra export``."""
+"""Command line: ``logra train``, ``logra eval``, ``logra memory``,
+``logra export`` and ``logra convert``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,16 @@ import time
 from logra_jax.configs import train as train_config
 
 
+def _config(args: argparse.Namespace) -> train_config.TrainConfig:
+  """The run config of ``--preset``, ``--config`` files and overrides
+  (``--set`` ones, then positional ones), composed in that order."""
+  return train_config.load_config(args.preset, args.config,
+                                  args.set + args.overrides)
+
+
 def _train(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
-  config = train_config.apply_overrides(
-      train_config.get_preset(args.preset), args.set)
+  config = _config(args)
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -39,16 +45,24 @@ def _export(args: argparse.Namespace) -> int:
   return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+  from logra_jax.models import gguf_io
+  out = gguf_io.convert_gguf(args.gguf, args.out, overwrite=args.overwrite)
+  print(f"policy written to {out}")
+  return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
   from logra_jax.rollout import engine
-  config = train_config.apply_overrides(
-      train_config.get_preset(args.preset), args.set)
+  config = _config(args)
   task = trainer.load_task(config)
+  rewards = trainer.run_rewards(config, task)
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
-  policy = engine.Policy.load(args.policy)
-  result = engine.evaluate(policy, policy.params, eval_examples,
-                           trainer.task_rewards(task),
+  policy = engine.Policy.load(args.policy,
+                              chat_template=config.task.chat_template,
+                              system_prompt=config.task.system_prompt)
+  result = engine.evaluate(policy, policy.params, eval_examples, rewards,
                            config.rollout.max_new_tokens)
   print(json.dumps({"policy": args.policy, "task": task.name,
                     "examples": len(eval_examples), **result}))
@@ -77,10 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
   commands = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--preset", default="tiny",
-                      help=f"named config: {sorted(train_config.PRESETS)}")
+                      help=f"named config: {train_config.preset_names()}")
+  common.add_argument("--config", action="append", default=[],
+                      metavar="FILE",
+                      help="a YAML run config merged over the preset (may be "
+                           "given several times; e.g. a run's config.yaml)")
   common.add_argument("--set", action="append", default=[],
                       metavar="KEY=VALUE",
                       help="override a config field, e.g. optimizer.rank=8")
+  common.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                      help="more overrides, applied after --set; values are "
+                           "YAML, e.g. task.options={max_terms: 4}")
   train = commands.add_parser("train", parents=[common],
                               help="run RL post-training")
   train.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
@@ -149,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
   export.add_argument("--overwrite", action="store_true",
                       help="replace an existing --out")
   export.set_defaults(run=_export)
+  convert = commands.add_parser(
+      "convert", help="write a GGUF checkpoint as a Hugging Face policy "
+                      "folder (needs the gguf package: the convert extra)")
+  convert.add_argument("--gguf", required=True,
+                       help="the .gguf file (llama or qwen2; quantized "
+                            "tensors are dequantized to float32)")
+  convert.add_argument("--out", required=True, help="the HF folder to write")
+  convert.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --out")
+  convert.set_defaults(run=_convert)
   return parser
 
 

@@ -208,7 +208,7 @@ def rollout_batch(policy_folder):
   policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(SMOKE)
   batch, _ = engine.rollout(policy, policy.params, list(task.examples[:4]),
-                             SMOKE, trainer.task_rewards(task),
+                             SMOKE, trainer.run_rewards(SMOKE, task),
                              jax.random.key(1))
   return policy, batch.replace(
       advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
@@ -332,8 +332,8 @@ def test_resume_with_a_refused_config_change(config, straight, tmp_path,
   with pytest.raises(checkpoint.CheckpointError, match=message):
     trainer.train(changed, run, progress=False, log=QUIET, resume=True)
   # Nothing was written: the original config still describes the run.
-  assert json.loads((run / "config.json").read_text()) == (
-      train_config.to_dict(config))
+  assert train_config.load_config(
+      "tiny", [run / "config.yaml"]) == config
 
 
 def test_resume_with_another_model_or_mesh(config, straight, tmp_path):

@@ -2,7 +2,6 @@
 the exit status of a run stopped by a signal."""
 
 import doctest
-import json
 
 import pytest
 
@@ -25,8 +24,8 @@ def _one_line_error(capsys, command: str) -> str:
 def _run_folder(folder):
   """What a training run leaves: its config and checkpoints."""
   (folder / "checkpoints").mkdir(parents=True)
-  (folder / "config.json").write_text(json.dumps(train_config.to_dict(
-      train_config.get_preset("smoke"))))
+  (folder / "config.yaml").write_text(train_config.to_yaml(
+      train_config.get_preset("smoke")))
   return folder
 
 
@@ -62,7 +61,7 @@ def test_bad_train_input_is_one_line_and_writes_nothing(args, message,
 
 @pytest.mark.parametrize("policy, message", [
     ("{tmp}/missing", "policy folder {tmp}/missing does not exist"),
-    ("{tmp}/run/config.json", "policy folder {tmp}/run/config.json is a "
+    ("{tmp}/run/config.yaml", "policy folder {tmp}/run/config.yaml is a "
      "file, not a folder"),
     ("{tmp}/run", "{tmp}/run is the folder of a training run, not a policy: "
      "write its policy as a Hugging Face folder with `logra export "

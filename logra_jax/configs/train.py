@@ -1,29 +1,48 @@
-"""Typed, frozen configuration of an RL run, with named presets.
+"""Typed, frozen configuration of an RL run: presets, YAML files and overrides.
 
-A run is a :class:`TrainConfig` made of small sections. Presets are plain
-values in :data:`PRESETS`; command-line overrides are ``section.field=value``
-strings applied by :func:`apply_overrides`, which parses each value with the
-type of the field it replaces.
+A run is a :class:`TrainConfig` made of small frozen sections, each checked
+when it is built. :func:`load_config` composes, in this order, a named preset
+(a YAML file in ``configs/presets/``), run config files and
+``section.field=value`` overrides, with OmegaConf structured configs
+(the dataclasses are the schema: an unknown key or a value of the wrong type
+is refused naming its dotted path); lists and maps are YAML values, e.g.
+``rewards=[{function: my_rewards.py:fmt, weight: 0.1}]`` or
+``task.options.max_terms=4``.
+
+This module is the bottom of the package: it imports only the checks and the
+optimizer's name tuples, never the RL code that reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
+import os
+import pathlib
+from collections.abc import Sequence
 from typing import Any, Optional
+
+import omegaconf
+import yaml
+from omegaconf import OmegaConf
 
 from logra_jax.checks import check_choice, check_range
 from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.projectors import KINDS
 from logra_jax.optim.transforms import MOMENT_POLICIES
-from logra_jax.rl.algo import ADVANTAGE_ESTIMATORS, LossConfig
 
 OPTIMIZERS = ("logra", "adam", "galore")
 GRADIENT_MODES = ("sketch", "dense")
 ROLLOUT_ENGINES = ("colocated", "process")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
+CHAT_TEMPLATES = ("auto", "none")
+TRACKERS = ("tensorboard", "wandb")
+# Group advantage estimators (``rl.algo.ADVANTAGE_ESTIMATORS`` implements
+# each), KL-to-reference estimators and loss aggregations (``rl.algo``).
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+PRESET_DIR = pathlib.Path(__file__).parent / "presets"
 
 
 def _check(section: str, config: Any, names: str, **bounds: float) -> None:
@@ -38,18 +57,32 @@ def _check(section: str, config: Any, names: str, **bounds: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """Where prompts, answers and the verifier come from.
+  """Where prompts, answers and the verifier come from, and how prompts are
+  shown to the policy.
 
   Attributes:
     name: ``"tiny"`` (short arithmetic from reasoning-gym's ``chain_sum``), a
-      reasoning-gym dataset name, or a local ``.jsonl``/``.parquet`` path.
+      reasoning-gym dataset name, or a local ``.jsonl``/``.json``/``.parquet``
+      path.
     size: examples generated (reasoning-gym tasks).
     eval_size: held-out examples; disjoint from training prompts.
     seed: generation and split seed.
+    options: the reasoning-gym generator's config fields, e.g.
+      ``{min_terms: 2, max_terms: 4}`` for ``chain_sum`` (the tiny task's
+      generator too, after ``terms`` and ``max_digits``); unknown fields are
+      refused naming the valid ones.
     prompt_column: prompt column of a data file.
     answer_column: answer column of a data file.
-    template: prompt template of a data file (``{prompt}`` and other columns).
+    template: the prompt, a format string over the example's fields:
+      ``{prompt}`` is the data file's prompt column, the reasoning-gym item's
+      question or the tiny task's expression; any other ``{field}`` is a
+      column of the file or a field of the item or its metadata.
     answer_after: marker before the final answer in a data file (``"#### "``).
+    chat_template: ``"auto"``: a policy whose tokenizer has a chat template
+      (an instruct checkpoint) is shown each prompt as a user message in it,
+      with the assistant's turn opened; ``"none"``: the prompt text as is.
+    system_prompt: a system message before the prompt when a chat template
+      is applied.
     terms: terms per expression of the tiny task.
     max_digits: digits per term of the tiny task (each term has 1 to
       ``max_digits``).
@@ -59,10 +92,13 @@ class TaskConfig:
   size: int = 20000
   eval_size: int = 200
   seed: int = 0
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
   prompt_column: str = "question"
   answer_column: str = "answer"
   template: str = "{prompt}"
   answer_after: Optional[str] = None
+  chat_template: str = "auto"
+  system_prompt: Optional[str] = None
   terms: int = 3
   max_digits: int = 1
 
@@ -70,9 +106,36 @@ class TaskConfig:
     _check("task", self, "size eval_size max_digits", ge=1)
     _check("task", self, "seed", ge=0)
     _check("task", self, "terms", ge=2)
+    check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)
     if self.eval_size >= self.size:
       raise ValueError(f"task.eval_size={self.eval_size} must be smaller than "
                        f"task.size={self.size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """One weighted reward function of a run.
+
+  Attributes:
+    function: ``"task"`` (the task's own verifier: reasoning-gym's
+      ``score_answer``, or math-verify equivalence for a data file), an
+      import path ``"package.module:function"`` or a file path
+      ``"path/to/rewards.py:function"``. The function has the TRL signature
+      ``fn(prompts, completions, **columns) -> list[float]``, called with
+      keywords; the columns are the example's fields (``answer``, ``entry``,
+      a data file's columns).
+    weight: its weight in the total reward (negative: a penalty).
+  """
+
+  function: str = "task"
+  weight: float = 1.0
+
+  def __post_init__(self):
+    check_range("rewards.weight", self.weight)
+    if self.function != "task" and ":" not in self.function:
+      raise ValueError(
+          f"rewards.function={self.function!r} must be 'task', "
+          "'package.module:function' or 'path/to/file.py:function'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +369,84 @@ class SyncConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Hyperparameters of the clipped policy-gradient loss (hashable: a static
+  jit argument of ``rl.algo.loss_terms``).
+
+  Attributes:
+    eps_low: the ratio is clipped below at ``1 - eps_low``.
+    eps_high: the ratio is clipped above at ``1 + eps_high`` (DAPO "clip-higher": larger
+      than ``eps_low``, e.g. 0.28 vs 0.2).
+    beta: coefficient of the KL-to-reference penalty; 0 disables it and reference
+      log-probabilities are then not needed.
+    kl_estimator: one of :data:`KL_ESTIMATORS` (see ``rl.algo.kl_penalty``).
+    kl_clamp: bound on the per-token log-ratio to the reference, before ``exp``.
+    aggregation: how per-token losses become one number, one of :data:`AGGREGATIONS`:
+      ``"token-mean"`` (sum over all valid tokens / their count), ``"seq-mean-token-mean"``
+      (GRPO: mean over sequences of per-sequence token means) or
+      ``"seq-mean-token-sum-norm"`` (Dr.GRPO: sum over tokens / (sequences * max_len)).
+    max_len: the constant token normalizer of ``"seq-mean-token-sum-norm"``: the same for
+      every micro-batch (typically the generation budget, max new tokens). Required by that
+      aggregation, ignored by the others.
+  """
+
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  beta: float = 0.0
+  kl_estimator: str = "k3"
+  kl_clamp: float = 10.0
+  aggregation: str = "token-mean"
+  max_len: Optional[int] = None
+
+  def __post_init__(self):
+    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)   # ratio floor > 0
+    check_range("loss.eps_high", self.eps_high, ge=0)
+    check_range("loss.beta", self.beta, ge=0)
+    check_range("loss.kl_clamp", self.kl_clamp, gt=0)
+    if self.max_len is not None:
+      check_range("loss.max_len", self.max_len, ge=1)
+    check_choice("loss.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    check_choice("loss.aggregation", self.aggregation, AGGREGATIONS)
+    if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
+      raise ValueError(
+          "loss.aggregation='seq-mean-token-sum-norm' needs loss.max_len, the global "
+          "constant token normalizer (e.g. the max new tokens of generation)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  """What a run shows and records besides ``metrics.jsonl`` and its plots.
+
+  None of these fields changes the results; all may change on resume.
+
+  Attributes:
+    samples_every: every this many steps, a table of sampled completions
+      with their prompts, answers and rewards is printed and appended to
+      ``samples.jsonl`` (0: never).
+    samples_shown: rows of that table (the first completion of as many
+      prompts of the batch).
+    trackers: where the metrics also go: ``"tensorboard"`` (event files
+      under ``<out>/tensorboard``) and ``"wandb"`` (Weights & Biases, the
+      ``wandb`` extra; its project, entity and offline mode are read from
+      ``WANDB_PROJECT``, ``WANDB_ENTITY`` and ``WANDB_MODE``).
+  """
+
+  samples_every: int = 25
+  samples_shown: int = 4
+  trackers: list[str] = dataclasses.field(
+      default_factory=lambda: ["tensorboard"])
+
+  def __post_init__(self):
+    _check("logging", self, "samples_every", ge=0)
+    _check("logging", self, "samples_shown", ge=1)
+    for tracker in self.trackers:
+      check_choice("logging.trackers", tracker, TRACKERS)
+    if len(set(self.trackers)) != len(self.trackers):
+      raise ValueError(f"logging.trackers lists a tracker twice: "
+                       f"{list(self.trackers)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """A whole RL run.
 
@@ -314,8 +455,10 @@ class TrainConfig:
     policy: model and warm start.
     rollout: sampling.
     optimizer: optimizer.
+    rewards: the weighted reward functions; empty: the task's own verifier
+      (``[{function: task, weight: 1.0}]``).
     loss: the clipped policy-gradient loss.
-    advantage: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"``.
+    advantage: one of :data:`ADVANTAGES`.
     steps: learner steps (one rollout batch each).
     num_iterations: optimizer updates per rollout batch (inner epochs).
     micro_batches: gradient accumulation chunks per update.
@@ -325,12 +468,14 @@ class TrainConfig:
     sync: policy sync to the rollout engine.
     max_consecutive_skips: consecutive steps skipped for a non-finite loss,
       gradient or predicted KL after which the run stops with an error.
+    logging: sample tables and trackers.
   """
 
   task: TaskConfig = TaskConfig()
   policy: PolicyConfig = PolicyConfig()
   rollout: RolloutConfig = RolloutConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
+  rewards: list[RewardConfig] = dataclasses.field(default_factory=list)
   loss: LossConfig = LossConfig()
   advantage: str = "grpo"
   steps: int = 260
@@ -341,9 +486,10 @@ class TrainConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()
   sync: SyncConfig = SyncConfig()
   max_consecutive_skips: int = 3
+  logging: LoggingConfig = LoggingConfig()
 
   def __post_init__(self):
-    check_choice("advantage", self.advantage, tuple(ADVANTAGE_ESTIMATORS))
+    check_choice("advantage", self.advantage, ADVANTAGES)
     _check("", self, "steps num_iterations micro_batches "
            "max_consecutive_skips", ge=1)
     _check("", self, "eval_every seed", ge=0)
@@ -358,123 +504,192 @@ class TrainConfig:
           f"rollout batch of {batch} completions")
 
 
-PRESETS: dict[str, TrainConfig] = {
-    # The embedded default: a ~1M-parameter decoder warm-started on short
-    # arithmetic, then GRPO with LoGRA on CPU in a few minutes.
-    "tiny": TrainConfig(),
-    # The same loop in seconds, for tests and smoke runs.
-    "smoke": TrainConfig(
-        task=TaskConfig(size=200, eval_size=16),
-        policy=PolicyConfig(hidden_size=32, num_layers=1, num_heads=2,
-                            num_kv_heads=1, intermediate_size=64,
-                            warm_start_steps=20, warm_start_batch=16),
-        rollout=RolloutConfig(prompts_per_step=4, num_generations=4,
-                              max_new_tokens=4),
-        optimizer=OptimizerConfig(rank=4, refresh_every=2, warmup_steps=0),
-        steps=3, eval_every=0),
-}
+def preset_names() -> list[str]:
+  """The named presets: the YAML files of :data:`PRESET_DIR`.
+
+  Example:
+    >>> preset_names()
+    ['smoke', 'tiny']
+  """
+  return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
 def get_preset(name: str) -> TrainConfig:
-  """The preset called ``name``; the error lists the valid names."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; valid presets: "
-                     f"{sorted(PRESETS)}")
-  return PRESETS[name]
+  """The preset called ``name``; the error lists the valid names.
+
+  Example:
+    >>> get_preset("smoke").steps
+    3
+  """
+  return load_config(name)
 
 
-def _parse(value: str, annotation: Any, key: str) -> Any:
-  hint = annotation
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if value.lower() in ("none", "null", ""):
-      return None
-    hint = args[0]
-  elif origin is typing.Literal:
-    hint = str
-  try:
-    if hint is bool:
-      if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(value)
-      return value.lower() in ("true", "1")
-    if hint in (int, float, str):
-      return hint(value)
-  except ValueError:
-    raise ValueError(f"--set {key}={value}: expected a {hint.__name__}") from None
-  raise ValueError(f"--set {key}: cannot parse a value of type {hint}")
+def load_config(preset: str = "tiny", files: Sequence[str | os.PathLike] = (),
+                overrides: Sequence[str] = ()) -> TrainConfig:
+  """A run config: a preset, then YAML files, then overrides, in that order.
+
+  Each layer may set any field; maps merge key by key, lists are replaced.
+  The result is built as the frozen dataclasses, whose checks run at once.
+
+  Args:
+    preset: a name of :func:`preset_names`.
+    files: YAML run configs (e.g. a run folder's ``config.yaml``).
+    overrides: ``section.field=value`` strings; a value is YAML, so lists
+      and maps are written inline (``logging.trackers=[tensorboard,wandb]``)
+      and ``null`` clears an optional field.
+
+  Returns:
+    The :class:`TrainConfig`.
+
+  Raises:
+    ValueError: an unknown preset, a file that is not valid YAML or not a
+      map, an unknown key or a value of the wrong type (naming the file or
+      override and the key's dotted path, with the valid keys), or a value
+      the config's own checks refuse.
+    FileNotFoundError: a config file that does not exist.
+
+  Example:
+    >>> config = load_config("smoke", overrides=["optimizer.rank=8",
+    ...                                          "task.options={max_terms: 4}"])
+    >>> config.optimizer.rank, config.task.options
+    (8, {'max_terms': 4})
+  """
+  if preset not in preset_names():
+    raise ValueError(f"unknown preset {preset!r}; valid presets: "
+                     f"{preset_names()}")
+  layers = [_yaml_layer(PRESET_DIR / f"{preset}.yaml", f"preset {preset!r}")]
+  layers += [_yaml_layer(pathlib.Path(f), f"config file {f}") for f in files]
+  layers += [_override_layer(item) for item in overrides]
+  return _build(OmegaConf.structured(TrainConfig), layers)
 
 
-def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
-  """Applies ``section.field=value`` (or ``field=value``) overrides.
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]
+                    ) -> TrainConfig:
+  """``config`` with ``section.field=value`` overrides applied (see
+  :func:`load_config`).
 
   Example:
     >>> cfg = apply_overrides(get_preset("tiny"), ["optimizer.rank=8", "steps=5"])
     >>> cfg.optimizer.rank, cfg.steps
     (8, 5)
   """
-  for item in overrides:
-    if "=" not in item:
-      raise ValueError(f"override {item!r} must look like section.field=value")
-    key, value = item.split("=", 1)
-    parts = key.strip().split(".")
-    config = _replace_path(config, parts, value.strip(), key)
-  return config
-
-
-def _replace_path(node: Any, parts: list[str], value: str, key: str) -> Any:
-  fields = {f.name: f for f in dataclasses.fields(node)}
-  name = parts[0]
-  if name not in fields:
-    raise ValueError(f"--set {key}: {type(node).__name__} has no field "
-                     f"{name!r}; valid: {sorted(fields)}")
-  current = getattr(node, name)
-  if len(parts) == 1:
-    if dataclasses.is_dataclass(current):
-      raise ValueError(f"--set {key}: {name!r} is a section; set one of its "
-                       f"fields, e.g. {name}.{dataclasses.fields(current)[0].name}")
-    hints = typing.get_type_hints(type(node))
-    return dataclasses.replace(node, **{name: _parse(value, hints[name], key)})
-  if not dataclasses.is_dataclass(current):
-    raise ValueError(f"--set {key}: {name!r} is not a section")
-  return dataclasses.replace(
-      node, **{name: _replace_path(current, parts[1:], value, key)})
+  return _build(OmegaConf.structured(config),
+                [_override_layer(item) for item in overrides])
 
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:
-  """The config as nested plain dicts (for JSON)."""
+  """The config as nested plain dicts and lists (for JSON and YAML)."""
   return dataclasses.asdict(config)
 
 
-def from_dict(data: dict[str, Any], cls: type = TrainConfig) -> Any:
-  """The config of :func:`to_dict`'s nested dicts (each section checked as
-  it is built).
+def to_yaml(config: TrainConfig) -> str:
+  """The config as a YAML run config that :func:`load_config` reads back.
 
-  Raises:
-    ValueError: a key that is not a field or a section that is not a map,
-      naming its dotted path; a value out of range, as when built.
+  Example:
+    >>> import tempfile
+    >>> config = get_preset("smoke")
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+    ...   _ = f.write(to_yaml(config)); f.flush()
+    ...   load_config("tiny", [f.name]) == config
+    True
+  """
+  return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def from_dict(data: dict[str, Any]) -> TrainConfig:
+  """The config of :func:`to_dict`'s nested dicts, checked as
+  :func:`load_config` checks a file.
 
   Example:
     >>> config = apply_overrides(TrainConfig(), ["optimizer.rank=8"])
     >>> from_dict(to_dict(config)) == config
     True
   """
-  return _from_dict(data, cls, "")
+  return _build(OmegaConf.structured(TrainConfig),
+                [("a config map", _as_layer(data, "a config map"))])
 
 
-def _from_dict(data: dict[str, Any], cls: type, prefix: str) -> Any:
-  hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - fields)
-  if unknown:
-    raise ValueError(f"unknown config field {prefix}{unknown[0]}")
-  values = {}
-  for name, value in data.items():
-    kind = hints[name]
-    if dataclasses.is_dataclass(kind):
-      if not isinstance(value, dict):
-        raise ValueError(f"config section {prefix}{name} must be a map of "
-                         f"fields, got {type(value).__name__}")
-      value = _from_dict(value, kind, f"{prefix}{name}.")
-    values[name] = value
-  return cls(**values)
+_Layer = tuple[str, Any]   # (where it came from, an OmegaConf node)
+
+
+def _as_layer(data: Any, source: str) -> omegaconf.DictConfig:
+  if not isinstance(data, dict):
+    raise ValueError(f"{source} must be a map of config sections and "
+                     f"fields, got {type(data).__name__}")
+  return OmegaConf.create(data)
+
+
+def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:
+  if not path.is_file():
+    raise FileNotFoundError(f"{source}: no such file")
+  try:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+  except (yaml.YAMLError, UnicodeDecodeError) as error:
+    problem = " ".join(str(error).split())
+    raise ValueError(f"{source} is not valid YAML: {problem}") from None
+  return source, _as_layer({} if data is None else data, source)
+
+
+def _override_layer(item: str) -> _Layer:
+  source = f"override {item!r}"
+  key, sep, value = item.partition("=")
+  if not sep or not key.strip():
+    raise ValueError(f"{source} must look like section.field=value")
+  try:
+    return source, OmegaConf.from_dotlist([f"{key.strip()}={value.strip()}"])
+  except (omegaconf.errors.OmegaConfBaseException, yaml.YAMLError) as error:
+    problem = " ".join(str(error).split())
+    raise ValueError(f"{source}: {problem}") from None
+
+
+def _section_names() -> dict[type, str]:
+  """Each section's dataclass -> its dotted name (``RewardConfig`` ->
+  ``"rewards"``, whose items it types)."""
+  names = {type(f.default): f.name for f in dataclasses.fields(TrainConfig)
+           if dataclasses.is_dataclass(f.default)}
+  return {**names, RewardConfig: "rewards", TrainConfig: ""}
+
+
+def _key_error(source: str, error: omegaconf.errors.ConfigKeyError) -> str:
+  """The message of an unknown key: its dotted path and the valid keys of
+  its section."""
+  section = error.object_type
+  key = error.full_key or str(error.key)
+  if dataclasses.is_dataclass(section):
+    prefix = _section_names().get(section, section.__name__)
+    if prefix and not key.startswith(f"{prefix}."):
+      key = f"{prefix}.{key.rsplit('.', 1)[-1]}"
+    valid = sorted(f.name for f in dataclasses.fields(section))
+    return f"{source}: unknown config key {key}; valid keys there: {valid}"
+  return f"{source}: unknown config key {key}"
+
+
+def _value_error(source: str, error: omegaconf.errors.OmegaConfBaseException
+                 ) -> str:
+  """The message of a value OmegaConf cannot take (a wrong type, a scalar
+  where a section belongs)."""
+  message = str(error).splitlines()[0]
+  key = getattr(error, "full_key", None)
+  if "'none'" in message.lower():
+    message += " (write null to clear an optional field)"
+  return f"{source}: {key + ': ' if key else ''}{message}"
+
+
+def _build(schema: omegaconf.DictConfig, layers: Sequence[_Layer]
+           ) -> TrainConfig:
+  """Merges ``layers`` onto ``schema`` one at a time (so that an error names
+  its layer), then builds the dataclasses."""
+  merged = schema
+  for source, layer in layers:
+    try:
+      merged = OmegaConf.merge(merged, layer)
+    except omegaconf.errors.ConfigKeyError as error:
+      raise ValueError(_key_error(source, error)) from None
+    except omegaconf.errors.OmegaConfBaseException as error:
+      raise ValueError(_value_error(source, error)) from None
+    except TypeError as error:   # e.g. a list merged into a map
+      raise ValueError(f"{source}: {error}") from None
+  try:
+    return OmegaConf.to_object(merged)
+  except omegaconf.errors.OmegaConfBaseException as error:
+    raise ValueError(_value_error("config", error)) from None

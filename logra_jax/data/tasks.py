@@ -121,8 +121,8 @@ def reasoning_gym_task(
     seed: generator seed (items are a deterministic function of seed and index).
     config: the generator's config fields (e.g. ``{"min_terms": 2}`` for ``chain_sum``).
     template: the prompt, as a format string over the item's fields and its metadata's
-      fields (``"{question}"`` by default; ``"{expression} ="`` for arithmetic), or a
-      callable from the item to the prompt.
+      fields, ``{prompt}`` being the question (``"{question}"`` by default;
+      ``"{expression} ="`` for arithmetic), or a callable from the item to the prompt.
 
   Returns:
     A :class:`Task` whose examples are ``{"prompt", "answer", "entry"}``.
@@ -158,7 +158,8 @@ def reasoning_gym_task(
     if callable(template):
       prompt = template(entry)
     else:
-      prompt = _format(template, {**entry.get("metadata", {}), **entry}, f"{name!r} items")
+      prompt = _format(template, {**entry.get("metadata", {}), **entry,
+                                  "prompt": entry["question"]}, f"{name!r} items")
     examples.append({"prompt": prompt, "answer": str(entry["answer"]), "entry": entry})
   return Task(name=name, examples=tuple(examples), score_answer=generator.score_answer)
 
@@ -324,7 +325,8 @@ def compact_expression_prompt(entry: Mapping[str, Any]) -> str:
   return entry["metadata"]["expression"].replace(" ", "") + "="
 
 
-def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, **config: int) -> Task:
+def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, template: str = "{prompt}",
+                         **config: int) -> Task:
   """The tiny CPU default: short sums and differences, verified by reasoning-gym.
 
   reasoning-gym ``chain_sum`` with 2-3 terms of 1-2 digits (:data:`TINY_CHAIN_SUM_CONFIG`,
@@ -336,6 +338,8 @@ def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, **config: int) -> T
     size: number of generated examples (the 1-digit two-term items repeat; splits are
       disjoint by prompt anyway).
     seed: generator seed.
+    template: the prompt as a format string, ``{prompt}`` being the compact expression
+      (e.g. ``"Q: {prompt}"``); other fields as in :func:`reasoning_gym_task`.
     **config: overrides of ``chain_sum`` config fields.
 
   Returns:
@@ -346,9 +350,13 @@ def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, **config: int) -> T
     >>> example["prompt"], example["answer"]
     ('5-9=', '-4')
   """
+  def prompt(entry: Mapping[str, Any]) -> str:
+    return _format(template, {**entry.get("metadata", {}), **entry,
+                              "prompt": compact_expression_prompt(entry)}, "tiny items")
+
   task = reasoning_gym_task(
       "chain_sum", size=size, seed=seed, config={**TINY_CHAIN_SUM_CONFIG, **config},
-      template=compact_expression_prompt)
+      template=prompt)
   return dataclasses.replace(task, name=TINY_TASK)
 
 

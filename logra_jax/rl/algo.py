@@ -11,7 +11,6 @@ exactly the full-batch loss and gradients.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
@@ -19,14 +18,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from logra_jax.checks import check_range
+from logra_jax.configs.train import KL_ESTIMATORS
+from logra_jax.configs.train import LossConfig
 
 Array = jax.Array
 Metrics = dict[str, tuple[Array, Array]]
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -159,7 +158,6 @@ def compute_advantages(
 # KL to the reference policy.
 # ------------------------------------------------------------------------------------------
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
 def kl_penalty(
@@ -207,54 +205,6 @@ def kl_penalty(
 # The clipped policy-gradient loss.
 # ------------------------------------------------------------------------------------------
 
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """Hyperparameters of the clipped policy-gradient loss (hashable: a static jit argument).
-
-  Attributes:
-    eps_low: the ratio is clipped below at ``1 - eps_low``.
-    eps_high: the ratio is clipped above at ``1 + eps_high`` (DAPO "clip-higher": larger
-      than ``eps_low``, e.g. 0.28 vs 0.2).
-    beta: coefficient of the KL-to-reference penalty; 0 disables it and reference
-      log-probabilities are then not needed.
-    kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see :func:`kl_penalty`).
-    kl_clamp: bound on the per-token log-ratio to the reference, before ``exp``.
-    aggregation: how per-token losses become one number, one of :data:`AGGREGATIONS`:
-      ``"token-mean"`` (sum over all valid tokens / their count), ``"seq-mean-token-mean"``
-      (GRPO: mean over sequences of per-sequence token means) or
-      ``"seq-mean-token-sum-norm"`` (Dr.GRPO: sum over tokens / (sequences * max_len)).
-    max_len: the constant token normalizer of ``"seq-mean-token-sum-norm"``: the same for
-      every micro-batch (typically the generation budget, max new tokens). Required by that
-      aggregation, ignored by the others.
-  """
-
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  beta: float = 0.0
-  kl_estimator: KLEstimator = "k3"
-  kl_clamp: float = 10.0
-  aggregation: Aggregation = "token-mean"
-  max_len: int | None = None
-
-  def __post_init__(self):
-    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)   # ratio floor > 0
-    check_range("loss.eps_high", self.eps_high, ge=0)
-    check_range("loss.beta", self.beta, ge=0)
-    check_range("loss.kl_clamp", self.kl_clamp, gt=0)
-    if self.max_len is not None:
-      check_range("loss.max_len", self.max_len, ge=1)
-    if self.kl_estimator not in KL_ESTIMATORS:
-      raise ValueError(
-          f"unknown kl_estimator {self.kl_estimator!r}; valid: {list(KL_ESTIMATORS)}.")
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {list(AGGREGATIONS)}.")
-    if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
-      raise ValueError(
-          "aggregation 'seq-mean-token-sum-norm' needs max_len, the global constant token "
-          f"normalizer (e.g. the max new tokens of generation), got max_len={self.max_len}.")
 
 
 def loss_terms(

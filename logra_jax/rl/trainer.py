@@ -20,12 +20,14 @@ import logra_jax as logra
 from logra_jax import checkpoint
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import TrainConfig, to_dict
+from logra_jax.configs.train import (RewardConfig, TrainConfig, load_config,
+                                     to_dict, to_yaml)
 from logra_jax.data import tasks as tasks_lib
 from logra_jax.rl import algo
 from logra_jax.rl import learner as learner_lib
 from logra_jax.rl import reference as reference_lib
 from logra_jax.rl import rewards as rewards_lib
+from logra_jax.rl import tracking
 from logra_jax.rl.warm_start import warm_start
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
@@ -38,23 +40,44 @@ def load_task(config: TrainConfig) -> tasks_lib.Task:
   task = config.task
   if task.name == "tiny" or task.name == tasks_lib.TINY_TASK:
     return tasks_lib.tiny_arithmetic_task(
-        size=task.size, seed=task.seed, min_terms=task.terms,
-        max_terms=task.terms, max_digits=task.max_digits)
+        size=task.size, seed=task.seed, template=task.template,
+        **{"min_terms": task.terms, "max_terms": task.terms,
+           "max_digits": task.max_digits, **task.options})
   if task.name.lower().endswith(tuple(tasks_lib.FILE_BUILDERS)):
+    if task.options:
+      raise ValueError(
+          f"task.options={dict(task.options)} configure a reasoning-gym "
+          f"generator; {task.name} is a data file (see task.prompt_column, "
+          "task.answer_column, task.template, task.answer_after)")
     return tasks_lib.file_task(
         task.name, prompt_column=task.prompt_column,
         answer_column=task.answer_column, template=task.template,
         answer_after=task.answer_after)
   return tasks_lib.reasoning_gym_task(task.name, size=task.size,
-                                      seed=task.seed)
+                                      seed=task.seed, config=task.options,
+                                      template=task.template)
 
 
-def task_rewards(task: tasks_lib.Task) -> list[tuple[Callable, float]]:
-  """The verifier of a task as weighted reward functions: reasoning-gym's own
-  ``score_answer`` when the task has one, else math-verify equivalence."""
+def task_verifier(task: tasks_lib.Task) -> Callable:
+  """The task's own verifier: reasoning-gym's ``score_answer`` when the task
+  has one, else math-verify equivalence to the ``answer`` column."""
   if task.score_answer is not None:
-    return [(rewards_lib.reasoning_gym_reward(task.score_answer), 1.0)]
-  return [(rewards_lib.math_verify_equivalence, 1.0)]
+    return rewards_lib.reasoning_gym_reward(task.score_answer)
+  return rewards_lib.math_verify_equivalence
+
+
+def run_rewards(config: TrainConfig, task: tasks_lib.Task
+                ) -> list[tuple[Callable, float]]:
+  """The run's ``(reward_fn, weight)`` pairs (``config.rewards``; none: the
+  task's verifier), each tried on a few of the task's reference answers
+  (:func:`rewards_lib.check_reward_functions`), so that a bad one fails
+  before anything compiles."""
+  specs = config.rewards or [RewardConfig()]
+  rewards = [(task_verifier(task) if spec.function == "task" else
+              rewards_lib.load_reward_function(spec.function), spec.weight)
+             for spec in specs]
+  rewards_lib.check_reward_functions(rewards, task.examples[:4])
+  return rewards
 
 
 def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
@@ -121,16 +144,18 @@ def _locked_run_folder(out: pathlib.Path) -> Iterator[None]:
 
 def _check_inputs(config: TrainConfig, out: pathlib.Path,
                   mesh: parallel.MeshConfig | None, resume: bool
-                  ) -> tuple[tasks_lib.Task, jax.sharding.Mesh | None]:
+                  ) -> tuple[tasks_lib.Task, list[tuple[Callable, float]],
+                             jax.sharding.Mesh | None]:
   """Checks what a run needs before anything is written to ``out``: the
-  policy folder, the checkpoint folder of a resumed run, the mesh and the
-  task. Returns the task and the device mesh."""
+  policy folder, the checkpoint folder of a resumed run, the mesh, the task
+  and the rewards. Returns the task, the rewards and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
   if mesh is not None and config.rollout.engine == "process":
     raise ValueError("rollout.engine=process runs the engine unsharded on "
                      "the devices of its own process; it cannot be combined "
                      "with a mesh yet (use rollout.engine=colocated)")
+  tracking.check_trackers(config.logging.trackers)
   if resume and not (out / "checkpoints").is_dir():
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no folder {out / 'checkpoints'}")
@@ -142,7 +167,8 @@ def _check_inputs(config: TrainConfig, out: pathlib.Path,
       raise ValueError(
           f"the rollout batch of {rows} completions is not divisible by the "
           f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})")
-  return load_task(config), device_mesh
+  task = load_task(config)
+  return task, run_rewards(config, task), device_mesh
 
 
 class OutOfMemoryError(MemoryError):
@@ -258,10 +284,12 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
 
   Args:
     config: the run.
-    out_dir: output folder (created): ``config.json``, ``metrics.jsonl``,
-      ``checkpoints/``, ``curves.png``, ``summary.json`` and, when
-      ``tensorboardX`` is installed, TensorBoard events under
-      ``tensorboard/``.
+    out_dir: output folder (created): ``config.yaml`` (the resolved config,
+      which ``logra train --config`` reads back), ``metrics.jsonl``,
+      ``samples.jsonl`` (``config.logging``), ``checkpoints/``,
+      ``curves.png``, ``summary.json`` and the files of
+      ``config.logging.trackers`` (e.g. TensorBoard events under
+      ``tensorboard/``).
     progress: show a progress bar.
     log: where text lines go.
     mesh: optional device mesh (its size must equal the number of devices):
@@ -291,13 +319,14 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   """
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
-  task, device_mesh = _check_inputs(config, out, mesh, resume)
+  task, rewards, device_mesh = _check_inputs(config, out, mesh, resume)
   with _locked_run_folder(out), contextlib.ExitStack() as closing:
     checkpointer = checkpoint.Checkpointer(out / "checkpoints",
                                            config.checkpoint)
     closing.callback(checkpointer.close)
-    return _train(config, out, checkpointer, task, progress, log, mesh,
-                  device_mesh, resume, allow_reshard, start_time, closing)
+    return _train(config, out, checkpointer, task, rewards, progress, log,
+                  mesh, device_mesh, resume, allow_reshard, start_time,
+                  closing)
 
 
 def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
@@ -424,6 +453,7 @@ def _check_finite(step: int, skipped: set[str],
 
 def _train(config: TrainConfig, out: pathlib.Path,
            checkpointer: checkpoint.Checkpointer, task: tasks_lib.Task,
+           rewards: list[tuple[Callable, float]],
            progress: bool, log: Log, mesh: parallel.MeshConfig | None,
            device_mesh: jax.sharding.Mesh | None, resume: bool,
            allow_reshard: bool, start_time: float,
@@ -442,10 +472,10 @@ def _train(config: TrainConfig, out: pathlib.Path,
   train_examples, eval_examples = task.split(config.task.eval_size,
                                              seed=config.task.seed)
   folder = policy_folder(config, train_examples, log)
-  policy = engine_lib.Policy.load(folder,
-                                  dtype=jnp.dtype(config.policy.dtype),
-                                  mesh=device_mesh)
-  rewards = task_rewards(task)
+  policy = engine_lib.Policy.load(
+      folder, dtype=jnp.dtype(config.policy.dtype), mesh=device_mesh,
+      chat_template=config.task.chat_template,
+      system_prompt=config.task.system_prompt)
   reward_warnings = rewards_lib.RewardFailureWarnings(log)
   max_new = config.rollout.max_new_tokens
 
@@ -501,7 +531,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
   policy.params = None
   sender, engine = _start_engine(config, policy, folder, out, params,
                                  opt_state, params_sharding, closing)
-  (out / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  (out / "config.yaml").write_text(to_yaml(config))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
@@ -539,70 +569,79 @@ def _train(config: TrainConfig, out: pathlib.Path,
   bar = tqdm.tqdm(range(first_step, config.steps), desc="RL",
                   disable=not progress, dynamic_ncols=True,
                   initial=first_step, total=config.steps)
-  tensorboard = _tensorboard_writer(out / "tensorboard")
+  trackers = tracking.Trackers(config.logging.trackers, out, to_dict(config))
+  sample_log = tracking.SampleLog(out / "samples.jsonl",
+                                  first_step if resume else None)
+  observed: dict[str, engine_lib.RolloutSamples] = {}
+
+  def observe(samples: engine_lib.RolloutSamples) -> None:
+    reward_warnings(samples.report)
+    observed["latest"] = samples
+
   stop = _StopSignals(log)
-  with stop, open(out / "metrics.jsonl", "w") as metrics_file:
+  with stop, trackers, sample_log, open(out / "metrics.jsonl",
+                                        "w") as metrics_file:
     for metrics in history:   # the steps before the checkpoint, if resumed
       metrics_file.write(json.dumps(metrics) + "\n")
-    try:
-      for step in bar:
-        done = step + 1
-        step_start = time.perf_counter()
-        examples = next(batches)
-        key, rollout_key = jax.random.split(key)
-        with _explain_out_of_memory(done, memory_hint(examples)):
-          batch, metrics = engine.rollout(examples, config, rewards,
-                                          rollout_key, warn=reward_warnings)
-          batch = place_batch(batch)
-          if fill_reference is not None:
-            batch = fill_reference(ref_params, batch)
-          rollout_seconds = time.perf_counter() - step_start
-          params, opt_state, step_metrics, guard, skipped = _update(
-              train_step, params, opt_state, batch, config.num_iterations)
-          full = bool(config.sync.resync_every
-                      and done % config.sync.resync_every == 0)
-          synced = engine.sync(
-              sender.message(params, opt_state, full=full),
-              resync=lambda: sender.message(params, opt_state, full=True))
-        metrics.update({k: float(v) for k, v in step_metrics.items()})
-        metrics["step"] = done
-        metrics["skipped"] = float(bool(skipped))
-        metrics["skipped/total"] = float(guard.skipped_steps)
-        metrics.update(_sync_metrics(synced, engine.resyncs))
-        metrics["time/rollout_s"] = rollout_seconds
-        metrics["time/step_s"] = time.perf_counter() - step_start
-        metrics["time/train_s"] = (metrics["time/step_s"] - rollout_seconds
-                                   - synced.seconds)
-        evaluated = bool(config.eval_every and done % config.eval_every == 0
-                         and done < config.steps)
-        if evaluated:
-          metrics["accuracy/eval"] = engine.evaluate(
-              eval_examples, rewards, max_new)["accuracy"]
-        history.append(metrics)
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if tensorboard is not None:
-          for name, value in metrics.items():
-            tensorboard.add_scalar(name, value, done)
-        _check_finite(done, skipped, guard,
-                      config.max_consecutive_skips,
-                      checkpointer.latest_step(), log)
-        if stop.received:
-          save(done, wait=True)
-          log(f"stopped by {stop.received} after step {done}; checkpoint "
-              f"{checkpointer.directory / str(done)}")
-          break
-        if done < config.steps and checkpointer.due(done, evaluated):
-          save(done, metrics.get("accuracy/eval"))
-        postfix = {"reward": f"{metrics['reward/total']:.3f}",
-                   "acc": f"{metrics['accuracy/train']:.2f}",
-                   "kl": f"{metrics['kl/realized']:.1e}"}
-        if "kl/predicted" in metrics:
-          postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
-        bar.set_postfix(postfix)
-    finally:
-      if tensorboard is not None:
-        tensorboard.close()
+    for step in bar:
+      done = step + 1
+      step_start = time.perf_counter()
+      examples = next(batches)
+      key, rollout_key = jax.random.split(key)
+      with _explain_out_of_memory(done, memory_hint(examples)):
+        batch, metrics = engine.rollout(examples, config, rewards,
+                                        rollout_key, observe=observe)
+        batch = place_batch(batch)
+        if fill_reference is not None:
+          batch = fill_reference(ref_params, batch)
+        rollout_seconds = time.perf_counter() - step_start
+        params, opt_state, step_metrics, guard, skipped = _update(
+            train_step, params, opt_state, batch, config.num_iterations)
+        full = bool(config.sync.resync_every
+                    and done % config.sync.resync_every == 0)
+        synced = engine.sync(
+            sender.message(params, opt_state, full=full),
+            resync=lambda: sender.message(params, opt_state, full=True))
+      metrics.update({k: float(v) for k, v in step_metrics.items()})
+      metrics["step"] = done
+      metrics["skipped"] = float(bool(skipped))
+      metrics["skipped/total"] = float(guard.skipped_steps)
+      metrics.update(_sync_metrics(synced, engine.resyncs))
+      metrics["time/rollout_s"] = rollout_seconds
+      metrics["time/step_s"] = time.perf_counter() - step_start
+      metrics["time/train_s"] = (metrics["time/step_s"] - rollout_seconds
+                                 - synced.seconds)
+      evaluated = bool(config.eval_every and done % config.eval_every == 0
+                       and done < config.steps)
+      if evaluated:
+        metrics["accuracy/eval"] = engine.evaluate(
+            eval_examples, rewards, max_new)["accuracy"]
+      history.append(metrics)
+      metrics_file.write(json.dumps(metrics) + "\n")
+      metrics_file.flush()
+      trackers.log(metrics, done)
+      if tracking.samples_due(done, config.logging.samples_every):
+        rows = tracking.sample_rows(observed["latest"],
+                                    config.rollout.num_generations,
+                                    config.logging.samples_shown)
+        sample_log.write(done, rows)
+        log(tracking.sample_table(rows, done))
+      _check_finite(done, skipped, guard,
+                    config.max_consecutive_skips,
+                    checkpointer.latest_step(), log)
+      if stop.received:
+        save(done, wait=True)
+        log(f"stopped by {stop.received} after step {done}; checkpoint "
+            f"{checkpointer.directory / str(done)}")
+        break
+      if done < config.steps and checkpointer.due(done, evaluated):
+        save(done, metrics.get("accuracy/eval"))
+      postfix = {"reward": f"{metrics['reward/total']:.3f}",
+                 "acc": f"{metrics['accuracy/train']:.2f}",
+                 "kl": f"{metrics['kl/realized']:.1e}"}
+      if "kl/predicted" in metrics:
+        postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
+      bar.set_postfix(postfix)
     after = engine.evaluate(eval_examples, rewards, max_new)
     if checkpointer.latest_step() != len(history):
       save(len(history), after["accuracy"], wait=True)
@@ -632,6 +671,15 @@ def _train(config: TrainConfig, out: pathlib.Path,
   return summary
 
 
+def _saved_config(out: pathlib.Path) -> Optional[TrainConfig]:
+  """The config a run folder's ``config.yaml`` holds (None if it no longer
+  reads as one)."""
+  try:
+    return load_config("tiny", [out / "config.yaml"])
+  except ValueError:
+    return None
+
+
 def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
                    rerun: bool = False) -> dict[str, Any]:
   """:func:`train` quietly, unless ``out_dir`` already holds a finished run
@@ -639,8 +687,7 @@ def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
   config resumes from its checkpoint; checkpoints of another config (or all
   of them, with ``rerun``) are deleted first. For studies that resume."""
   out = pathlib.Path(out_dir)
-  same = (out / "config.json").exists() and json.loads(
-      (out / "config.json").read_text()) == to_dict(config)
+  same = (out / "config.yaml").exists() and _saved_config(out) == config
   if same and not rerun and (out / "summary.json").exists():
     return json.loads((out / "summary.json").read_text())
   resume = False
@@ -652,15 +699,6 @@ def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
     if not resume:
       shutil.rmtree(out / "checkpoints")
   return train(config, out, progress=False, log=lambda s: None, resume=resume)
-
-
-def _tensorboard_writer(folder: pathlib.Path):
-  """A TensorBoard event writer if ``tensorboardX`` is installed, else None."""
-  try:
-    from tensorboardX import SummaryWriter
-  except ImportError:
-    return None
-  return SummaryWriter(str(folder))
 
 
 def plot_curves(history: list[dict[str, float]], path: pathlib.Path,

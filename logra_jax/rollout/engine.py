@@ -61,19 +61,32 @@ def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
 
 @dataclasses.dataclass
 class Policy:
-  """A policy on the host side: weights, tokenizer and a compiled sampler."""
+  """A policy on the host side: weights, tokenizer and a compiled sampler.
+
+  Attributes:
+    chat: prompts are shown as a user message in the tokenizer's chat
+      template, with the assistant's turn opened (an instruct checkpoint).
+    system_prompt: with ``chat``, a system message before each prompt.
+  """
 
   graphdef: Any
   params: Any
   tokenizer: Any
   sampler: models.Sampler
   folder: pathlib.Path
+  chat: bool = False
+  system_prompt: Optional[str] = None
 
   @classmethod
   def load(cls, folder: pathlib.Path | str, dtype=jnp.float32,
-           mesh: jax.sharding.Mesh | None = None) -> "Policy":
+           mesh: jax.sharding.Mesh | None = None, *,
+           chat_template: str = "auto",
+           system_prompt: Optional[str] = None) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
-    partition rules and the sampler is compiled for the mesh."""
+    partition rules and the sampler is compiled for the mesh.
+
+    ``chat_template`` (``task.chat_template``): ``"auto"`` applies the
+    tokenizer's chat template when it has one, ``"none"`` never does."""
     folder = check_policy_folder(folder)
     model = models.load_pretrained(folder, dtype=dtype)
     tokenizer = models.load_tokenizer(folder)
@@ -81,13 +94,31 @@ class Policy:
     rules = None if mesh is None else parallel.PARTITION_RULES
     if mesh is not None:
       params = jax.device_put(params, parallel.param_shardings(params, mesh))
+    chat = chat_template == "auto" and bool(tokenizer.chat_template)
     return cls(graphdef, params, tokenizer,
                models.Sampler(model, pad_id=tokenizer.pad_token_id or 0,
                               mesh=mesh, rules=rules),
-               folder)
+               folder, chat=chat, system_prompt=system_prompt)
+
+  def prompt_text(self, prompt: str) -> str:
+    """The text the policy is shown for ``prompt``: the prompt itself, or
+    with :attr:`chat`, the chat template's rendering of the conversation
+    (an optional system message, then the prompt as the user's) with the
+    assistant's turn opened."""
+    if not self.chat:
+      return prompt
+    messages = [{"role": "user", "content": prompt}]
+    if self.system_prompt is not None:
+      messages.insert(0, {"role": "system", "content": self.system_prompt})
+    return self.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
 
   def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-    return [self.tokenizer(p)["input_ids"] for p in prompts]
+    """Token ids of each prompt's :meth:`prompt_text` (a chat template
+    writes its own special tokens, so none are added to it)."""
+    return [self.tokenizer(self.prompt_text(p),
+                           add_special_tokens=not self.chat)["input_ids"]
+            for p in prompts]
 
   def decode(self, tokens) -> list[str]:
     return decode_completions(self.tokenizer, np.asarray(tokens),
@@ -126,22 +157,40 @@ def _evaluate(policy: Policy, sample: SampleFn, examples: Sequence[dict],
           "score": float(np.mean(scores))}
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSamples:
+  """What a rollout sampled and how it was scored, for logs and warnings.
+
+  Attributes:
+    prompts: the prompt of each completion (``num_generations`` in a row
+      per prompt), before any chat template.
+    completions: the decoded completions.
+    columns: the examples' other fields, aligned with the completions.
+    report: the rewards of each completion.
+  """
+
+  prompts: list[str]
+  completions: list[str]
+  columns: dict[str, list]
+  report: rewards_lib.RewardReport
+
+
 def rollout(policy: Policy, params, examples: Sequence[dict],
             config: TrainConfig, rewards: list[tuple[Callable, float]],
             key: jax.Array,
-            warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
+            observe: Optional[Callable[[RolloutSamples], None]] = None,
             ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   """Samples ``num_generations`` completions per prompt, scores them and
-  computes group advantages; ``warn`` (e.g.
-  :class:`rewards_lib.RewardFailureWarnings`) sees each reward report."""
+  computes group advantages; ``observe`` (e.g. a sample log) sees each
+  batch's :class:`RolloutSamples`."""
   return _rollout(policy, functools.partial(policy.sampler.sample, params),
-                  examples, config, rewards, key, warn)
+                  examples, config, rewards, key, observe)
 
 
 def _rollout(policy: Policy, sample: SampleFn, examples: Sequence[dict],
              config: TrainConfig, rewards: list[tuple[Callable, float]],
              key: jax.Array,
-             warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None,
+             observe: Optional[Callable[[RolloutSamples], None]] = None,
              ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
@@ -149,11 +198,12 @@ def _rollout(policy: Policy, sample: SampleFn, examples: Sequence[dict],
                max_new_tokens=config.rollout.max_new_tokens,
                temperature=config.rollout.temperature,
                top_p=config.rollout.top_p, top_k=config.rollout.top_k)
-  report = rewards_lib.evaluate_rewards(rewards, prompts,
-                                        policy.decode(out.tokens),
-                                        _columns(examples, group))
-  if warn is not None:
-    warn(report)
+  completions = policy.decode(out.tokens)
+  columns = _columns(examples, group)
+  report = rewards_lib.evaluate_rewards(rewards, prompts, completions,
+                                        columns)
+  if observe is not None:
+    observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
@@ -260,11 +310,11 @@ class Engine:
 
   def rollout(self, examples: Sequence[dict], config: TrainConfig,
               rewards: list[tuple[Callable, float]], key: jax.Array,
-              warn: Optional[Callable[[rewards_lib.RewardReport], None]] = None
+              observe: Optional[Callable[[RolloutSamples], None]] = None
               ) -> tuple[algo.RolloutBatch, dict[str, float]]:
     """:func:`rollout` with the engine's weights."""
     return _rollout(self.policy, self.sample, examples, config, rewards, key,
-                    warn)
+                    observe)
 
   def evaluate(self, examples: Sequence[dict],
                rewards: list[tuple[Callable, float]], max_new_tokens: int

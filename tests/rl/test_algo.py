@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from logra_jax.configs import train as train_config
 from logra_jax.rl import algo
 
 # 2 prompts x 3 generations.
@@ -29,6 +30,10 @@ def test_rloo_advantages_by_hand():
   # R_i - mean of the other two: 1 - 0, 0 - 1/2, 0 - 1/2, 2 - 1/2, 1 - 1, 0 - 3/2.
   np.testing.assert_allclose(
       algo.rloo_advantages(REWARDS, 3), [1.0, -0.5, -0.5, 1.5, 0.0, -1.5], rtol=1e-6)
+
+
+def test_the_configs_advantage_names_are_the_implemented_estimators():
+  assert tuple(algo.ADVANTAGE_ESTIMATORS) == train_config.ADVANTAGES
 
 
 def test_equal_rewards_give_zero_advantage():
@@ -178,9 +183,9 @@ def test_loss_terms_jit_with_static_config():
 def test_loss_config_errors():
   with pytest.raises(ValueError, match="needs ref_logp_BxT"):
     algo.loss_terms(LOGP, MASK, ADV, OLD, None, algo.LossConfig(beta=0.1))
-  with pytest.raises(ValueError, match="valid: \\['token-mean'"):
+  with pytest.raises(ValueError, match="loss.aggregation must be one of \\('token-mean'"):
     algo.LossConfig(aggregation="mean")
-  with pytest.raises(ValueError, match="needs max_len"):
+  with pytest.raises(ValueError, match="needs loss.max_len"):
     algo.LossConfig(aggregation="seq-mean-token-sum-norm")
   with pytest.raises(ValueError, match="kl_estimator"):
     algo.LossConfig(kl_estimator="k5")
@@ -207,7 +212,7 @@ def _random_batch(num_generations=2, b=8, t=5, seed=0):
   return batch, logp
 
 
-@pytest.mark.parametrize("aggregation", algo.AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", train_config.AGGREGATIONS)
 @pytest.mark.parametrize("num_micro", [2, 4])
 def test_micro_batches_equal_full_batch(aggregation, num_micro):
   batch, logp_BxT = _random_batch()

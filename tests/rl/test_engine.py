@@ -64,7 +64,7 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   task = trainer.load_task(config)
   batch, _ = engine_lib.rollout(policy, policy.params,
                                 list(task.examples[:4]), config,
-                                trainer.task_rewards(task), jax.random.key(1))
+                                [(trainer.task_verifier(task), 1.0)], jax.random.key(1))
   train_step = learner.make_train_step(policy.graphdef, tx, config)
   for i in range(steps):
     advantages = jax.random.normal(jax.random.key(i), (batch.batch_size,))

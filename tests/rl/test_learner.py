@@ -29,7 +29,7 @@ def rollout_batch(policy_folder):
   task = trainer.load_task(SMOKE)
   batch, metrics = engine.rollout(
       policy, policy.params, list(task.examples[:4]), SMOKE,
-      trainer.task_rewards(task), jax.random.key(1))
+      [(trainer.task_verifier(task), 1.0)], jax.random.key(1))
   return policy, batch, metrics
 
 
@@ -183,10 +183,20 @@ def test_logra_state_is_smaller_than_dense_adam(policy_folder):
 
 
 def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
+  # A TRL-style reward from a file, beside the task's verifier.
+  (tmp_path / "my_rewards.py").write_text(
+      "def short(completions, **kwargs):\n"
+      "  return [float(len(c) <= 2) for c in completions]\n")
+  out = tmp_path / "run"
   config = train_config.apply_overrides(
       SMOKE, [f"policy.path={policy_folder}", "steps=2",
-              "optimizer.refresh_every=1"])   # a window merged every step
-  summary = trainer.train(config, tmp_path, progress=False, log=lambda s: None)
+              "optimizer.refresh_every=1",   # a window merged every step
+              "rewards=[{function: task}, {function: "
+              f"'{tmp_path}/my_rewards.py:short', weight: 0.5}}]",
+              "logging.samples_every=2", "logging.samples_shown=3"])
+  printed = []
+  summary = trainer.train(config, out, progress=False, log=printed.append)
+  tmp_path = out
   written = json.loads((tmp_path / "summary.json").read_text())
   for key in ("eval_accuracy_before", "eval_accuracy_after",
               "optimizer_state_bytes", "dense_adam_state_bytes",
@@ -206,6 +216,20 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
     assert 0 < line["sync/bytes"] and line["time/sync_s"] >= 0
     assert line["sync/full_bf16_bytes"] == 2 * summary["num_params"]
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  # Both rewards scored every completion; the total is their weighted sum.
+  first = json.loads(lines[0])
+  assert first["reward/total"] == pytest.approx(
+      first["reward/reasoning_gym_score"] + 0.5 * first["reward/short"])
+  # Sample tables at steps 1 and 2, on the console and in samples.jsonl.
+  samples = [json.loads(line) for line in
+             (tmp_path / "samples.jsonl").read_text().splitlines()]
+  assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
+  assert {"prompt", "completion", "answer", "reward", "reward/short",
+          "reward/reasoning_gym_score"} <= set(samples[0])
+  assert sum("samples at step" in line for line in printed) == 2
+  # The run folder's config.yaml is the run's config.
+  assert train_config.load_config(
+      "tiny", [tmp_path / "config.yaml"]) == config
 
 
 def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
@@ -229,8 +253,9 @@ def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
     (["rollout.num_generations=1"], "num_generations must be >= 2"),
     (["micro_batches=3"], "must divide the rollout batch"),
     (["optimizer.name=sgd"], "optimizer.name must be one of"),
-    (["optimizer.rnak=4"], "has no field 'rnak'"),
-    (["steps=abc"], "expected a int"),
+    (["optimizer.rnak=4"], "unknown config key optimizer.rnak"),
+    (["steps=abc"], "steps: Value 'abc' of type 'str' could not be "
+     "converted to Integer"),
     (["advantage=ppo"], "advantage must be one of"),
     (["optimizer.target_kl=0"], "target_kl must be > 0"),
     (["optimizer.kl_mode=exact"], "kl_mode must be one of"),

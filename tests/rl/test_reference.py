@@ -36,7 +36,7 @@ def rollout_batch(policy_folder, config):
   policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(config)
   batch, _ = engine.rollout(policy, policy.params, list(task.examples[:4]),
-                             config, trainer.task_rewards(task),
+                             config, [(trainer.task_verifier(task), 1.0)],
                              jax.random.key(1))
   return policy, batch
 

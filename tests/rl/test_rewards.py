@@ -214,3 +214,98 @@ def test_failure_warnings_are_rate_limited_per_reward():
     rewards.RewardFailureWarnings(print, threshold=1.0)
   with pytest.raises(ValueError, match="every must be >= 1"):
     rewards.RewardFailureWarnings(print, every=0)
+
+
+# --- Reward functions by path, with TRL's signature -----------------------------------------
+
+TRL_STYLE = """\
+import re
+
+def brevity(completions, **kwargs):
+  # TRL reward functions name only what they use and take the rest as **kwargs.
+  return [1.0 if len(c) <= 3 else 0.0 for c in completions]
+
+def uses_answer(prompts, completions, answer, **kwargs):
+  return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+def wrong_length(completions, **kwargs):
+  return [1.0]
+
+def raises(completions, **kwargs):
+  raise KeyError("solution")
+
+def not_numbers(completions, **kwargs):
+  return ["yes" for _ in completions]
+
+NOT_CALLABLE = 3
+"""
+
+EXAMPLES = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"},
+            {"prompt": "3+3=", "answer": "6"}]
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+  path = tmp_path / "my_rewards.py"
+  path.write_text(TRL_STYLE)
+  return path
+
+
+def test_a_reward_from_a_file_path_scores_a_batch(reward_file):
+  brevity = rewards.load_reward_function(f"{reward_file}:brevity")
+  uses_answer = rewards.load_reward_function(f"{reward_file}:uses_answer")
+  report = rewards.evaluate_rewards(
+      [(brevity, 1.0), (uses_answer, 2.0)], ["1+1=", "2+2=", "3+3="],
+      ["2", "five", " 6 "], {"answer": ["2", "4", "6"]})
+  np.testing.assert_array_equal(report.rewards, [3.0, 0.0, 3.0])
+  assert report.failures == {"brevity": 0, "uses_answer": 0}
+  rewards.check_reward_functions([(brevity, 1.0), (uses_answer, 1.0)], EXAMPLES)
+
+
+def test_a_reward_from_an_import_path():
+  fn = rewards.load_reward_function("logra_jax.rl.rewards:exact_match")
+  assert fn is rewards.exact_match
+  assert fn(prompts=["q"], completions=["12"], answer=["12"]) == [1.0]
+
+
+@pytest.mark.parametrize("spec, error, message", [
+    ("{file}:missing", ValueError, "has no attribute 'missing'"),
+    ("{file}:NOT_CALLABLE", ValueError, "NOT_CALLABLE is a int, not a function"),
+    ("{dir}/absent.py:f", FileNotFoundError, "file {dir}/absent.py not found"),
+    ("{dir}/broken.py:f", ValueError, "{dir}/broken.py does not import: SyntaxError"),
+    ("no_such_module_xyz:f", ValueError,
+     "no_such_module_xyz does not import: ModuleNotFoundError"),
+    ("brevity", ValueError, "must look like package.module:function"),
+])
+def test_a_reward_that_does_not_load_is_named(reward_file, spec, error, message):
+  (reward_file.parent / "broken.py").write_text("def f(:\n")
+  fill = dict(file=reward_file, dir=reward_file.parent)
+  with pytest.raises(error) as info:
+    rewards.load_reward_function(spec.format(**fill))
+  assert message.format(**fill) in str(info.value)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("wrong_length", "reward wrong_length returned 1 values for 3 completions"),
+    ("raises", "reward raises(completions, **kwargs) failed on the task's reference "
+     "answers: KeyError: 'solution'; a reward takes (prompts, completions, **columns) "
+     "as keywords, the columns being ['answer']"),
+    ("not_numbers", "reward not_numbers returned ['yes', 'yes', 'yes'], not numbers"),
+])
+def test_a_bad_reward_is_refused_before_a_run(reward_file, name, message):
+  fn = rewards.load_reward_function(f"{reward_file}:{name}")
+  with pytest.raises(ValueError) as info:
+    rewards.check_reward_functions([(fn, 1.0)], EXAMPLES)
+  assert message in str(info.value)
+
+
+def test_a_reward_that_hangs_on_the_check_is_refused():
+  release = threading.Event()
+
+  def hangs(completions, **kwargs):
+    release.wait(30)
+    return [0.0] * len(completions)
+
+  with pytest.raises(ValueError, match="reward hangs returned nothing within 0.2 s"):
+    rewards.check_reward_functions([(hangs, 1.0)], EXAMPLES, timeout_s=0.2)
+  release.set()

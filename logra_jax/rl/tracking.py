@@ -1,0 +1,192 @@
+"""Where a run's numbers and samples go besides ``metrics.jsonl``: trackers
+(TensorBoard, Weights & Biases) and tables of sampled completions.
+
+Each tracker is its own library's writer (``tensorboardX.SummaryWriter``,
+``wandb.init``/``log``); :func:`check_trackers` refuses a tracker whose
+library is missing before a run starts. A sample table shows the first
+completion of a few prompts of a batch with its reward, on the console
+(rendered by ``rich``) and as JSON lines in ``samples.jsonl``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import pathlib
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import rich.console
+import rich.table
+
+from logra_jax.rollout import engine as engine_lib
+
+# tracker -> (the module it needs, what installs it)
+_LIBRARIES = {"tensorboard": ("tensorboardX", "tensorboardX"),
+              "wandb": ("wandb", "'logra-jax[wandb]'")}
+
+
+def check_trackers(names: Sequence[str]) -> None:
+  """Raises a ValueError naming a tracker whose library is not installed,
+  and how to install it."""
+  for name in names:
+    module, requirement = _LIBRARIES[name]
+    if importlib.util.find_spec(module) is None:
+      raise ValueError(
+          f"logging.trackers includes {name!r}, but {module} is not "
+          f"installed: pip install {requirement}")
+
+
+class Trackers:
+  """The run's trackers, each given every step's metrics.
+
+  Args:
+    names: ``logging.trackers``.
+    out: the run folder (TensorBoard writes under ``out/tensorboard``;
+      W&B keeps its files under ``out/wandb`` and its run id in
+      ``out/wandb-run-id``, so that a resumed run logs to the same W&B run).
+    config: the run's config as plain dicts, recorded by W&B.
+
+  Example:
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...   with Trackers(["tensorboard"], pathlib.Path(out), {}) as trackers:
+    ...     trackers.log({"reward/total": 0.5}, step=1)
+  """
+
+  def __init__(self, names: Sequence[str], out: pathlib.Path,
+               config: Mapping[str, Any]):
+    check_trackers(names)
+    self._tensorboard = self._wandb = None
+    if "tensorboard" in names:
+      import tensorboardX
+      self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
+    if "wandb" in names:
+      import wandb
+      id_file = out / "wandb-run-id"
+      if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:16])
+      self._wandb = wandb.init(dir=str(out), name=out.name,
+                               id=id_file.read_text().strip(),
+                               resume="allow", config=dict(config))
+
+  def log(self, metrics: Mapping[str, float], step: int) -> None:
+    """Records one step's metrics."""
+    if self._tensorboard is not None:
+      for name, value in metrics.items():
+        self._tensorboard.add_scalar(name, value, step)
+    if self._wandb is not None:
+      self._wandb.log(dict(metrics), step=step)
+
+  def close(self) -> None:
+    """Flushes and closes every tracker."""
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+
+  def __enter__(self) -> "Trackers":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def samples_due(step: int, every: int) -> bool:
+  """Whether step ``step`` (from 1) shows a sample table: the first step,
+  then every ``every`` steps (``logging.samples_every``; 0: never).
+
+  Example:
+    >>> [s for s in range(1, 12) if samples_due(s, 5)]
+    [1, 5, 10]
+  """
+  return bool(every) and (step == 1 or step % every == 0)
+
+
+def sample_rows(samples: engine_lib.RolloutSamples, num_generations: int,
+                shown: int) -> list[dict[str, Any]]:
+  """The first completion of each of the first ``shown`` prompts: its
+  prompt, completion, reference answer (when the task has one), total
+  reward and each reward function's score.
+
+  Example:
+    >>> from logra_jax.rl import rewards
+    >>> report = rewards.evaluate_rewards([(rewards.exact_match, 1.0)],
+    ...     ["1+1=", "1+1="], ["2", "3"], {"answer": ["2", "2"]})
+    >>> samples = engine_lib.RolloutSamples(["1+1=", "1+1="], ["2", "3"],
+    ...                                     {"answer": ["2", "2"]}, report)
+    >>> sample_rows(samples, num_generations=2, shown=4)
+    [{'prompt': '1+1=', 'completion': '2', 'answer': '2', 'reward': 1.0, 'reward/exact_match': 1.0}]
+  """
+  rows = []
+  for i in range(0, len(samples.completions), num_generations)[:shown]:
+    row = {"prompt": samples.prompts[i], "completion": samples.completions[i]}
+    if "answer" in samples.columns:
+      row["answer"] = str(samples.columns["answer"][i])
+    row["reward"] = float(samples.report.rewards[i])
+    for name, scores in samples.report.per_function.items():
+      row[f"reward/{name}"] = float(np.asarray(scores)[i])
+    rows.append(row)
+  return rows
+
+
+def sample_table(rows: Sequence[Mapping[str, Any]], step: int,
+                 width: int = 100) -> str:
+  """``rows`` (:func:`sample_rows`) as a text table titled with the step."""
+  table = rich.table.Table(title=f"samples at step {step}", show_lines=True)
+  columns = [c for c in ("prompt", "completion", "answer", "reward")
+             if rows and c in rows[0]]
+  for column in columns:
+    table.add_column(column, overflow="fold",
+                     justify="right" if column == "reward" else "left")
+  for row in rows:
+    table.add_row(*(f"{row[c]:.3f}" if c == "reward" else str(row[c])
+                    for c in columns))
+  console = rich.console.Console(file=io.StringIO(), width=width,
+                                 color_system=None)
+  console.print(table)
+  return console.file.getvalue().rstrip("\n")
+
+
+class SampleLog:
+  """Appends sample rows to ``samples.jsonl``, one JSON object per row with
+  its ``step``; opened for a resumed run, it first drops the rows of steps
+  after ``resumed_step`` (they are sampled again).
+
+  Example:
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...   path = pathlib.Path(out) / "samples.jsonl"
+    ...   with SampleLog(path) as log:
+    ...     log.write(3, [{"prompt": "1+1=", "completion": "2"}])
+    ...   with SampleLog(path, resumed_step=2) as log:
+    ...     pass
+    ...   path.read_text()
+    ''
+  """
+
+  def __init__(self, path: pathlib.Path, resumed_step: int | None = None):
+    kept = []
+    if resumed_step is not None and path.exists():
+      kept = [line for line in path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= resumed_step]
+    self._file = open(path, "w", encoding="utf-8")
+    self._file.writelines(line + "\n" for line in kept)
+    self._file.flush()
+
+  def write(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+    for row in rows:
+      self._file.write(json.dumps({"step": step, **row}) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+  def __enter__(self) -> "SampleLog":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
