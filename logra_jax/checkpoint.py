@@ -56,8 +56,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from logra_jax.configs.train import (CheckpointConfig, OptimizerConfig,
-                                     TrainConfig, to_dict)
+from logra_jax.configs.train import (
+    CheckpointConfig,
+    OptimizerConfig,
+    TrainConfig,
+    to_dict,
+)
 from logra_jax.optim.factored import flat_index
 from logra_jax.optim.factored import mix32
 
@@ -71,12 +75,25 @@ BEST_METRIC = "accuracy/eval"
 # means: how long the run goes on, how often it evaluates and saves, when it
 # gives up on non-finite steps, and where the policy folder (whose model
 # config is checked separately) lives. Every other change is refused.
-RESUMABLE_FIELDS = ("steps", "eval_every", "checkpoint", "logging",
-                    "max_consecutive_skips", "policy.path",
-                    "policy.cache_dir", "rollout.engine", "sync")
+RESUMABLE_FIELDS = (
+    "steps",
+    "eval_every",
+    "checkpoint",
+    "logging",
+    "max_consecutive_skips",
+    "policy.path",
+    "policy.cache_dir",
+    "rollout.engine",
+    "sync",
+)
 # HF config keys that name a file or a library version, not the model.
-_VOLATILE_MODEL_KEYS = ("_name_or_path", "transformers_version", "torch_dtype",
-                        "dtype", "architectures")
+_VOLATILE_MODEL_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+)
 _ARRAY_ITEMS = ("params", "opt_state", "ref_params")
 
 
@@ -118,19 +135,30 @@ class LoopState:
 
   def to_json(self) -> dict[str, Any]:
     """A JSON-serializable dict (the key as its implementation and words)."""
-    return {"step": int(self.step), "data_position": int(self.data_position),
-            "key": {"impl": str(jax.random.key_impl(self.key)),
-                    "data": np.asarray(jax.random.key_data(self.key)).tolist()},
-            "history": self.history, "extras": self.extras}
+    return {
+        "step": int(self.step),
+        "data_position": int(self.data_position),
+        "key": {
+            "impl": str(jax.random.key_impl(self.key)),
+            "data": np.asarray(jax.random.key_data(self.key)).tolist(),
+        },
+        "history": self.history,
+        "extras": self.extras,
+    }
 
   @classmethod
   def from_json(cls, value: dict[str, Any]) -> LoopState:
     """Inverse of :meth:`to_json`."""
     key = jax.random.wrap_key_data(
-        np.asarray(value["key"]["data"], np.uint32), impl=value["key"]["impl"])
-    return cls(step=int(value["step"]), key=key,
-               data_position=int(value["data_position"]),
-               history=list(value["history"]), extras=dict(value["extras"]))
+        np.asarray(value["key"]["data"], np.uint32), impl=value["key"]["impl"]
+    )
+    return cls(
+        step=int(value["step"]),
+        key=key,
+        data_position=int(value["data_position"]),
+        history=list(value["history"]),
+        extras=dict(value["extras"]),
+    )
 
 
 @dataclasses.dataclass
@@ -154,8 +182,12 @@ class Restored:
   meta: dict[str, Any]
 
 
-def run_meta(config: TrainConfig, model_config: dict[str, Any],
-             tokenizer: Any = None, mesh: Any = None) -> dict[str, Any]:
+def run_meta(
+    config: TrainConfig,
+    model_config: dict[str, Any],
+    tokenizer: Any = None,
+    mesh: Any = None,
+) -> dict[str, Any]:
   """The description of a run stored with each of its checkpoints.
 
   Args:
@@ -180,9 +212,14 @@ def run_meta(config: TrainConfig, model_config: dict[str, Any],
       for path in sorted(pathlib.Path(tmp).iterdir()):
         if path.is_file():
           files[path.name] = base64.b64encode(path.read_bytes()).decode()
-  return {"format": FORMAT_VERSION, "config": to_dict(config),
-          "model": model_config, "mesh": None if mesh is None else str(mesh),
-          "process_count": jax.process_count(), "tokenizer": files}
+  return {
+      "format": FORMAT_VERSION,
+      "config": to_dict(config),
+      "model": model_config,
+      "mesh": None if mesh is None else str(mesh),
+      "process_count": jax.process_count(),
+      "tokenizer": files,
+  }
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -199,8 +236,9 @@ def _resumable(path: str) -> bool:
   return any(path == f or path.startswith(f + ".") for f in RESUMABLE_FIELDS)
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]
-                   ) -> list[tuple[str, Any, Any]]:
+def config_changes(
+    saved: dict[str, Any], current: dict[str, Any]
+) -> list[tuple[str, Any, Any]]:
   """The config fields that differ, as ``(dotted path, saved, current)``.
 
   A field the saved config lacks (added to the code since) counts as
@@ -222,13 +260,19 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]
     if before is missing and after == defaults.get(path, missing):
       continue
     if before != after:
-      changes.append((path, "<absent>" if before is missing else before,
-                      "<absent>" if after is missing else after))
+      changes.append(
+          (
+              path,
+              "<absent>" if before is missing else before,
+              "<absent>" if after is missing else after,
+          )
+      )
   return changes
 
 
-def check_resumable(saved: dict[str, Any], current: dict[str, Any],
-                    allow_reshard: bool = False) -> None:
+def check_resumable(
+    saved: dict[str, Any], current: dict[str, Any], allow_reshard: bool = False
+) -> None:
   """Raises if a run described by ``current`` may not resume ``saved``.
 
   Both are :func:`run_meta` dicts. Refused: another checkpoint format, any
@@ -247,32 +291,47 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any],
     >>> check_resumable(saved, wider)
     Traceback (most recent call last):
     ...
-    logra_jax.checkpoint.CheckpointError: cannot resume: the checkpoint is of another model: hidden_size is 64 in the checkpoint but 128 in this run
+    logra_jax.checkpoint.CheckpointError: ... hidden_size is 64 ... but 128 in this run
   """
   if saved.get("format") != FORMAT_VERSION:
     raise CheckpointError(
         f"cannot resume: the checkpoint has format {saved.get('format')!r}, "
-        f"this version of logra-jax reads format {FORMAT_VERSION}")
-  refused = [c for c in config_changes(saved["config"], current["config"])
-             if not _resumable(c[0])]
+        f"this version of logra-jax reads format {FORMAT_VERSION}"
+    )
+  refused = [
+      c
+      for c in config_changes(saved["config"], current["config"])
+      if not _resumable(c[0])
+  ]
   if refused:
-    listed = "; ".join(f"{path} is {old!r} in the checkpoint but {new!r} now"
-                       for path, old, new in refused)
+    listed = "; ".join(
+        f"{path} is {old!r} in the checkpoint but {new!r} now"
+        for path, old, new in refused
+    )
     raise CheckpointError(
         f"cannot resume: the config differs from the checkpoint's in fields "
         f"that change what its state means: {listed}. Only "
         f"{', '.join(RESUMABLE_FIELDS)} may change when resuming; start a new "
-        f"run (another --out) for the rest")
+        f"run (another --out) for the rest"
+    )
   old_model, new_model = (
       {k: v for k, v in m.items() if k not in _VOLATILE_MODEL_KEYS}
-      for m in (saved["model"], current["model"]))
+      for m in (saved["model"], current["model"])
+  )
   if old_model != new_model:
-    keys = sorted(k for k in set(old_model) | set(new_model)
-                  if old_model.get(k) != new_model.get(k))
-    listed = "; ".join(f"{k} is {old_model.get(k)!r} in the checkpoint but "
-                       f"{new_model.get(k)!r} in this run" for k in keys)
+    keys = sorted(
+        k
+        for k in set(old_model) | set(new_model)
+        if old_model.get(k) != new_model.get(k)
+    )
+    listed = "; ".join(
+        f"{k} is {old_model.get(k)!r} in the checkpoint but "
+        f"{new_model.get(k)!r} in this run"
+        for k in keys
+    )
     raise CheckpointError(
-        f"cannot resume: the checkpoint is of another model: {listed}")
+        f"cannot resume: the checkpoint is of another model: {listed}"
+    )
   if not allow_reshard:
     for field, what in (("mesh", "mesh"), ("process_count", "process count")):
       if saved.get(field) != current.get(field):
@@ -281,7 +340,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any],
             f"{saved.get(field) or 'none (one device)'} but this run has "
             f"{current.get(field) or 'none (one device)'}; pass "
             f"allow_reshard=True (logra train --allow-reshard) to restore it "
-            f"into this layout (results then differ by float rounding)")
+            f"into this layout (results then differ by float rounding)"
+        )
 
 
 def abstract_state(tree: Any, shardings: Any = None) -> Any:
@@ -301,6 +361,7 @@ def abstract_state(tree: Any, shardings: Any = None) -> Any:
     >>> abstract_state({"w": jnp.zeros((2, 3))}, one)["w"].shape
     (2, 3)
   """
+
   def leaf(x, sharding):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
@@ -350,8 +411,7 @@ def _mixed_sum(bits: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
   counted from ``offset``."""
   words = bits.astype(jnp.uint32)
   # An odd factor: distinct positions get distinct keys.
-  keys = (flat_index(words.shape) + jnp.uint32(offset)) * np.uint32(
-      0x9E3779B9)
+  keys = (flat_index(words.shape) + jnp.uint32(offset)) * np.uint32(0x9E3779B9)
   return jnp.sum(mix32(words ^ keys), dtype=jnp.uint32)
 
 
@@ -414,8 +474,10 @@ def array_checksums(tree: Any) -> dict[str, str]:
   """
   named = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(leaf_checksums([x for _, x in named]))
-  return {_array_name(path): f"{int(value):08x}"
-          for (path, _), value in zip(named, values)}
+  return {
+      _array_name(path): f"{int(value):08x}"
+      for (path, _), value in zip(named, values)
+  }
 
 
 def _json_checksum(value: Any) -> str:
@@ -436,6 +498,7 @@ def _without_empty(tree: Any) -> Any:
 def _with_empty(restored: Any, target: Any) -> Any:
   """``restored`` (read for :func:`_without_empty` of ``target``) with the
   arrays of no elements rebuilt from the abstract ``target``."""
+
   def leaf(want, got):
     if want.size:
       return got
@@ -485,10 +548,14 @@ class Checkpointer:
     (1, [0.0, 1.0, 2.0])
   """
 
-  def __init__(self, directory: str | os.PathLike,
-               config: CheckpointConfig = CheckpointConfig(), *,
-               read_only: bool = False,
-               clock: Callable[[], float] = time.monotonic):
+  def __init__(
+      self,
+      directory: str | os.PathLike,
+      config: CheckpointConfig = CheckpointConfig(),
+      *,
+      read_only: bool = False,
+      clock: Callable[[], float] = time.monotonic,
+  ):
     self.directory = pathlib.Path(directory).absolute()
     self.config = config
     self.read_only = read_only
@@ -502,20 +569,29 @@ class Checkpointer:
         shutil.rmtree(path)
     keep = [policies.LatestN(n=config.keep)]
     if config.keep_best:
-      keep.append(policies.BestN(
-          get_metric_fn=lambda metrics: metrics[BEST_METRIC],
-          n=config.keep_best, keep_checkpoints_without_metrics=False))
+      keep.append(
+          policies.BestN(
+              get_metric_fn=lambda metrics: metrics[BEST_METRIC],
+              n=config.keep_best,
+              keep_checkpoints_without_metrics=False,
+          )
+      )
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=config.async_save,
         preservation_policy=policies.AnyPreservationPolicy(keep),
-        cleanup_tmp_directories=False, read_only=read_only,
-        create=not read_only, save_interval_steps=0 if read_only else 1)
+        cleanup_tmp_directories=False,
+        read_only=read_only,
+        create=not read_only,
+        save_interval_steps=0 if read_only else 1,
+    )
     handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
-    handlers.update(loop=ocp.JsonCheckpointHandler(),
-                    meta=ocp.JsonCheckpointHandler())
-    with _quiet_absl("read only"):   # read_only is what was asked for
-      self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                            item_handlers=handlers)
+    handlers.update(
+        loop=ocp.JsonCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+    )
+    with _quiet_absl("read only"):  # read_only is what was asked for
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options, item_handlers=handlers
+      )
     self._closed = False
     self._clock = clock
     self._last_save = clock()
@@ -557,14 +633,24 @@ class Checkpointer:
     config = self.config
     if config.every_steps and step % config.every_steps == 0:
       return True
-    if config.every_seconds and (self._clock() - self._last_save
-                                 >= config.every_seconds):
+    if config.every_seconds and (
+        self._clock() - self._last_save >= config.every_seconds
+    ):
       return True
     return evaluated and config.keep_best > 0
 
-  def save(self, step: int, *, params: Any, opt_state: Any, loop: LoopState,
-           meta: dict[str, Any], ref_params: Any = None,
-           eval_accuracy: Optional[float] = None, wait: bool = False) -> None:
+  def save(
+      self,
+      step: int,
+      *,
+      params: Any,
+      opt_state: Any,
+      loop: LoopState,
+      meta: dict[str, Any],
+      ref_params: Any = None,
+      eval_accuracy: Optional[float] = None,
+      wait: bool = False,
+  ) -> None:
     """Saves the state after ``step`` steps.
 
     Returns once the arrays' checksums are computed (on their devices) and
@@ -589,10 +675,10 @@ class Checkpointer:
       CheckpointError: if a checkpoint of ``step`` already exists.
     """
     if step in self.all_steps():
-      raise CheckpointError(f"a checkpoint of step {step} already exists in "
-                            f"{self.directory}")
-    trees = {"params": params, "opt_state": opt_state,
-             "ref_params": ref_params}
+      raise CheckpointError(
+          f"a checkpoint of step {step} already exists in " f"{self.directory}"
+      )
+    trees = {"params": params, "opt_state": opt_state, "ref_params": ref_params}
     trees = {k: _without_empty(v) for k, v in trees.items() if v is not None}
     loop_json = loop.to_json()
     checksums = {k: array_checksums(v) for k, v in trees.items()}
@@ -600,12 +686,15 @@ class Checkpointer:
     meta = dict(_without_digest(meta), checksums=checksums)
     meta["digest"] = _json_checksum(meta)
     items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
-    items.update(loop=ocp.args.JsonSave(loop_json),
-                 meta=ocp.args.JsonSave(meta))
-    metrics = (None if eval_accuracy is None
-               else {BEST_METRIC: float(eval_accuracy)})
-    self._manager.save(step, args=ocp.args.Composite(**items),
-                       metrics=metrics, force=True)
+    items.update(
+        loop=ocp.args.JsonSave(loop_json), meta=ocp.args.JsonSave(meta)
+    )
+    metrics = (
+        None if eval_accuracy is None else {BEST_METRIC: float(eval_accuracy)}
+    )
+    self._manager.save(
+        step, args=ocp.args.Composite(**items), metrics=metrics, force=True
+    )
     self._last_save = self._clock()
     if wait:
       self.wait()
@@ -623,15 +712,20 @@ class Checkpointer:
       if not steps:
         extra = ""
         if self.unfinished():
-          extra = (" (only unfinished saves: "
-                   f"{', '.join(p.name for p in self.unfinished())})")
+          extra = (
+              " (only unfinished saves: "
+              f"{', '.join(p.name for p in self.unfinished())})"
+          )
         raise CheckpointError(
-            f"no finished checkpoint in {self.directory}{extra}")
+            f"no finished checkpoint in {self.directory}{extra}"
+        )
       return steps[-1]
     if step not in steps:
-      raise CheckpointError(f"no checkpoint of step {step} in "
-                            f"{self.directory}; finished checkpoints: "
-                            f"{_describe_steps(steps)}")
+      raise CheckpointError(
+          f"no checkpoint of step {step} in "
+          f"{self.directory}; finished checkpoints: "
+          f"{_describe_steps(steps)}"
+      )
     return step
 
   def read_meta(self, step: Optional[int] = None) -> dict[str, Any]:
@@ -646,26 +740,32 @@ class Checkpointer:
     path = self.directory / str(step)
     try:
       meta = self._manager.restore(
-          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+      ).meta
     except Exception as error:  # Orbax and tensorstore raise many kinds.
       raise CorruptCheckpointError(
           f"checkpoint {path} has no readable description (meta): "
-          f"{_first_line(error)}") from error
+          f"{_first_line(error)}"
+      ) from error
     if not isinstance(meta, dict) or "format" not in meta:
-      raise CorruptCheckpointError(f"checkpoint {path}: meta is not a "
-                                   "logra-jax run description")
+      raise CorruptCheckpointError(
+          f"checkpoint {path}: meta is not a " "logra-jax run description"
+      )
     digest = meta.get("digest")
     if digest is not None and digest != _json_checksum(_without_digest(meta)):
       raise CorruptCheckpointError(
           f"checkpoint {path}: its description (meta) does not match its "
-          "checksum: damaged after the save")
+          "checksum: damaged after the save"
+      )
     if meta["format"] != FORMAT_VERSION:
       raise CheckpointError(
           f"checkpoint {path} has format {meta['format']!r}; this version of "
-          f"logra-jax reads format {FORMAT_VERSION}")
+          f"logra-jax reads format {FORMAT_VERSION}"
+      )
     if digest is None:
-      raise CorruptCheckpointError(f"checkpoint {path}: its description "
-                                   "(meta) has no checksum")
+      raise CorruptCheckpointError(
+          f"checkpoint {path}: its description " "(meta) has no checksum"
+      )
     return meta
 
   def _check_arrays(self, step: int, name: str, target: Any) -> None:
@@ -677,34 +777,53 @@ class Checkpointer:
     except Exception as error:
       raise CorruptCheckpointError(
           f"checkpoint {path}: cannot read the array metadata: "
-          f"{_first_line(error)}") from error
+          f"{_first_line(error)}"
+      ) from error
     if saved_tree is None:
       raise CorruptCheckpointError(f"checkpoint {path} is missing")
-    saved = {m.name: m for m in jax.tree.leaves(saved_tree)
-             if hasattr(m, "shape")}
-    wanted = {_array_name(path): leaf for path, leaf
-              in jax.tree_util.tree_flatten_with_path(target)[0]}
-    problems = [f"{k} is missing from the checkpoint" for k in wanted
-                if k not in saved]
-    problems += [f"{k} is in the checkpoint but not in this run" for k in saved
-                 if k not in wanted]
+    saved = {
+        m.name: m for m in jax.tree.leaves(saved_tree) if hasattr(m, "shape")
+    }
+    wanted = {
+        _array_name(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+    }
+    problems = [
+        f"{k} is missing from the checkpoint" for k in wanted if k not in saved
+    ]
+    problems += [
+        f"{k} is in the checkpoint but not in this run"
+        for k in saved
+        if k not in wanted
+    ]
     for k in wanted.keys() & saved.keys():
       a, b = saved[k], wanted[k]
       if tuple(a.shape) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(
-          b.dtype):
-        problems.append(f"{k} is {np.dtype(a.dtype).name}{list(a.shape)} in "
-                        f"the checkpoint but {np.dtype(b.dtype).name}"
-                        f"{list(b.shape)} in this run")
+          b.dtype
+      ):
+        problems.append(
+            f"{k} is {np.dtype(a.dtype).name}{list(a.shape)} in "
+            f"the checkpoint but {np.dtype(b.dtype).name}"
+            f"{list(b.shape)} in this run"
+        )
     if problems:
       more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
       raise CheckpointError(
           f"checkpoint {path} does not match this run's {name}: "
-          + "; ".join(sorted(problems)[:5]) + more)
+          + "; ".join(sorted(problems)[:5])
+          + more
+      )
 
-  def restore(self, step: Optional[int] = None, *, params: Any,
-              opt_state: Any = None, ref_params: Any = None,
-              expected_meta: Optional[dict[str, Any]] = None,
-              allow_reshard: bool = False) -> Restored:
+  def restore(
+      self,
+      step: Optional[int] = None,
+      *,
+      params: Any,
+      opt_state: Any = None,
+      ref_params: Any = None,
+      expected_meta: Optional[dict[str, Any]] = None,
+      allow_reshard: bool = False,
+  ) -> Restored:
     """Restores checkpoint ``step`` (default: the latest).
 
     Arrays are read straight into the shardings of the targets, so a run on
@@ -735,38 +854,53 @@ class Checkpointer:
     meta = self.read_meta(step)
     if expected_meta is not None:
       check_resumable(meta, expected_meta, allow_reshard)
-    targets = {"params": params, "opt_state": opt_state,
-               "ref_params": ref_params}
-    targets = {k: abstract_state(v) for k, v in targets.items()
-               if v is not None}
+    targets = {
+        "params": params,
+        "opt_state": opt_state,
+        "ref_params": ref_params,
+    }
+    targets = {
+        k: abstract_state(v) for k, v in targets.items() if v is not None
+    }
     stored = {k: _without_empty(v) for k, v in targets.items()}
     for name, target in stored.items():
       self._check_arrays(step, name, target)
-    args = {name: ocp.args.StandardRestore(target)
-            for name, target in stored.items()}
+    args = {
+        name: ocp.args.StandardRestore(target)
+        for name, target in stored.items()
+    }
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          loop=ocp.args.JsonRestore(), **args))
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(loop=ocp.args.JsonRestore(), **args)
+      )
       loop = LoopState.from_json(restored.loop)
     except Exception as error:
       raise CorruptCheckpointError(
           f"checkpoint {self.directory / str(step)} cannot be read (truncated "
-          f"or damaged?): {_first_line(error)}") from error
+          f"or damaged?): {_first_line(error)}"
+      ) from error
     self._verify(step, meta["checksums"], restored)
     trees = {k: _with_empty(restored[k], v) for k, v in targets.items()}
-    return Restored(step=step, params=trees["params"],
-                    opt_state=trees.get("opt_state"),
-                    ref_params=trees.get("ref_params"), loop=loop, meta=meta)
+    return Restored(
+        step=step,
+        params=trees["params"],
+        opt_state=trees.get("opt_state"),
+        ref_params=trees.get("ref_params"),
+        loop=loop,
+        meta=meta,
+    )
 
-  def _verify(self, step: int, checksums: dict[str, Any],
-              restored: Any) -> None:
+  def _verify(
+      self, step: int, checksums: dict[str, Any], restored: Any
+  ) -> None:
     """Compares the items read from checkpoint ``step`` with the checksums
     written with them."""
     where = f"checkpoint {self.directory / str(step)} (step {step})"
     if _json_checksum(restored.loop) != checksums.get("loop"):
       raise CorruptCheckpointError(
           f"{where}: loop (step, PRNG key, data position, history) does not "
-          "match its checksum: damaged after the save")
+          "match its checksum: damaged after the save"
+      )
     for item in _ARRAY_ITEMS:
       if item not in restored.keys():
         continue
@@ -776,7 +910,8 @@ class Checkpointer:
           raise CorruptCheckpointError(
               f"{where}: array {item}.{name} does not match its checksum "
               f"(written {written.get(name)}, read {value}): damaged after "
-              "the save")
+              "the save"
+          )
 
   def set_aside(self, step: int) -> pathlib.Path:
     """Moves checkpoint ``step`` out of the steps Orbax lists, to
@@ -792,13 +927,20 @@ class Checkpointer:
       CheckpointError: the folder is open read-only.
     """
     if self.read_only:
-      raise CheckpointError(f"cannot set checkpoint {step} aside: "
-                            f"{self.directory} is open read-only")
+      raise CheckpointError(
+          f"cannot set checkpoint {step} aside: "
+          f"{self.directory} is open read-only"
+      )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    names = (f"{step}.corrupt-{stamp}" + (f"-{n}" if n else "")
-             for n in itertools.count())
-    aside = next(self.directory / name for name in names
-                 if not (self.directory / name).exists())
+    names = (
+        f"{step}.corrupt-{stamp}" + (f"-{n}" if n else "")
+        for n in itertools.count()
+    )
+    aside = next(
+        self.directory / name
+        for name in names
+        if not (self.directory / name).exists()
+    )
     if jax.process_index() == 0:
       os.rename(self.directory / str(step), aside)
     if jax.process_count() > 1:
@@ -806,8 +948,9 @@ class Checkpointer:
     self._manager.reload()
     return aside
 
-  def restore_latest(self, *, log: Callable[[str], None] = print,
-                     **kwargs: Any) -> Restored:
+  def restore_latest(
+      self, *, log: Callable[[str], None] = print, **kwargs: Any
+  ) -> Restored:
     """:meth:`restore` of the newest checkpoint that can be read.
 
     A checkpoint whose files are damaged (:class:`CorruptCheckpointError`)
@@ -827,18 +970,20 @@ class Checkpointer:
     """
     steps = self.all_steps()
     if not steps:
-      self.resolve_step(None)   # raises, naming unfinished saves if any
+      self.resolve_step(None)  # raises, naming unfinished saves if any
     errors = []
     for step in reversed(steps):
       try:
         return self.restore(step, **kwargs)
       except CorruptCheckpointError as error:
-        aside = ("" if self.read_only
-                 else f", set aside as {self.set_aside(step)}")
+        aside = (
+            "" if self.read_only else f", set aside as {self.set_aside(step)}"
+        )
         log(f"skipping checkpoint {step}{aside}: {error}")
         errors.append(str(error))
     raise CorruptCheckpointError(
-        f"no readable checkpoint in {self.directory}: " + " | ".join(errors))
+        f"no readable checkpoint in {self.directory}: " + " | ".join(errors)
+    )
 
 
 def locate(path: str | os.PathLike) -> tuple[pathlib.Path, Optional[int]]:
@@ -863,9 +1008,13 @@ def locate(path: str | os.PathLike) -> tuple[pathlib.Path, Optional[int]]:
   return path, None
 
 
-def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                  step: Optional[int] = None,
-                  overwrite: bool = False) -> pathlib.Path:
+def export_policy(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: Optional[int] = None,
+    overwrite: bool = False,
+) -> pathlib.Path:
   """Writes a checkpoint's policy as a Hugging Face folder.
 
   ``config.json`` and safetensors (``models.save_pretrained``) plus the
@@ -901,36 +1050,41 @@ def export_policy(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
   directory, named_step = locate(checkpoint)
   out = pathlib.Path(out).absolute()
   if out.exists() and not out.is_dir():
-    raise FileExistsError(f"{out} is a file, not a folder: export writes a "
-                          "Hugging Face folder; choose another --out")
+    raise FileExistsError(
+        f"{out} is a file, not a folder: export writes a "
+        "Hugging Face folder; choose another --out"
+    )
   if out.exists() and not overwrite:
-    raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) "
-                          "to replace it")
+    raise FileExistsError(
+        f"{out} exists; pass overwrite=True (--overwrite) " "to replace it"
+    )
   with Checkpointer(directory, read_only=True) as ckpt:
     meta = ckpt.read_meta(step if step is not None else named_step)
     dtype = meta["config"]["policy"]["dtype"]
     with tempfile.TemporaryDirectory() as tmp:
       (pathlib.Path(tmp) / "config.json").write_text(json.dumps(meta["model"]))
       hf_config = transformers.AutoConfig.from_pretrained(tmp)
-    config = models.DecoderConfig.from_hf(hf_config, param_dtype=dtype,
-                                          dtype=dtype)
-    abstract = nnx.eval_shape(lambda: models.Decoder(config,
-                                                     rngs=nnx.Rngs(0)))
+    config = models.DecoderConfig.from_hf(
+        hf_config, param_dtype=dtype, dtype=dtype
+    )
+    abstract = nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     optimizer = OptimizerConfig(**meta["config"]["optimizer"])
     tx = learner.make_optimizer(optimizer, abstract_params)
     restored = ckpt.restore(
         step if step is not None else named_step,
-        params=abstract_state(learner.abstract_weights(
-            optimizer, tx, abstract_params), one),
-        opt_state=abstract_state(jax.eval_shape(tx.init, abstract_params),
-                                 one))
+        params=abstract_state(
+            learner.abstract_weights(optimizer, tx, abstract_params), one
+        ),
+        opt_state=abstract_state(jax.eval_shape(tx.init, abstract_params), one),
+    )
     # A factored policy is written as its weights W = c B + P A.
     params = learner.dense_weights(restored.params, restored.opt_state)
   out.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-",
-                                          dir=out.parent))
+  staging = pathlib.Path(
+      tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent)
+  )
   try:
     folder = staging / out.name
     models.save_pretrained(nnx.merge(graphdef, params), folder)

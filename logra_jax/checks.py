@@ -16,8 +16,10 @@ def _bounds(gt, ge, lt, le) -> str:
   low = gt if gt is not None else ge
   high = lt if lt is not None else le
   if low is not None and high is not None:
-    return (f"in {'(' if gt is not None else '['}{low}, {high}"
-            f"{')' if lt is not None else ']'}")
+    return (
+        f"in {'(' if gt is not None else '['}{low}, {high}"
+        f"{')' if lt is not None else ']'}"
+    )
   if low is not None:
     return f"{'>' if gt is not None else '>='} {low}"
   if high is not None:
@@ -25,9 +27,15 @@ def _bounds(gt, ge, lt, le) -> str:
   return ""
 
 
-def check_range(name: str, value: Any, *, gt: Optional[float] = None,
-                ge: Optional[float] = None, lt: Optional[float] = None,
-                le: Optional[float] = None) -> None:
+def check_range(
+    name: str,
+    value: Any,
+    *,
+    gt: Optional[float] = None,
+    ge: Optional[float] = None,
+    lt: Optional[float] = None,
+    le: Optional[float] = None,
+) -> None:
   """Raises a one-line ValueError naming ``name`` unless ``value`` is a
   finite real number (not a bool) within the given bounds.
 
@@ -58,13 +66,19 @@ def check_range(name: str, value: Any, *, gt: Optional[float] = None,
     ValueError: seed must be >= 0, got -1
   """
   bounds = _bounds(gt, ge, lt, le)
-  if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-      or not math.isfinite(value)):
+  if (
+      not isinstance(value, numbers.Real)
+      or isinstance(value, bool)
+      or not math.isfinite(value)
+  ):
     finite = f"a finite number {bounds}".rstrip()
     raise ValueError(f"{name} must be {finite}, got {value!r}")
-  if ((gt is not None and not value > gt) or (ge is not None and value < ge)
+  if (
+      (gt is not None and not value > gt)
+      or (ge is not None and value < ge)
       or (lt is not None and not value < lt)
-      or (le is not None and value > le)):
+      or (le is not None and value > le)
+  ):
     raise ValueError(f"{name} must be {bounds}, got {value!r}")
 
 

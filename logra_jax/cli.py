@@ -15,21 +15,29 @@ from logra_jax.configs import train as train_config
 def _config(args: argparse.Namespace) -> train_config.TrainConfig:
   """The run config of ``--preset``, ``--config`` files and overrides
   (``--set`` ones, then positional ones), composed in that order."""
-  return train_config.load_config(args.preset, args.config,
-                                  args.set + args.overrides)
+  return train_config.load_config(
+      args.preset, args.config, args.set + args.overrides
+  )
 
 
 def _train(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
+
   config = _config(args)
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
   from logra_jax import parallel
+
   mesh = parallel.MeshConfig.parse(args.mesh) if args.mesh else None
-  summary = trainer.train(config, out, progress=not args.no_progress,
-                          mesh=mesh, resume=args.resume,
-                          allow_reshard=args.allow_reshard)
+  summary = trainer.train(
+      config,
+      out,
+      progress=not args.no_progress,
+      mesh=mesh,
+      resume=args.resume,
+      allow_reshard=args.allow_reshard,
+  )
   print(f"outputs in {out}")
   # Stopped by a signal, after saving: the shell's status for that signal
   # (143 for SIGTERM, 130 for SIGINT), so that schedulers see the stop.
@@ -39,14 +47,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
   from logra_jax import checkpoint
-  out = checkpoint.export_policy(args.checkpoint, args.out, step=args.step,
-                                 overwrite=args.overwrite)
+
+  out = checkpoint.export_policy(
+      args.checkpoint, args.out, step=args.step, overwrite=args.overwrite
+  )
   print(f"policy written to {out}")
   return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
   from logra_jax.models import gguf_io
+
   out = gguf_io.convert_gguf(args.gguf, args.out, overwrite=args.overwrite)
   print(f"policy written to {out}")
   return 0
@@ -55,130 +66,233 @@ def _convert(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
   from logra_jax.rl import trainer
   from logra_jax.rollout import engine
+
   config = _config(args)
   task = trainer.load_task(config)
   rewards = trainer.run_rewards(config, task)
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
-  policy = engine.Policy.load(args.policy,
-                              chat_template=config.task.chat_template,
-                              system_prompt=config.task.system_prompt)
-  result = engine.evaluate(policy, policy.params, eval_examples, rewards,
-                           config.rollout.max_new_tokens)
-  print(json.dumps({"policy": args.policy, "task": task.name,
-                    "examples": len(eval_examples), **result}))
+  policy = engine.Policy.load(
+      args.policy,
+      chat_template=config.task.chat_template,
+      system_prompt=config.task.system_prompt,
+  )
+  result = engine.evaluate(
+      policy,
+      policy.params,
+      eval_examples,
+      rewards,
+      config.rollout.max_new_tokens,
+  )
+  print(
+      json.dumps(
+          {
+              "policy": args.policy,
+              "task": task.name,
+              "examples": len(eval_examples),
+              **result,
+          }
+      )
+  )
   return 0
 
 
 def _memory(args: argparse.Namespace) -> int:
   from logra_jax import memory
   from logra_jax import parallel
+
   report = memory.plan_memory(
-      args.model, mesh=parallel.MeshConfig.parse(args.mesh),
-      optimizer=args.optimizer, rank=args.rank, seq_len=args.seq,
-      micro_batch=args.micro_batch, remat=args.remat,
-      rollout_seqs=args.rollout_seqs, rollout_tokens=args.rollout_tokens,
+      args.model,
+      mesh=parallel.MeshConfig.parse(args.mesh),
+      optimizer=args.optimizer,
+      rank=args.rank,
+      seq_len=args.seq,
+      micro_batch=args.micro_batch,
+      remat=args.remat,
+      rollout_seqs=args.rollout_seqs,
+      rollout_tokens=args.rollout_tokens,
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
       project_embeddings=args.project_embeddings,
-      reference_dtype=args.reference_dtype, base_dtype=args.base_dtype)
+      reference_dtype=args.reference_dtype,
+      base_dtype=args.base_dtype,
+  )
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="logra", description="LoGRA: memory-efficient RL post-training.")
+      prog="logra", description="LoGRA: memory-efficient RL post-training."
+  )
   commands = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--preset", default="tiny",
-                      help=f"named config: {train_config.preset_names()}")
-  common.add_argument("--config", action="append", default=[],
-                      metavar="FILE",
-                      help="a YAML run config merged over the preset (may be "
-                           "given several times; e.g. a run's config.yaml)")
-  common.add_argument("--set", action="append", default=[],
-                      metavar="KEY=VALUE",
-                      help="override a config field, e.g. optimizer.rank=8")
-  common.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                      help="more overrides, applied after --set; values are "
-                           "YAML, e.g. task.options={max_terms: 4}")
-  train = commands.add_parser("train", parents=[common],
-                              help="run RL post-training")
-  train.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
-  train.add_argument("--no-progress", action="store_true",
-                     help="no progress bar")
-  train.add_argument("--mesh", default="",
-                     help="shard over a device mesh, e.g. fsdp=8 or "
-                          "dp=2,fsdp=4 (sizes multiply to the device count)")
-  train.add_argument("--resume", action="store_true",
-                     help="continue the run in --out from its latest "
-                          "checkpoint (the same --preset/--set; more steps "
-                          "are allowed)")
-  train.add_argument("--allow-reshard", action="store_true",
-                     help="with --resume, accept a checkpoint written on "
-                          "another mesh or number of processes")
+  common.add_argument(
+      "--preset",
+      default="tiny",
+      help=f"named config: {train_config.preset_names()}",
+  )
+  common.add_argument(
+      "--config",
+      action="append",
+      default=[],
+      metavar="FILE",
+      help="a YAML run config merged over the preset (may be "
+      "given several times; e.g. a run's config.yaml)",
+  )
+  common.add_argument(
+      "--set",
+      action="append",
+      default=[],
+      metavar="KEY=VALUE",
+      help="override a config field, e.g. optimizer.rank=8",
+  )
+  common.add_argument(
+      "overrides",
+      nargs="*",
+      metavar="KEY=VALUE",
+      help="more overrides, applied after --set; values are "
+      "YAML, e.g. task.options={max_terms: 4}",
+  )
+  train = commands.add_parser(
+      "train", parents=[common], help="run RL post-training"
+  )
+  train.add_argument(
+      "--out", help="output folder (default runs/<preset>-<time>)"
+  )
+  train.add_argument(
+      "--no-progress", action="store_true", help="no progress bar"
+  )
+  train.add_argument(
+      "--mesh",
+      default="",
+      help="shard over a device mesh, e.g. fsdp=8 or "
+      "dp=2,fsdp=4 (sizes multiply to the device count)",
+  )
+  train.add_argument(
+      "--resume",
+      action="store_true",
+      help="continue the run in --out from its latest "
+      "checkpoint (the same --preset/--set; more steps "
+      "are allowed)",
+  )
+  train.add_argument(
+      "--allow-reshard",
+      action="store_true",
+      help="with --resume, accept a checkpoint written on "
+      "another mesh or number of processes",
+  )
   train.set_defaults(run=_train)
-  evaluate = commands.add_parser("eval", parents=[common],
-                                 help="held-out accuracy of a policy folder")
-  evaluate.add_argument("--policy", required=True,
-                        help="Hugging Face folder of the policy")
+  evaluate = commands.add_parser(
+      "eval", parents=[common], help="held-out accuracy of a policy folder"
+  )
+  evaluate.add_argument(
+      "--policy", required=True, help="Hugging Face folder of the policy"
+  )
   evaluate.set_defaults(run=_eval)
   plan = commands.add_parser(
-      "memory", help="per-device memory of a train step, without allocating")
-  plan.add_argument("--model", default="qwen2.5-7b",
-                    help="preset name or path to a Hugging Face config.json")
-  plan.add_argument("--mesh", default="fsdp=8",
-                    help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2")
+      "memory", help="per-device memory of a train step, without allocating"
+  )
+  plan.add_argument(
+      "--model",
+      default="qwen2.5-7b",
+      help="preset name or path to a Hugging Face config.json",
+  )
+  plan.add_argument(
+      "--mesh",
+      default="fsdp=8",
+      help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2",
+  )
   plan.add_argument("--optimizer", choices=["adam", "logra"], default="logra")
   plan.add_argument("--rank", type=int, default=64)
-  plan.add_argument("--gradient-mode", choices=["sketch", "dense"],
-                    default="sketch",
-                    help="LoGRA: sketch-direct gradients or full ones")
-  plan.add_argument("--project-embeddings", action="store_true",
-                    help="LoGRA: project the embedding table and LM head too")
-  plan.add_argument("--base-dtype", choices=["float32", "bfloat16"],
-                    default="float32",
-                    help="LoGRA, sketch gradients: dtype of the base B of the "
-                         "factored weights W = c B + P A")
-  plan.add_argument("--reference-dtype", choices=["bfloat16", "float32"],
-                    default=None,
-                    help="hold a frozen reference policy in this dtype (a "
-                         "run with loss.beta > 0); default: none")
-  plan.add_argument("--seq", type=int, default=4096,
-                    help="tokens per sequence")
-  plan.add_argument("--micro-batch", type=int, default=1,
-                    help="sequences per data-parallel device")
-  plan.add_argument("--remat", choices=["full", "dots", "none"],
-                    default="full")
-  plan.add_argument("--rollout-seqs", type=int, default=0,
-                    help="sequences of a colocated rollout's KV cache")
-  plan.add_argument("--rollout-tokens", type=int, default=0,
-                    help="tokens per rollout sequence")
-  plan.add_argument("--device-memory-gib", type=float, default=None,
-                    help="check the total against this much device memory")
-  plan.add_argument("--json", action="store_true",
-                    help="print one JSON object (bytes per device)")
+  plan.add_argument(
+      "--gradient-mode",
+      choices=["sketch", "dense"],
+      default="sketch",
+      help="LoGRA: sketch-direct gradients or full ones",
+  )
+  plan.add_argument(
+      "--project-embeddings",
+      action="store_true",
+      help="LoGRA: project the embedding table and LM head too",
+  )
+  plan.add_argument(
+      "--base-dtype",
+      choices=["float32", "bfloat16"],
+      default="float32",
+      help="LoGRA, sketch gradients: dtype of the base B of the "
+      "factored weights W = c B + P A",
+  )
+  plan.add_argument(
+      "--reference-dtype",
+      choices=["bfloat16", "float32"],
+      default=None,
+      help="hold a frozen reference policy in this dtype (a "
+      "run with loss.beta > 0); default: none",
+  )
+  plan.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+  plan.add_argument(
+      "--micro-batch",
+      type=int,
+      default=1,
+      help="sequences per data-parallel device",
+  )
+  plan.add_argument("--remat", choices=["full", "dots", "none"], default="full")
+  plan.add_argument(
+      "--rollout-seqs",
+      type=int,
+      default=0,
+      help="sequences of a colocated rollout's KV cache",
+  )
+  plan.add_argument(
+      "--rollout-tokens",
+      type=int,
+      default=0,
+      help="tokens per rollout sequence",
+  )
+  plan.add_argument(
+      "--device-memory-gib",
+      type=float,
+      default=None,
+      help="check the total against this much device memory",
+  )
+  plan.add_argument(
+      "--json",
+      action="store_true",
+      help="print one JSON object (bytes per device)",
+  )
   plan.set_defaults(run=_memory)
   export = commands.add_parser(
-      "export", help="write a checkpoint's policy as a Hugging Face folder")
-  export.add_argument("--checkpoint", required=True,
-                      help="a run folder, its checkpoints/ folder or one "
-                           "step in it (default step: the latest)")
+      "export", help="write a checkpoint's policy as a Hugging Face folder"
+  )
+  export.add_argument(
+      "--checkpoint",
+      required=True,
+      help="a run folder, its checkpoints/ folder or one "
+      "step in it (default step: the latest)",
+  )
   export.add_argument("--out", required=True, help="the HF folder to write")
-  export.add_argument("--step", type=int, default=None,
-                      help="the checkpoint step to export")
-  export.add_argument("--overwrite", action="store_true",
-                      help="replace an existing --out")
+  export.add_argument(
+      "--step", type=int, default=None, help="the checkpoint step to export"
+  )
+  export.add_argument(
+      "--overwrite", action="store_true", help="replace an existing --out"
+  )
   export.set_defaults(run=_export)
   convert = commands.add_parser(
-      "convert", help="write a GGUF checkpoint as a Hugging Face policy "
-                      "folder (needs the gguf package: the convert extra)")
-  convert.add_argument("--gguf", required=True,
-                       help="the .gguf file (llama or qwen2; quantized "
-                            "tensors are dequantized to float32)")
+      "convert",
+      help="write a GGUF checkpoint as a Hugging Face policy "
+      "folder (needs the gguf package: the convert extra)",
+  )
+  convert.add_argument(
+      "--gguf",
+      required=True,
+      help="the .gguf file (llama or qwen2; quantized "
+      "tensors are dequantized to float32)",
+  )
   convert.add_argument("--out", required=True, help="the HF folder to write")
-  convert.add_argument("--overwrite", action="store_true",
-                       help="replace an existing --out")
+  convert.add_argument(
+      "--overwrite", action="store_true", help="replace an existing --out"
+  )
   convert.set_defaults(run=_convert)
   return parser
 
@@ -187,8 +301,14 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.run(args)
-  except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
-          IsADirectoryError, PermissionError) as error:
+  except (
+      ValueError,
+      FileExistsError,
+      FileNotFoundError,
+      NotADirectoryError,
+      IsADirectoryError,
+      PermissionError,
+  ) as error:
     # Bad input: config, checkpoint (CheckpointError), a run folder in use,
     # paths.
     print(f"logra {args.command}: error: {error}", file=sys.stderr)

@@ -36,47 +36,110 @@ from logra_jax.rl import learner
 GIB = 2**30
 
 # Published configs (config.json fields that set the parameter shapes).
-_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6,
-             max_position_embeddings=32768)
+_QWEN = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+)
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(_QWEN, model_type="qwen2", vocab_size=151936,
-                         hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(_QWEN, model_type="qwen2", vocab_size=151936,
-                         hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN, model_type="qwen2", vocab_size=152064,
-                       hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, tie_word_embeddings=False),
-    "qwen2.5-14b": dict(_QWEN, model_type="qwen2", vocab_size=152064,
-                        hidden_size=5120, intermediate_size=13824,
-                        num_hidden_layers=48, num_attention_heads=40,
-                        num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen2.5-32b": dict(_QWEN, model_type="qwen2", vocab_size=152064,
-                        hidden_size=5120, intermediate_size=27648,
-                        num_hidden_layers=64, num_attention_heads=40,
-                        num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen3-8b": dict(_QWEN, model_type="qwen3", vocab_size=151936,
-                     hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128,
-                     tie_word_embeddings=False, attention_bias=False),
-    "qwen3-32b": dict(_QWEN, model_type="qwen3", vocab_size=151936,
-                      hidden_size=5120, intermediate_size=25600,
-                      num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128,
-                      tie_word_embeddings=False, attention_bias=False),
+    "qwen2.5-0.5b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-14b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-32b": dict(
+        _QWEN,
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        _QWEN,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
+    "qwen3-32b": dict(
+        _QWEN,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
     # A 27B-parameter model of the Qwen3 architecture (GQA, q/k RMSNorm,
     # SwiGLU, untied head) at the width and depth of Gemma-3-27B: hidden 5376,
     # MLP 21504, 62 layers, 32 query / 16 kv heads of 128: 27.2B parameters.
-    "qwen3-style-27b": dict(_QWEN, model_type="qwen3", vocab_size=151936,
-                            hidden_size=5376, intermediate_size=21504,
-                            num_hidden_layers=62, num_attention_heads=32,
-                            num_key_value_heads=16, head_dim=128,
-                            tie_word_embeddings=False, attention_bias=False),
+    "qwen3-style-27b": dict(
+        _QWEN,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
 }
 
 REMAT_POLICIES = {"full": "block", "dots": "dots_saveable", "none": "none"}
@@ -90,11 +153,13 @@ REMAT_POLICIES = {"full": "block", "dots": "dots_saveable", "none": "none"}
 # that pass; plans of float32 weights (Adam, LoGRA with a float32 base) are
 # the same with and without it.
 _CPU_PLAN_COMPILER_OPTIONS = {
-    "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+    "xla_disable_hlo_passes": "while-loop-invariant-code-motion"
+}
 
 
-def compiled_memory(lowered: jax.stages.Lowered,
-                    platform: Optional[str] = None) -> Any:
+def compiled_memory(
+    lowered: jax.stages.Lowered, platform: Optional[str] = None
+) -> Any:
   """XLA's memory analysis of ``lowered`` compiled as an accelerator would
   lay it out: on CPU without hoisting loop-invariant work (see above), so
   that a bfloat16 stack is not widened to a float32 copy before its loop.
@@ -127,8 +192,10 @@ def load_model_config(model: str) -> models.DecoderConfig:
     if path.is_dir():
       path = path / "config.json"
     if not path.suffix == ".json":
-      raise ValueError(f"unknown model {model!r}: not one of "
-                       f"{sorted(MODEL_PRESETS)} nor a config.json path")
+      raise ValueError(
+          f"unknown model {model!r}: not one of "
+          f"{sorted(MODEL_PRESETS)} nor a config.json path"
+      )
     if not path.is_file():
       raise ValueError(f"model config file {str(path)!r} does not exist")
     fields = json.loads(path.read_text())
@@ -136,7 +203,8 @@ def load_model_config(model: str) -> models.DecoderConfig:
   if model_type not in models.config.HF_ARCHITECTURES:
     raise ValueError(
         f"unsupported model_type {model_type!r} in {model!r}; supported: "
-        f"{sorted(models.config.HF_ARCHITECTURES)}")
+        f"{sorted(models.config.HF_ARCHITECTURES)}"
+    )
   hf_config = transformers.AutoConfig.for_model(model_type, **fields)
   return models.DecoderConfig.from_hf(hf_config)
 
@@ -157,7 +225,8 @@ def ensure_devices(count: int) -> list[jax.Device]:
     raise ValueError(
         f"the mesh needs {count} devices but only {len(devices)} exist; plan "
         f"in a fresh process (`logra memory` does this), or set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={count}"
+    )
   return devices[:count]
 
 
@@ -189,33 +258,53 @@ class MemoryReport:
 
   @property
   def fits(self) -> Optional[bool]:
-    return None if self.device_memory is None else (
-        self.total <= self.device_memory)
+    return (
+        None
+        if self.device_memory is None
+        else (self.total <= self.device_memory)
+    )
 
   def to_dict(self) -> dict[str, Any]:
-    return {"params": self.params, "grads": self.grads,
-            "optimizer_state": self.optimizer_state,
-            "temporaries": self.temporaries, "reference": self.reference,
-            "rollout": self.rollout,
-            "total": self.total, "fits": self.fits, "batch": self.batch,
-            "outputs": self.outputs, "device_memory": self.device_memory,
-            "num_params": self.num_params, "description": self.description}
+    return {
+        "params": self.params,
+        "grads": self.grads,
+        "optimizer_state": self.optimizer_state,
+        "temporaries": self.temporaries,
+        "reference": self.reference,
+        "rollout": self.rollout,
+        "total": self.total,
+        "fits": self.fits,
+        "batch": self.batch,
+        "outputs": self.outputs,
+        "device_memory": self.device_memory,
+        "num_params": self.num_params,
+        "description": self.description,
+    }
 
   def summary(self) -> str:
-    rows = [("parameters", self.params), ("gradients", self.grads),
-            ("optimizer state", self.optimizer_state),
-            ("batch", self.batch), ("temporaries", self.temporaries),
-            ("outputs (not aliased)", self.outputs),
-            ("reference policy", self.reference),
-            ("rollout reservation", self.rollout), ("total", self.total)]
+    rows = [
+        ("parameters", self.params),
+        ("gradients", self.grads),
+        ("optimizer state", self.optimizer_state),
+        ("batch", self.batch),
+        ("temporaries", self.temporaries),
+        ("outputs (not aliased)", self.outputs),
+        ("reference policy", self.reference),
+        ("rollout reservation", self.rollout),
+        ("total", self.total),
+    ]
     lines = [self.description, "per device:"]
     lines += [f"  {name:<22} {value / GIB:9.2f} GiB" for name, value in rows]
     if self.device_memory is not None:
       margin = (self.device_memory - self.total) / GIB
       lines.append(
           f"fits in {self.device_memory / GIB:.0f} GiB: "
-          + (f"yes ({margin:.2f} GiB free)" if self.fits
-             else f"NO, over by {-margin:.2f} GiB"))
+          + (
+              f"yes ({margin:.2f} GiB free)"
+              if self.fits
+              else f"NO, over by {-margin:.2f} GiB"
+          )
+      )
     return "\n".join(lines)
 
 
@@ -228,17 +317,22 @@ def _sharded_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
-def _sketched_gradient_bytes(state: Any, params: Any,
-                             params_sharding: Any) -> int:
+def _sketched_gradient_bytes(
+    state: Any, params: Any, params_sharding: Any
+) -> int:
   """Per-device bytes of a sketch-direct gradient: float32 sketches of the
   projected leaves (counted whole: they are small and not sharded) plus the
   dense leaves' gradients laid out like their params."""
   spec = sketch_grad.project_state(state).spec
   total = 0
-  for plan, sharding in zip(spec.plans, spec.treedef.flatten_up_to(
-      params_sharding)):
-    shape = plan.sketch_shape if plan.projected else sharding.shard_shape(
-        plan.shape)
+  for plan, sharding in zip(
+      spec.plans, spec.treedef.flatten_up_to(params_sharding)
+  ):
+    shape = (
+        plan.sketch_shape
+        if plan.projected
+        else sharding.shard_shape(plan.shape)
+    )
     total += math.prod(shape) * 4
   return total
 
@@ -308,42 +402,62 @@ def plan_memory(
     raise ValueError(f"optimizer must be 'adam' or 'logra', got {optimizer!r}")
   sketch = optimizer == "logra" and gradient_mode == "sketch"
   if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got "
-                     f"{remat!r}")
-  for name, value in (("rank", rank), ("seq_len", seq_len),
-                      ("micro_batch", micro_batch)):
+    raise ValueError(
+        f"remat must be one of {sorted(REMAT_POLICIES)}, got " f"{remat!r}"
+    )
+  for name, value in (
+      ("rank", rank),
+      ("seq_len", seq_len),
+      ("micro_batch", micro_batch),
+  ):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   if rollout_seqs < 0 or rollout_tokens < 0:
     raise ValueError("rollout_seqs and rollout_tokens must be >= 0")
   if reference_dtype not in (None, "bfloat16", "float32"):
-    raise ValueError(f"reference_dtype must be 'bfloat16' or 'float32', got "
-                     f"{reference_dtype!r}")
+    raise ValueError(
+        f"reference_dtype must be 'bfloat16' or 'float32', got "
+        f"{reference_dtype!r}"
+    )
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
   opt_config = train_config.OptimizerConfig(
-      name=optimizer, rank=rank, warmup_steps=0, gradient_mode=gradient_mode,
-      project_embeddings=project_embeddings, base_dtype=base_dtype)
-  config = model if isinstance(model, models.DecoderConfig) else (
-      load_model_config(model))
+      name=optimizer,
+      rank=rank,
+      warmup_steps=0,
+      gradient_mode=gradient_mode,
+      project_embeddings=project_embeddings,
+      base_dtype=base_dtype,
+  )
+  config = (
+      model
+      if isinstance(model, models.DecoderConfig)
+      else (load_model_config(model))
+  )
   name = model if isinstance(model, str) else "custom"
-  config = dataclasses.replace(config, remat=REMAT_POLICIES[remat],
-                               dtype="bfloat16", param_dtype="float32",
-                               max_position_embeddings=max(
-                                   config.max_position_embeddings, seq_len))
+  config = dataclasses.replace(
+      config,
+      remat=REMAT_POLICIES[remat],
+      dtype="bfloat16",
+      param_dtype="float32",
+      max_position_embeddings=max(config.max_position_embeddings, seq_len),
+  )
   device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
   graphdef, params = models.split_model(
-      nnx.eval_shape(lambda: models.init_model(config, rngs=0)))
+      nnx.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
   params_sharding = parallel.param_shardings(params, device_mesh)
 
   tx = learner.make_optimizer(opt_config, params)
   state = jax.eval_shape(tx.init, params)
   state_sharding = parallel.optimizer_state_shardings(
-      tx, params, params_sharding, device_mesh)
+      tx, params, params_sharding, device_mesh
+  )
   weights = learner.abstract_weights(opt_config, tx, params)
-  weights_sharding = parallel.weight_shardings(weights, params_sharding,
-                                               device_mesh)
+  weights_sharding = parallel.weight_shardings(
+      weights, params_sharding, device_mesh
+  )
 
   rows = micro_batch * mesh.dp * mesh.fsdp
   completion_len = seq_len - prompt_len
@@ -356,50 +470,100 @@ def plan_memory(
       old_logp_BxT=sds((rows, completion_len), jnp.float32),
       advantages_B=sds((rows,), jnp.float32),
       num_generations=rows,
-      ref_logp_BxT=(None if reference_dtype is None
-                    else sds((rows, completion_len), jnp.float32)))
+      ref_logp_BxT=(
+          None
+          if reference_dtype is None
+          else sds((rows, completion_len), jnp.float32)
+      ),
+  )
   batch_sharding = parallel.data_shardings(batch, device_mesh)
   run_config = dataclasses.replace(
-      train_config.TrainConfig(), optimizer=opt_config, micro_batches=1,
-      loss=dataclasses.replace(train_config.TrainConfig().loss,
-                               beta=0.0 if reference_dtype is None else 0.04))
+      train_config.TrainConfig(),
+      optimizer=opt_config,
+      micro_batches=1,
+      loss=dataclasses.replace(
+          train_config.TrainConfig().loss,
+          beta=0.0 if reference_dtype is None else 0.04,
+      ),
+  )
   step = learner.make_train_step(
-      graphdef, tx, run_config,
+      graphdef,
+      tx,
+      run_config,
       shardings=(weights_sharding, state_sharding, batch_sharding),
-      activation_rules=parallel.PARTITION_RULES)
-  stats = compiled_memory(step.lower(weights, state, batch),
-                          device_mesh.devices.flat[0].platform)
+      activation_rules=parallel.PARTITION_RULES,
+  )
+  stats = compiled_memory(
+      step.lower(weights, state, batch), device_mesh.devices.flat[0].platform
+  )
 
   params_bytes = _sharded_bytes(weights, weights_sharding)
-  grads_bytes = (_sketched_gradient_bytes(state, params, params_sharding)
-                 if sketch else params_bytes)
+  grads_bytes = (
+      _sketched_gradient_bytes(state, params, params_sharding)
+      if sketch
+      else params_bytes
+  )
   state_bytes = _sharded_bytes(state, state_sharding)
   batch_bytes = _sharded_bytes(batch, batch_sharding)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
   temporaries = stats.temp_size_in_bytes - grads_bytes
   num_params = int(sum(math.prod(p.shape) for p in jax.tree.leaves(params)))
-  reference = 0 if reference_dtype is None else _sharded_bytes(
-      jax.tree.map(lambda p: sds(p.shape, reference_dtype), params),
-      params_sharding)
-  kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
-  rollout = -(-(2 * num_params + kv_per_token * rollout_seqs * rollout_tokens)
-              // mesh.size) if rollout_seqs else 0
-  total = (stats.argument_size_in_bytes + outputs + stats.temp_size_in_bytes
-           + reference + rollout)
+  reference = (
+      0
+      if reference_dtype is None
+      else _sharded_bytes(
+          jax.tree.map(lambda p: sds(p.shape, reference_dtype), params),
+          params_sharding,
+      )
+  )
+  kv_per_token = (
+      2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+  )
+  rollout = (
+      -(
+          -(2 * num_params + kv_per_token * rollout_seqs * rollout_tokens)
+          // mesh.size
+      )
+      if rollout_seqs
+      else 0
+  )
+  total = (
+      stats.argument_size_in_bytes
+      + outputs
+      + stats.temp_size_in_bytes
+      + reference
+      + rollout
+  )
   description = (
       f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {optimizer}"
-      + (f" rank {rank}, {gradient_mode} gradients" if optimizer == "logra"
-         else "")
+      + (
+          f" rank {rank}, {gradient_mode} gradients"
+          if optimizer == "logra"
+          else ""
+      )
       + (", embeddings projected" if project_embeddings else "")
       + (f", {base_dtype} base" if base_dtype != "float32" else "")
       + (f", {reference_dtype} reference policy" if reference_dtype else "")
       + f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
-      + (f", rollout {rollout_seqs}x{rollout_tokens} tokens"
-         if rollout_seqs else ""))
+      + (
+          f", rollout {rollout_seqs}x{rollout_tokens} tokens"
+          if rollout_seqs
+          else ""
+      )
+  )
   return MemoryReport(
-      params=params_bytes, grads=grads_bytes, optimizer_state=state_bytes,
-      batch=batch_bytes, temporaries=temporaries, outputs=outputs,
-      reference=reference, rollout=rollout, total=total,
-      device_memory=(None if device_memory_gib is None
-                     else int(device_memory_gib * GIB)),
-      num_params=num_params, description=description)
+      params=params_bytes,
+      grads=grads_bytes,
+      optimizer_state=state_bytes,
+      batch=batch_bytes,
+      temporaries=temporaries,
+      outputs=outputs,
+      reference=reference,
+      rollout=rollout,
+      total=total,
+      device_memory=(
+          None if device_memory_gib is None else int(device_memory_gib * GIB)
+      ),
+      num_params=num_params,
+      description=description,
+  )

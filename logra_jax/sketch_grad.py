@@ -43,7 +43,8 @@ from logra_jax.optim.dimension_numbers import LeafPlan
 # Paths of the projected leaves that the loss multiplied with `matmul` while
 # it was being traced by `value_and_sketch_grad` (None outside of it).
 _CONSUMED: contextvars.ContextVar = contextvars.ContextVar(
-    "logra_consumed_low_rank_deltas", default=None)
+    "logra_consumed_low_rank_deltas", default=None
+)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -76,8 +77,17 @@ class LowRankDelta:
   arithmetic) raises a ``TypeError`` naming the parameter.
   """
 
-  def __init__(self, base, factor, coords, *, rows: bool, path: str,
-               at_zero: bool = False, base_scale=None):
+  def __init__(
+      self,
+      base,
+      factor,
+      coords,
+      *,
+      rows: bool,
+      path: str,
+      at_zero: bool = False,
+      base_scale=None,
+  ):
     self.base = base
     self.factor = factor
     self.coords = coords
@@ -87,14 +97,23 @@ class LowRankDelta:
     self.at_zero = at_zero
 
   def tree_flatten(self):
-    return ((self.base, self.factor, self.coords, self.base_scale),
-            (self.rows, self.path, self.at_zero))
+    return (
+        (self.base, self.factor, self.coords, self.base_scale),
+        (self.rows, self.path, self.at_zero),
+    )
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     base, factor, coords, base_scale = children
-    return cls(base, factor, coords, rows=aux[0], path=aux[1],
-               at_zero=aux[2], base_scale=base_scale)
+    return cls(
+        base,
+        factor,
+        coords,
+        rows=aux[0],
+        path=aux[1],
+        at_zero=aux[2],
+        base_scale=base_scale,
+    )
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -118,11 +137,18 @@ class LowRankDelta:
     used as the unembedding).
     """
     swap = lambda a: jnp.swapaxes(a, -1, -2)
-    base = (self.base.T if isinstance(self.base, LowRankDelta)
-            else swap(self.base))
-    return LowRankDelta(base, self.factor, swap(self.coords),
-                        rows=not self.rows, path=self.path,
-                        at_zero=self.at_zero, base_scale=self.base_scale)
+    base = (
+        self.base.T if isinstance(self.base, LowRankDelta) else swap(self.base)
+    )
+    return LowRankDelta(
+        base,
+        self.factor,
+        swap(self.coords),
+        rows=not self.rows,
+        path=self.path,
+        at_zero=self.at_zero,
+        base_scale=self.base_scale,
+    )
 
   def with_base_dtype(self, dtype: Any) -> "LowRankDelta":
     """The same weight with its base cast to ``dtype`` under
@@ -130,17 +156,27 @@ class LowRankDelta:
     materialized first, so that a product with it in a loop (the logits'
     chunks) adds no low-rank term per iteration. The differentiable
     low-rank term is unchanged."""
-    base = (self.base.dense() if isinstance(self.base, LowRankDelta)
-            else self.base)
+    base = (
+        self.base.dense() if isinstance(self.base, LowRankDelta) else self.base
+    )
     base = jax.lax.stop_gradient(base).astype(dtype)
-    return LowRankDelta(base, self.factor, self.coords, rows=self.rows,
-                        path=self.path, at_zero=self.at_zero,
-                        base_scale=self.base_scale)
+    return LowRankDelta(
+        base,
+        self.factor,
+        self.coords,
+        rows=self.rows,
+        path=self.path,
+        at_zero=self.at_zero,
+        base_scale=self.base_scale,
+    )
 
   def dense(self) -> jax.Array:
     """The weight it stands for, materialized in float32 (``[..., m, n]``)."""
-    base = (self.base.dense() if isinstance(self.base, LowRankDelta)
-            else self.base.astype(jnp.float32))
+    base = (
+        self.base.dense()
+        if isinstance(self.base, LowRankDelta)
+        else self.base.astype(jnp.float32)
+    )
     if self.base_scale is not None:
       base = self.base_scale[..., None, None] * base
     f = self.factor.astype(jnp.float32)
@@ -148,7 +184,7 @@ class LowRankDelta:
     return base + (f @ z if self.rows else z @ jnp.swapaxes(f, -1, -2))
 
   def __getitem__(self, key):
-    if key is Ellipsis:   # nnx.Variable[...] hands back its value
+    if key is Ellipsis:  # nnx.Variable[...] hands back its value
       return self
     raise TypeError(self._misuse("indexing"))
 
@@ -156,15 +192,20 @@ class LowRankDelta:
     raise TypeError(self._misuse("conversion to an array"))
 
   def _misuse(self, what: str) -> str:
-    return (f"parameter {self.path!r} is differentiated in sketch-direct "
-            f"mode and only supports logra_jax.sketch_grad.matmul(x, w) and "
-            f"take(w, ids), not {what}; apply it with those in the model, or "
-            "use dense gradients (gradient_mode='dense') for this model")
+    return (
+        f"parameter {self.path!r} is differentiated in sketch-direct "
+        f"mode and only supports logra_jax.sketch_grad.matmul(x, w) and "
+        f"take(w, ids), not {what}; apply it with those in the model, or "
+        "use dense gradients (gradient_mode='dense') for this model"
+    )
 
 
-def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
-           dtype: Any = None, preferred_element_type: Any = None
-           ) -> jax.Array:
+def matmul(
+    x: jax.Array,
+    w: jax.Array | LowRankDelta,
+    dtype: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
   r"""``x @ w`` over the last axis of ``x``, for a weight or a :class:`LowRankDelta`.
 
   For an array ``w`` this is ``jnp.dot(x, w.astype(dtype))``. For a
@@ -194,15 +235,17 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
     >>> matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
   """
-  dot = lambda a, b: jnp.dot(a, b,
-                             preferred_element_type=preferred_element_type)
+  dot = lambda a, b: jnp.dot(
+      a, b, preferred_element_type=preferred_element_type
+  )
   if not isinstance(w, LowRankDelta):
     return dot(x, w if dtype is None else w.astype(dtype))
   _consume(w, "matmul")
   dtype = w.dtype if dtype is None else dtype
   cast = lambda a: a.astype(dtype)
-  y = _scaled(w, matmul(x, jax.lax.stop_gradient(w.base), dtype,
-                        preferred_element_type))
+  y = _scaled(
+      w, matmul(x, jax.lax.stop_gradient(w.base), dtype, preferred_element_type)
+  )
   if w.rows:
     term = lambda x, f, z: dot(jnp.dot(x, cast(f)), cast(z))
   else:
@@ -210,8 +253,9 @@ def matmul(x: jax.Array, w: jax.Array | LowRankDelta,
   return _plus_low_rank_term(w, term, y, x)
 
 
-def take(w: jax.Array | LowRankDelta, ids: jax.Array,
-         dtype: Any = None) -> jax.Array:
+def take(
+    w: jax.Array | LowRankDelta, ids: jax.Array, dtype: Any = None
+) -> jax.Array:
   r"""Rows ``w[ids]`` of an embedding table or a :class:`LowRankDelta`.
 
   For an array this is ``jnp.take(w, ids, axis=0)`` cast to ``dtype``. For a
@@ -254,8 +298,9 @@ def _scaled(w: LowRankDelta, y: jax.Array) -> jax.Array:
   return y if w.base_scale is None else y * w.base_scale.astype(y.dtype)
 
 
-def _plus_low_rank_term(w: LowRankDelta, term: Callable, y: jax.Array,
-                        x: jax.Array) -> jax.Array:
+def _plus_low_rank_term(
+    w: LowRankDelta, term: Callable, y: jax.Array, x: jax.Array
+) -> jax.Array:
   """``y + term(x, w.factor, w.coords)``; at zero coordinates, ``y`` with the
   term's derivative."""
   if w.at_zero:
@@ -286,23 +331,29 @@ def _consume(w: LowRankDelta, fn: str) -> None:
   if w.ndim != 2:
     raise ValueError(
         f"{fn} takes one [in, out] matrix; parameter {w.path!r} has shape "
-        f"{w.shape} (slice its layer axis first, e.g. with lax.scan)")
+        f"{w.shape} (slice its layer axis first, e.g. with lax.scan)"
+    )
   consumed = _CONSUMED.get()
   if consumed is not None:
     consumed.add(w.path)
 
 
-def _view_leaf(w: factored_lib.FactoredWeight,
-               p_BxLxR: jax.Array) -> LowRankDelta:
+def _view_leaf(
+    w: factored_lib.FactoredWeight, p_BxLxR: jax.Array
+) -> LowRankDelta:
   """The :class:`LowRankDelta` ``c B + P A`` of one factored weight."""
   plan = w.plan
   layers = plan.shape[:-2]
   factor = p_BxLxR.reshape(layers + p_BxLxR.shape[-2:])
   coords = w.coords.reshape(layers + w.coords.shape[-2:])
   return LowRankDelta(
-      w.base, factor, coords if plan.left else jnp.swapaxes(coords, -1, -2),
-      rows=plan.left, path=plan.path,
-      base_scale=None if w.scale is None else w.scale.reshape(layers))
+      w.base,
+      factor,
+      coords if plan.left else jnp.swapaxes(coords, -1, -2),
+      rows=plan.left,
+      path=plan.path,
+      base_scale=None if w.scale is None else w.scale.reshape(layers),
+  )
 
 
 def factored_view(params: Any, projectors: Any) -> Any:
@@ -325,13 +376,20 @@ def factored_view(params: Any, projectors: Any) -> Any:
   """
   flat, treedef = jax.tree.flatten(params, is_leaf=factored_lib.is_factored)
   flat_p = treedef.flatten_up_to(projectors)
-  return treedef.unflatten([
-      _view_leaf(w, p) if factored_lib.is_factored(w) else w
-      for w, p in zip(flat, flat_p)])
+  return treedef.unflatten(
+      [
+          _view_leaf(w, p) if factored_lib.is_factored(w) else w
+          for w, p in zip(flat, flat_p)
+      ]
+  )
 
 
-def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
-                       has_aux: bool = False) -> Callable:
+def value_and_grad_sum(
+    loss_fn: Callable,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+) -> Callable:
   """``jax.value_and_grad`` summed over a leading micro-batch axis.
 
   The returned function takes the same arguments as ``loss_fn``; the
@@ -368,9 +426,13 @@ def value_and_grad_sum(loss_fn: Callable, *, argnums: int | tuple[int, ...] = 0,
   return summed
 
 
-def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
-                          micro_batched: bool = False,
-                          constrain: Callable | None = None) -> Callable:
+def value_and_sketch_grad(
+    loss_fn: Callable,
+    *,
+    has_aux: bool = False,
+    micro_batched: bool = False,
+    constrain: Callable | None = None,
+) -> Callable:
   r"""Like ``jax.value_and_grad``, but returns LoGRA sketches of the gradients.
 
   ``loss_fn(params, *args)`` must take the parameters as its first argument
@@ -450,12 +512,17 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     params_flat = _check_params(spec, params)
     old_projectors = spec.treedef.flatten_up_to(state.projectors)
     for plan, p in zip(plans, old_projectors):
-      if plan.projected and p is not None and tuple(p.shape) != plan.projector_shape:
+      if (
+          plan.projected
+          and p is not None
+          and tuple(p.shape) != plan.projector_shape
+      ):
         raise ValueError(
             f"the optimizer state's projector for parameter {plan.path!r} has "
             f"shape {tuple(p.shape)} but its plan needs "
             f"{plan.projector_shape} (rank {plan.rank}): the state is stale, "
-            "from another rank or model; re-initialize it")
+            "from another rank or model; re-initialize it"
+        )
     config = spec.config
     window = state.count // config.refresh_every
     refresh = state.count % config.refresh_every == 0
@@ -463,41 +530,72 @@ def value_and_sketch_grad(loss_fn: Callable, *, has_aux: bool = False,
     # so the loss sees W whether or not the window was merged.
     params_flat = [
         _view_leaf(p, q) if factored_lib.is_factored(p) else p
-        for p, q in zip(params_flat, spec.treedef.flatten_up_to(
-            transforms.window_projectors(opt_state)))]
-    passes = _Passes(loss_fn, has_aux, micro_batched, spec, params_flat, args,
-                     constrain or (lambda x, _: x))
+        for p, q in zip(
+            params_flat,
+            spec.treedef.flatten_up_to(transforms.window_projectors(opt_state)),
+        )
+    ]
+    passes = _Passes(
+        loss_fn,
+        has_aux,
+        micro_batched,
+        spec,
+        params_flat,
+        args,
+        constrain or (lambda x, _: x),
+    )
 
     def refuse(projectors):
       """Refreshed projectors with non-finite matrices replaced, and the
       number replaced."""
-      pairs = [None if p is None else transforms.refuse_non_finite_projector(
-          p, p_old, plan, config, state.count)
-               for plan, p, p_old in zip(plans, projectors, old_projectors)]
-      refused = sum((pair[1] for pair in pairs if pair is not None),
-                    jnp.zeros([], jnp.int32))
+      pairs = [
+          None
+          if p is None
+          else transforms.refuse_non_finite_projector(
+              p, p_old, plan, config, state.count
+          )
+          for plan, p, p_old in zip(plans, projectors, old_projectors)
+      ]
+      refused = sum(
+          (pair[1] for pair in pairs if pair is not None),
+          jnp.zeros([], jnp.int32),
+      )
       return [None if pair is None else pair[0] for pair in pairs], refused
 
     no_refusal = jnp.zeros([], jnp.int32)
     if config.kind == "random":
-      projectors = [transforms.random_window_projector(plan, config, window)
-                    if plan.projected else None for plan in plans]
+      projectors = [
+          transforms.random_window_projector(plan, config, window)
+          if plan.projected
+          else None
+          for plan in plans
+      ]
       value, dense, sketches = passes.long(projectors)
       refused = no_refusal
     elif config.kind == "svd":
       value, dense, sketches, projectors, refused = jax.lax.cond(
-          refresh, lambda: passes.dense_svd(refuse),
-          lambda: (*passes.long(old_projectors), old_projectors, no_refusal))
+          refresh,
+          lambda: passes.dense_svd(refuse),
+          lambda: (*passes.long(old_projectors), old_projectors, no_refusal),
+      )
     else:
       value, dense, sketches, projectors, refused = _range_steps(
-          passes, old_projectors, window, refresh, refuse)
+          passes, old_projectors, window, refresh, refuse
+      )
 
-    grads = [s if plan.projected else d
-             for plan, s, d in zip(plans, sketches, dense)]
-    projectors = [p if plan.projected else None
-                  for plan, p in zip(plans, projectors)]
-    return (value, spec.treedef.unflatten(grads), transforms.SketchProjectors(
-        spec.treedef.unflatten(projectors), refused))
+    grads = [
+        s if plan.projected else d for plan, s, d in zip(plans, sketches, dense)
+    ]
+    projectors = [
+        p if plan.projected else None for plan, p in zip(plans, projectors)
+    ]
+    return (
+        value,
+        spec.treedef.unflatten(grads),
+        transforms.SketchProjectors(
+            spec.treedef.unflatten(projectors), refused
+        ),
+    )
 
   return fn
 
@@ -510,16 +608,20 @@ def project_state(opt_state) -> transforms.ProjectState | None:
   """
   found = transforms.find_states(opt_state, transforms.ProjectState)
   if len(found) > 1:
-    raise ValueError("sketch-direct gradients need at most one logra.project "
-                     f"stage in the optimizer state; found {len(found)}")
+    raise ValueError(
+        "sketch-direct gradients need at most one logra.project "
+        f"stage in the optimizer state; found {len(found)}"
+    )
   return found[0] if found else None
 
 
 def _project_state(opt_state) -> transforms.ProjectState:
   state = project_state(opt_state)
   if state is None:
-    raise ValueError("value_and_sketch_grad needs an optimizer state with a "
-                     "logra.project stage (e.g. from logra.logra); found none")
+    raise ValueError(
+        "value_and_sketch_grad needs an optimizer state with a "
+        "logra.project stage (e.g. from logra.logra); found none"
+    )
   return state
 
 
@@ -531,25 +633,31 @@ def _check_params(spec: transforms.ProjectionSpec, params) -> list:
     if tuple(jnp.shape(p)) != plan.shape:
       raise ValueError(
           f"parameter {plan.path!r} has shape {tuple(jnp.shape(p))}, but the "
-          f"optimizer state was initialized for shape {plan.shape}")
+          f"optimizer state was initialized for shape {plan.shape}"
+      )
     if plan.projected:
       factored_lib.check_layers_in_out(plan, "sketch-direct gradients")
     if factored_lib.is_factored(p) and (
-        p.plan != plan or tuple(jnp.shape(p.coords)) != plan.sketch_shape):
+        p.plan != plan or tuple(jnp.shape(p.coords)) != plan.sketch_shape
+    ):
       raise ValueError(
           f"factored parameter {plan.path!r} was made for rank "
           f"{p.plan.rank} with coordinates of shape "
           f"{tuple(jnp.shape(p.coords))}, but the optimizer state projects "
           f"it at rank {plan.rank} ({plan.sketch_shape}); factor the weights "
-          "with this optimizer state (logra_jax.optim.factored.factor)")
+          "with this optimizer state (logra_jax.optim.factored.factor)"
+      )
     if factored_lib.is_factored(p) and not plan.projected:
-      raise ValueError(f"parameter {plan.path!r} is factored but the "
-                       "optimizer state keeps it dense")
+      raise ValueError(
+          f"parameter {plan.path!r} is factored but the "
+          "optimizer state keeps it dense"
+      )
     if any_factored and plan.projected and not factored_lib.is_factored(p):
       raise ValueError(
           f"parameter {plan.path!r} is dense but the optimizer state "
           "projects it; with factored weights every projected parameter "
-          "must be factored")
+          "must be factored"
+      )
   return flat
 
 
@@ -563,8 +671,9 @@ class _Passes:
   gradients of the dense leaves.
   """
 
-  def __init__(self, loss_fn, has_aux, micro_batched, spec, params_flat,
-               args, constrain):
+  def __init__(
+      self, loss_fn, has_aux, micro_batched, spec, params_flat, args, constrain
+  ):
     self.loss_fn, self.has_aux, self.constrain = loss_fn, has_aux, constrain
     self.micro_batched = micro_batched
     self.spec, self.params_flat, self.args = spec, params_flat, args
@@ -584,45 +693,55 @@ class _Passes:
         coords0.append(None)
         continue
       batch_shape, k = plan.shape[:-2], mat.shape[-1]
-      z = jnp.zeros(batch_shape + ((k, plan.n) if r else (plan.m, k)),
-                    jnp.float32)
+      z = jnp.zeros(
+          batch_shape + ((k, plan.n) if r else (plan.m, k)), jnp.float32
+      )
       coords0.append(z)
-    dense0 = [None if plan.projected else p
-              for plan, p in zip(plans, params_flat)]
+    dense0 = [
+        None if plan.projected else p for plan, p in zip(plans, params_flat)
+    ]
 
     def lifted_loss(diff, *args):
       dense, coords = diff
       leaves = []
-      for plan, p, d, mat, z, r in zip(plans, params_flat, dense, mats,
-                                       coords, rows):
+      for plan, p, d, mat, z, r in zip(
+          plans, params_flat, dense, mats, coords, rows
+      ):
         if not plan.projected:
           leaves.append(d)
           continue
         factor = self._split_large_axis(
-            mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2)
+            mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2
+        )
         # Constrained here, where it is differentiated, so that its
         # cotangent (accumulated over the layers' scan) is split too.
         z = self._split_large_axis(z, -1 if r else -2)
-        leaves.append(LowRankDelta(p, factor, z, rows=r, path=plan.path,
-                                   at_zero=True))
+        leaves.append(
+            LowRankDelta(p, factor, z, rows=r, path=plan.path, at_zero=True)
+        )
       token = _CONSUMED.set(set())
       try:
         out = self.loss_fn(self.spec.treedef.unflatten(leaves), *args)
         consumed = _CONSUMED.get()
       finally:
         _CONSUMED.reset(token)
-      unused = [plan.path for plan in plans
-                if plan.projected and plan.path not in consumed]
+      unused = [
+          plan.path
+          for plan in plans
+          if plan.projected and plan.path not in consumed
+      ]
       if unused:
         raise ValueError(
             f"the loss never used projected parameters {unused[:5]} through "
             "logra_jax.sketch_grad.matmul or take: it must take the params as "
             "its first argument and use them (not close over another copy), "
-            "and the model must apply those weights with matmul or take")
+            "and the model must apply those weights with matmul or take"
+        )
       return out
 
-    value, (dense_grads, coord_grads) = self._grad(lifted_loss,
-                                                   (dense0, coords0))
+    value, (dense_grads, coord_grads) = self._grad(
+        lifted_loss, (dense0, coords0)
+    )
     products = []
     for plan, g, r in zip(plans, coord_grads, rows):
       if not plan.projected:
@@ -648,24 +767,36 @@ class _Passes:
   def dense_svd(self, refuse: Callable):
     """Dense-gradient fallback of ``kind="svd"`` refresh steps; ``refuse``
     replaces non-finite projectors (see :func:`value_and_sketch_grad`)."""
-    params = self.spec.treedef.unflatten([
-        p.dense() if isinstance(p, LowRankDelta) else p
-        for p in self.params_flat])
+    params = self.spec.treedef.unflatten(
+        [
+            p.dense() if isinstance(p, LowRankDelta) else p
+            for p in self.params_flat
+        ]
+    )
     value, grads = self._grad(self.loss_fn, params)
     grads_flat = self.spec.treedef.flatten_up_to(grads)
-    projectors, refused = refuse([
-        proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-        if plan.projected else None
-        for plan, g in zip(self.spec.plans, grads_flat)])
-    sketches = [None if p is None else plan.sketch(p, g)
-                for plan, p, g in zip(self.spec.plans, projectors, grads_flat)]
-    dense = [None if plan.projected else g
-             for plan, g in zip(self.spec.plans, grads_flat)]
+    projectors, refused = refuse(
+        [
+            proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
+            if plan.projected
+            else None
+            for plan, g in zip(self.spec.plans, grads_flat)
+        ]
+    )
+    sketches = [
+        None if p is None else plan.sketch(p, g)
+        for plan, p, g in zip(self.spec.plans, projectors, grads_flat)
+    ]
+    dense = [
+        None if plan.projected else g
+        for plan, g in zip(self.spec.plans, grads_flat)
+    ]
     return value, dense, sketches, projectors, refused
 
 
-def _range_steps(passes: _Passes, old_projectors: list, window, refresh,
-                 refuse: Callable):
+def _range_steps(
+    passes: _Passes, old_projectors: list, window, refresh, refuse: Callable
+):
   """One step of ``kind="range"``: the sketch, and on refresh steps the new
   projector from the randomized range finder run on thin gradient products.
 
@@ -683,8 +814,10 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh,
   spec = passes.spec
   config = spec.config
   plans = spec.plans
-  widths = [min(plan.rank + config.oversample, plan.short)
-            if plan.projected else 0 for plan in plans]
+  widths = [
+      min(plan.rank + config.oversample, plan.short) if plan.projected else 0
+      for plan in plans
+  ]
   qr = proj_lib.orthonormal_columns
 
   def first_omega(plan: LeafPlan, k):
@@ -696,10 +829,16 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh,
     pad_widths[axis] = (0, k - x.shape[axis])
     return jnp.pad(x, pad_widths)
 
-  q0 = [pad(p, k, 2) if plan.projected else None
-        for plan, p, k in zip(plans, old_projectors, widths)]
-  small0 = [jnp.zeros((plan.batch, k, plan.short), jnp.float32)
-            if plan.projected else None for plan, k in zip(plans, widths)]
+  q0 = [
+      pad(p, k, 2) if plan.projected else None
+      for plan, p, k in zip(plans, old_projectors, widths)
+  ]
+  small0 = [
+      jnp.zeros((plan.batch, k, plan.short), jnp.float32)
+      if plan.projected
+      else None
+      for plan, k in zip(plans, widths)
+  ]
   value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
   n_refresh = 2 * (config.power_iters + 1)
   no_refusal = jnp.zeros([], jnp.int32)
@@ -714,45 +853,75 @@ def _range_steps(passes: _Passes, old_projectors: list, window, refresh,
         sketches.append(None)
         continue
       u_BxKxK, _, _ = proj_lib.thin_svd(small_BxKxS)
-      u_BxKxR = u_BxKxK[:, :, :plan.rank]
+      u_BxKxR = u_BxKxK[:, :, : plan.rank]
       projectors.append(q_BxLxK @ u_BxKxR)
       sketches.append(jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS)
     projectors, refused = refuse(projectors)
-    return ([None if p is None else pad(p, k, 2)
-             for p, k in zip(projectors, widths)],
-            [None if x is None else pad(x, k, 1)
-             for x, k in zip(sketches, widths)], refused)
+    return (
+        [
+            None if p is None else pad(p, k, 2)
+            for p, k in zip(projectors, widths)
+        ],
+        [None if x is None else pad(x, k, 1) for x, k in zip(sketches, widths)],
+        refused,
+    )
 
   def body(carry):
     i, n_passes, q, small, refused, _, _ = carry
 
     def short_pass():
-      omegas = [None if not plan.projected else jax.lax.cond(
-          i == 0, lambda plan=plan, k=k: first_omega(plan, k),
-          lambda s=s: qr(jnp.swapaxes(s, 1, 2)))
-                for plan, k, s in zip(plans, widths, small)]
+      omegas = [
+          None
+          if not plan.projected
+          else jax.lax.cond(
+              i == 0,
+              lambda plan=plan, k=k: first_omega(plan, k),
+              lambda s=s: qr(jnp.swapaxes(s, 1, 2)),
+          )
+          for plan, k, s in zip(plans, widths, small)
+      ]
       value, dense, products = passes.short(omegas)
-      return value, dense, [None if y is None else qr(y) for y in products], small
+      return (
+          value,
+          dense,
+          [None if y is None else qr(y) for y in products],
+          small,
+      )
 
     def long_pass():
       value, dense, products = passes.long(q)
       return value, dense, q, products
 
     value, dense, q, small = jax.lax.cond(
-        refresh & (i % 2 == 0) & (i < n_refresh), short_pass, long_pass)
+        refresh & (i % 2 == 0) & (i < n_refresh), short_pass, long_pass
+    )
     q, small, new_refused = jax.lax.cond(
-        refresh & (i == n_refresh - 1), lambda: rotate(q, small),
-        lambda: (q, small, no_refusal))
+        refresh & (i == n_refresh - 1),
+        lambda: rotate(q, small),
+        lambda: (q, small, no_refusal),
+    )
     n_passes = n_passes + (new_refused > 0).astype(jnp.int32)
     return i + 1, n_passes, q, small, refused + new_refused, value, dense
 
   _, _, q, small, refused, value, dense = jax.lax.while_loop(
-      lambda carry: carry[0] < carry[1], body,
-      (jnp.zeros([], jnp.int32), jnp.where(refresh, n_refresh, 1), q0, small0,
-       no_refusal, jax.tree.map(jnp.zeros_like, value_shape),
-       jax.tree.map(jnp.zeros_like, dense_shape)))
-  projectors = [None if not plan.projected else q_BxLxK[:, :, :plan.rank]
-                for plan, q_BxLxK in zip(plans, q)]
-  sketches = [None if not plan.projected else small_BxKxS[:, :plan.rank]
-              for plan, small_BxKxS in zip(plans, small)]
+      lambda carry: carry[0] < carry[1],
+      body,
+      (
+          jnp.zeros([], jnp.int32),
+          jnp.where(refresh, n_refresh, 1),
+          q0,
+          small0,
+          no_refusal,
+          jax.tree.map(jnp.zeros_like, value_shape),
+          jax.tree.map(jnp.zeros_like, dense_shape),
+      ),
+  )
+  projectors = [
+      None if not plan.projected else q_BxLxK[:, :, : plan.rank]
+      for plan, q_BxLxK in zip(plans, q)
+  ]
+  sketches = [
+      None if not plan.projected else small_BxKxS[:, : plan.rank]
+      for plan, small_BxKxS in zip(plans, small)
+  ]
   return value, dense, sketches, projectors, refused

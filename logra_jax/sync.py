@@ -64,10 +64,15 @@ from logra_jax.optim import transforms
 
 FORMAT_VERSION = 1
 _MAGIC = b"LOGRASYN"
-_HEADER = struct.Struct("<8sIQI")   # magic, format, payload length, CRC-32
+_HEADER = struct.Struct("<8sIQI")  # magic, format, payload length, CRC-32
 
-BASE, COORDS, SCALE, PROJECTOR, DENSE = ("base", "coords", "scale",
-                                          "projector", "dense")
+BASE, COORDS, SCALE, PROJECTOR, DENSE = (
+    "base",
+    "coords",
+    "scale",
+    "projector",
+    "dense",
+)
 
 
 class SyncError(ValueError):
@@ -127,7 +132,8 @@ def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
   """
   out = {}
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=factored_lib.is_factored)
+      state["weights"], is_leaf=factored_lib.is_factored
+  )
   projectors = treedef.flatten_up_to(state["projectors"])
   for (path, w), p in zip(flat, projectors):
     name = jax.tree_util.keystr(path)
@@ -146,22 +152,25 @@ def signature(state: dict[str, Any], **fields: Any) -> str:
   """A digest of the layout of ``state`` (every array's name, shape and
   dtype) and of ``fields`` (e.g. the model config, the optimizer's rank and
   projector kind): two policies with the same signature can sync."""
-  layout = [(name, list(np.shape(x)), str(jnp.result_type(x)))
-            for name, (_, x) in sorted(named_arrays(state).items())]
-  text = json.dumps({"layout": layout, "fields": fields}, sort_keys=True,
-                    default=str)
+  layout = [
+      (name, list(np.shape(x)), str(jnp.result_type(x)))
+      for name, (_, x) in sorted(named_arrays(state).items())
+  ]
+  text = json.dumps(
+      {"layout": layout, "fields": fields}, sort_keys=True, default=str
+  )
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   names = sorted(arrays)
-  values = jax.device_get(checkpoint.leaf_checksums(
-      [arrays[n] for n in names]))
+  values = jax.device_get(checkpoint.leaf_checksums([arrays[n] for n in names]))
   return {n: int(v) for n, v in zip(names, values)}
 
 
-def _merges(state: Optional[transforms.ProjectState],
-            since: Optional[int]) -> list[int]:
+def _merges(
+    state: Optional[transforms.ProjectState], since: Optional[int]
+) -> list[int]:
   """The steps of the merges the updates since the ``project`` stage's count
   ``since`` were preceded by (None: the last update's): the learner merges
   (``factored.merge_at_refresh``) when the count is a multiple of
@@ -184,13 +193,15 @@ class PolicySender:
     **fields: more to put in the signature (model config, rank, ...).
   """
 
-  def __init__(self, weights: Any, opt_state: optax.OptState, *, seed: int,
-               **fields: Any):
-    self.signature = signature(policy_state(weights, opt_state), seed=seed,
-                               **fields)
+  def __init__(
+      self, weights: Any, opt_state: optax.OptState, *, seed: int, **fields: Any
+  ):
+    self.signature = signature(
+        policy_state(weights, opt_state), seed=seed, **fields
+    )
     self.sequence = -1
-    self._window = None        # (window index, its projectors)
-    self._count = None         # the project stage's count at the last message
+    self._window = None  # (window index, its projectors)
+    self._count = None  # the project stage's count at the last message
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
     """:func:`policy_state`, with ``"random"`` projectors regenerated once
@@ -204,9 +215,14 @@ class PolicySender:
       self._window = (window, transforms.window_projectors(opt_state))
     return {"weights": weights, "projectors": self._window[1]}
 
-  def message(self, weights: Any, opt_state: optax.OptState, *,
-              version: Optional[int] = None, full: bool = False
-              ) -> SyncMessage:
+  def message(
+      self,
+      weights: Any,
+      opt_state: optax.OptState,
+      *,
+      version: Optional[int] = None,
+      full: bool = False,
+  ) -> SyncMessage:
     """The message that moves a receiver from the last message's weights to
     these (``full``: from anything).
 
@@ -222,20 +238,30 @@ class PolicySender:
     project = sketch_grad.project_state(opt_state)
     named = named_arrays(self._state(weights, opt_state))
     merges = _merges(project, self._count)
-    full = (full or self.sequence < 0   # a receiver starts from a full one
-            or any(m != self._count for m in merges))
+    full = (
+        full
+        or self.sequence < 0  # a receiver starts from a full one
+        or any(m != self._count for m in merges)
+    )
     merge_step = merges[-1] if merges else -1
-    sent = lambda kind: (full or kind in (COORDS, SCALE, DENSE)
-                         or (kind == PROJECTOR and merge_step >= 0))
+    sent = lambda kind: (
+        full
+        or kind in (COORDS, SCALE, DENSE)
+        or (kind == PROJECTOR and merge_step >= 0)
+    )
     self.sequence += 1
     self._count = None if project is None else int(project.count)
     if version is None:
       version = self.sequence if project is None else int(project.count)
     return SyncMessage(
-        sequence=self.sequence, version=version, signature=self.signature,
-        full=full, merge_step=merge_step,
+        sequence=self.sequence,
+        version=version,
+        signature=self.signature,
+        full=full,
+        merge_step=merge_step,
         arrays={n: x for n, (kind, x) in named.items() if sent(kind)},
-        checksums=_checksums({n: x for n, (_, x) in named.items()}))
+        checksums=_checksums({n: x for n, (_, x) in named.items()}),
+    )
 
 
 @functools.partial(jax.jit, static_argnames="seed")
@@ -287,44 +313,69 @@ class PolicyReceiver:
       raise SyncError(
           f"message for another policy (signature {message.signature[:12]}"
           f"..., this receiver {self.signature[:12]}...): the model, shapes, "
-          "dtypes, seed or optimizer settings of learner and receiver differ")
+          "dtypes, seed or optimizer settings of learner and receiver differ"
+      )
     if not message.full and self.version < 0:
-      raise SyncError(f"message {message.sequence} is not a full message; a "
-                      "receiver starts from one")
+      raise SyncError(
+          f"message {message.sequence} is not a full message; a "
+          "receiver starts from one"
+      )
     if not message.full and message.sequence != self.sequence + 1:
       raise SyncError(
           f"message {message.sequence} out of order: expected "
           f"{self.sequence + 1} ("
-          + ("a duplicate or an old message" if message.sequence <= self.sequence
-             else "messages were lost") + "); a full resync restarts it")
+          + (
+              "a duplicate or an old message"
+              if message.sequence <= self.sequence
+              else "messages were lost"
+          )
+          + "); a full resync restarts it"
+      )
     if message.version < self.version:
-      raise SyncError(f"message of policy version {message.version} is older "
-                      f"than the version held ({self.version})")
+      raise SyncError(
+          f"message of policy version {message.version} is older "
+          f"than the version held ({self.version})"
+      )
     named = named_arrays(self.state)
     state = self.state
     if not message.full and message.merge_step >= 0:
-      state = dict(state, weights=_merge(
-          state["weights"], state["projectors"],
-          jnp.asarray(message.merge_step, jnp.int32), seed=self.seed))
-    expected = {n for n, (kind, _) in named.items()
-                if message.full or kind in (COORDS, SCALE, DENSE)
-                or (kind == PROJECTOR and message.merge_step >= 0)}
+      state = dict(
+          state,
+          weights=_merge(
+              state["weights"],
+              state["projectors"],
+              jnp.asarray(message.merge_step, jnp.int32),
+              seed=self.seed,
+          ),
+      )
+    expected = {
+        n
+        for n, (kind, _) in named.items()
+        if message.full
+        or kind in (COORDS, SCALE, DENSE)
+        or (kind == PROJECTOR and message.merge_step >= 0)
+    }
     missing = sorted(expected - set(message.arrays))
     extra = sorted(set(message.arrays) - expected)
     if missing or extra:
-      raise SyncError(f"message {message.sequence} does not fit the layout: "
-                      f"missing {missing[:3]}, unexpected {extra[:3]}")
+      raise SyncError(
+          f"message {message.sequence} does not fit the layout: "
+          f"missing {missing[:3]}, unexpected {extra[:3]}"
+      )
     state = _replace(state, message.arrays)
     got = _checksums({n: x for n, (_, x) in named_arrays(state).items()})
     if set(got) != set(message.checksums):
-      raise SyncError(f"message {message.sequence} has checksums for other "
-                      "arrays than the layout's")
+      raise SyncError(
+          f"message {message.sequence} has checksums for other "
+          "arrays than the layout's"
+      )
     wrong = sorted(n for n in got if got[n] != message.checksums[n])
     if wrong:
       raise SyncError(
           f"message {message.sequence}: checksum mismatch after applying it "
           f"for {len(wrong)} array(s), e.g. {wrong[:3]}; the weights are "
-          "kept (a full resync heals them)")
+          "kept (a full resync heals them)"
+      )
     self.state = state
     self.sequence = message.sequence
     self.version = message.version
@@ -338,8 +389,9 @@ def materialize(state: dict[str, Any], dtype: Any = None) -> Any:
   """The dense weights of a :func:`policy_state`, ``c B + P A`` for factored
   ones (``factored.effective_weights``), each in its parameter's dtype or
   ``dtype``."""
-  return factored_lib.effective_weights(state["weights"], state["projectors"],
-                                        dtype)
+  return factored_lib.effective_weights(
+      state["weights"], state["projectors"], dtype
+  )
 
 
 _materialize = jax.jit(materialize, static_argnames="dtype")
@@ -347,16 +399,19 @@ _materialize = jax.jit(materialize, static_argnames="dtype")
 
 def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
   """``state`` with the named arrays replaced (shapes and dtypes checked)."""
+
   def take(name, old):
     if name not in arrays:
       return old
     new = arrays[name]
-    if (tuple(np.shape(new)) != tuple(np.shape(old))
-        or jnp.result_type(new) != jnp.result_type(old)):
+    if tuple(np.shape(new)) != tuple(np.shape(old)) or jnp.result_type(
+        new
+    ) != jnp.result_type(old):
       raise SyncError(
           f"array {name}: shape {tuple(np.shape(new))} "
           f"{jnp.result_type(new)} does not fit "
-          f"{tuple(np.shape(old))} {jnp.result_type(old)}")
+          f"{tuple(np.shape(old))} {jnp.result_type(old)}"
+      )
     # A copy, placed like the array it replaces: never the sender's buffers
     # (which its next step may donate).
     sharding = getattr(old, "sharding", None)
@@ -365,7 +420,8 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
     return jax.device_put(new, sharding, may_alias=False)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=factored_lib.is_factored)
+      state["weights"], is_leaf=factored_lib.is_factored
+  )
   projectors = treedef.flatten_up_to(state["projectors"])
   weights, new_projectors = [], []
   for (path, w), p in zip(flat, projectors):
@@ -374,13 +430,19 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
       weights.append(take(name, w))
       new_projectors.append(p)
       continue
-    weights.append(dataclasses.replace(
-        w, base=take(f"{name}.base", w.base),
-        coords=take(f"{name}.coords", w.coords),
-        scale=None if w.scale is None else take(f"{name}.scale", w.scale)))
+    weights.append(
+        dataclasses.replace(
+            w,
+            base=take(f"{name}.base", w.base),
+            coords=take(f"{name}.coords", w.coords),
+            scale=None if w.scale is None else take(f"{name}.scale", w.scale),
+        )
+    )
     new_projectors.append(take(f"projector:{name}", p))
-  return {"weights": treedef.unflatten(weights),
-          "projectors": treedef.unflatten(new_projectors)}
+  return {
+      "weights": treedef.unflatten(weights),
+      "projectors": treedef.unflatten(new_projectors),
+  }
 
 
 def encode(message: SyncMessage) -> bytes:
@@ -393,14 +455,21 @@ def encode(message: SyncMessage) -> bytes:
 def encode_parts(message: SyncMessage) -> tuple[bytes, bytes]:
   """:func:`encode`'s header and payload, not joined (a transport sends them
   one after the other instead of copying a large message once more)."""
-  payload = serialization.msgpack_serialize({
-      "sequence": message.sequence, "version": message.version,
-      "signature": message.signature, "full": message.full,
-      "merge_step": message.merge_step,
-      "arrays": {n: np.asarray(x) for n, x in message.arrays.items()},
-      "checksums": dict(message.checksums)})
-  return (_HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload),
-                       zlib.crc32(payload)), payload)
+  payload = serialization.msgpack_serialize(
+      {
+          "sequence": message.sequence,
+          "version": message.version,
+          "signature": message.signature,
+          "full": message.full,
+          "merge_step": message.merge_step,
+          "arrays": {n: np.asarray(x) for n, x in message.arrays.items()},
+          "checksums": dict(message.checksums),
+      }
+  )
+  return (
+      _HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload), zlib.crc32(payload)),
+      payload,
+  )
 
 
 def decode(data: bytes | bytearray | memoryview) -> SyncMessage:
@@ -411,43 +480,63 @@ def decode(data: bytes | bytearray | memoryview) -> SyncMessage:
       corrupted bytes, or fields of the wrong type.
   """
   if len(data) < _HEADER.size:
-    raise SyncError(f"sync message truncated: {len(data)} bytes, shorter "
-                    "than its header")
+    raise SyncError(
+        f"sync message truncated: {len(data)} bytes, shorter " "than its header"
+    )
   magic, version, length, crc = _HEADER.unpack_from(data)
   if magic != _MAGIC:
     raise SyncError("not a logra-jax sync message (bad magic bytes)")
   if version != FORMAT_VERSION:
-    raise SyncError(f"sync message format {version}; this version reads "
-                    f"format {FORMAT_VERSION}")
-  payload = memoryview(data)[_HEADER.size:]   # not a copy
+    raise SyncError(
+        f"sync message format {version}; this version reads "
+        f"format {FORMAT_VERSION}"
+    )
+  payload = memoryview(data)[_HEADER.size :]  # not a copy
   if len(payload) != length:
-    raise SyncError(f"sync message truncated or padded: payload of "
-                    f"{len(payload)} bytes, header says {length}")
+    raise SyncError(
+        f"sync message truncated or padded: payload of "
+        f"{len(payload)} bytes, header says {length}"
+    )
   if zlib.crc32(payload) != crc:
     raise SyncError("sync message corrupted: CRC-32 of its payload differs")
   try:
     fields = serialization.msgpack_restore(payload)
-  except Exception as e:   # noqa: BLE001 (any msgpack failure)
+  except Exception as e:  # noqa: BLE001 (any msgpack failure)
     raise SyncError(f"sync message payload unreadable: {e}") from None
   if not isinstance(fields, dict):
     raise SyncError("sync message payload is not a map of fields")
-  types = {"sequence": int, "version": int, "signature": str, "full": bool,
-           "merge_step": int, "arrays": dict, "checksums": dict}
+  types = {
+      "sequence": int,
+      "version": int,
+      "signature": str,
+      "full": bool,
+      "merge_step": int,
+      "arrays": dict,
+      "checksums": dict,
+  }
   for name, kind in types.items():
     value = fields.get(name)
-    if not isinstance(value, kind) or (kind is int
-                                       and isinstance(value, bool)):
-      raise SyncError(f"sync message field {name!r} is missing or not "
-                      f"{kind.__name__}")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+      raise SyncError(
+          f"sync message field {name!r} is missing or not " f"{kind.__name__}"
+      )
   if not all(isinstance(x, np.ndarray) for x in fields["arrays"].values()):
-    raise SyncError("sync message field 'arrays' holds values that are not "
-                    "arrays")
-  if not all(isinstance(v, int) and not isinstance(v, bool)
-             for v in fields["checksums"].values()):
-    raise SyncError("sync message field 'checksums' holds values that are "
-                    "not integers")
+    raise SyncError(
+        "sync message field 'arrays' holds values that are not " "arrays"
+    )
+  if not all(
+      isinstance(v, int) and not isinstance(v, bool)
+      for v in fields["checksums"].values()
+  ):
+    raise SyncError(
+        "sync message field 'checksums' holds values that are " "not integers"
+    )
   return SyncMessage(
-      sequence=fields["sequence"], version=fields["version"],
-      signature=fields["signature"], full=fields["full"],
-      merge_step=fields["merge_step"], arrays=fields["arrays"],
-      checksums={n: int(v) for n, v in fields["checksums"].items()})
+      sequence=fields["sequence"],
+      version=fields["version"],
+      signature=fields["signature"],
+      full=fields["full"],
+      merge_step=fields["merge_step"],
+      arrays=fields["arrays"],
+      checksums={n: int(v) for n, v in fields["checksums"].items()},
+  )

@@ -16,8 +16,13 @@ from hypothesis import settings  # noqa: E402
 # Property tests: a fixed set of examples, so that every run (and CI) tries
 # the same ones; compiling each example dominates, so keep them few.
 # HYPOTHESIS_PROFILE=explore searches new random examples by hand.
-settings.register_profile("ci", max_examples=25, deadline=None,
-                          derandomize=True, database=None,
-                          print_blob=True)
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+)
 settings.register_profile("explore", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

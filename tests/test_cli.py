@@ -24,63 +24,102 @@ def _one_line_error(capsys, command: str) -> str:
 def _run_folder(folder):
   """What a training run leaves: its config and checkpoints."""
   (folder / "checkpoints").mkdir(parents=True)
-  (folder / "config.yaml").write_text(train_config.to_yaml(
-      train_config.get_preset("smoke")))
+  (folder / "config.yaml").write_text(
+      train_config.to_yaml(train_config.get_preset("smoke"))
+  )
   return folder
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set=optimizer.learning_rate=nan"],
-     "optimizer.learning_rate must be a finite number > 0, got nan"),
-    (["--set=optimizer.b1=5"], "optimizer.b1 must be in [0, 1), got 5.0"),
-    (["--set=optimizer.kind=bogus"], "optimizer.kind must be one of"),
-    (["--set=optimizer.moment_policy=bogus"],
-     "optimizer.moment_policy must be one of"),
-    (["--set=rollout.top_k=-5"], "rollout.top_k must be >= 0, got -5"),
-    (["--set=policy.num_heads=3"], "policy.num_heads=3 must divide"),
-    (["--set=seed=-1"], "seed must be >= 0, got -1"),
-    (["--mesh=fsdp=8,fsdp=1"],
-     "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)"),
-    (["--set=policy.path={tmp}/missing"],
-     "policy folder {tmp}/missing does not exist"),
-    (["--set=policy.path={tmp}"], "policy folder {tmp} holds no config.json"),
-    (["--set=policy.path={tmp}/run"], "is the folder of a training run, not "
-     "a policy: write its policy as a Hugging Face folder with `logra export"),
-    (["--resume"], "nothing to resume in {tmp}/out"),
-])
-def test_bad_train_input_is_one_line_and_writes_nothing(args, message,
-                                                        tmp_path, capsys):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--set=optimizer.learning_rate=nan"],
+            "optimizer.learning_rate must be a finite number > 0, got nan",
+        ),
+        (["--set=optimizer.b1=5"], "optimizer.b1 must be in [0, 1), got 5.0"),
+        (["--set=optimizer.kind=bogus"], "optimizer.kind must be one of"),
+        (
+            ["--set=optimizer.moment_policy=bogus"],
+            "optimizer.moment_policy must be one of",
+        ),
+        (["--set=rollout.top_k=-5"], "rollout.top_k must be >= 0, got -5"),
+        (["--set=policy.num_heads=3"], "policy.num_heads=3 must divide"),
+        (["--set=seed=-1"], "seed must be >= 0, got -1"),
+        (
+            ["--mesh=fsdp=8,fsdp=1"],
+            "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)",
+        ),
+        (
+            ["--set=policy.path={tmp}/missing"],
+            "policy folder {tmp}/missing does not exist",
+        ),
+        (
+            ["--set=policy.path={tmp}"],
+            "policy folder {tmp} holds no config.json",
+        ),
+        (
+            ["--set=policy.path={tmp}/run"],
+            "is the folder of a training run, not "
+            "a policy: write its policy as a Hugging Face folder with `logra export",
+        ),
+        (["--resume"], "nothing to resume in {tmp}/out"),
+    ],
+)
+def test_bad_train_input_is_one_line_and_writes_nothing(
+    args, message, tmp_path, capsys
+):
   _run_folder(tmp_path / "run")
   out = tmp_path / "out"
   args = [a.format(tmp=tmp_path) for a in args]
-  assert cli_main(["train", "--preset=smoke", "--no-progress",
-                   f"--out={out}", *args]) == 2
+  assert (
+      cli_main(
+          ["train", "--preset=smoke", "--no-progress", f"--out={out}", *args]
+      )
+      == 2
+  )
   assert message.format(tmp=tmp_path) in _one_line_error(capsys, "train")
   assert not out.exists()
 
 
-@pytest.mark.parametrize("policy, message", [
-    ("{tmp}/missing", "policy folder {tmp}/missing does not exist"),
-    ("{tmp}/run/config.yaml", "policy folder {tmp}/run/config.yaml is a "
-     "file, not a folder"),
-    ("{tmp}/run", "{tmp}/run is the folder of a training run, not a policy: "
-     "write its policy as a Hugging Face folder with `logra export "
-     "--checkpoint {tmp}/run --out <folder>`"),
-])
-def test_eval_of_a_folder_that_is_no_policy_is_one_line(policy, message,
-                                                        tmp_path, capsys):
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("{tmp}/missing", "policy folder {tmp}/missing does not exist"),
+        (
+            "{tmp}/run/config.yaml",
+            "policy folder {tmp}/run/config.yaml is a " "file, not a folder",
+        ),
+        (
+            "{tmp}/run",
+            "{tmp}/run is the folder of a training run, not a policy: "
+            "write its policy as a Hugging Face folder with `logra export "
+            "--checkpoint {tmp}/run --out <folder>`",
+        ),
+    ],
+)
+def test_eval_of_a_folder_that_is_no_policy_is_one_line(
+    policy, message, tmp_path, capsys
+):
   _run_folder(tmp_path / "run")
-  assert cli_main(["eval", "--preset=smoke",
-                   f"--policy={policy.format(tmp=tmp_path)}"]) == 2
+  assert (
+      cli_main(
+          ["eval", "--preset=smoke", f"--policy={policy.format(tmp=tmp_path)}"]
+      )
+      == 2
+  )
   assert message.format(tmp=tmp_path) in _one_line_error(capsys, "eval")
 
 
-@pytest.mark.parametrize("error", [
-    FileNotFoundError(2, "No such file or directory", "a/b"),
-    NotADirectoryError(20, "Not a directory", "a/file"),
-    IsADirectoryError(21, "Is a directory", "a/folder"),
-    PermissionError(13, "Permission denied", "a/locked"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError(2, "No such file or directory", "a/b"),
+        NotADirectoryError(20, "Not a directory", "a/file"),
+        IsADirectoryError(21, "Is a directory", "a/folder"),
+        PermissionError(13, "Permission denied", "a/locked"),
+    ],
+)
 def test_os_errors_about_paths_are_one_line(error, monkeypatch, capsys):
   def export_policy(*args, **kwargs):
     raise error
@@ -90,29 +129,37 @@ def test_os_errors_about_paths_are_one_line(error, monkeypatch, capsys):
   assert f"'{error.filename}'" in _one_line_error(capsys, "export")
 
 
-@pytest.mark.parametrize("stopped_by, status", [
-    (None, 0), ("SIGTERM", 143), ("SIGINT", 130)])
+@pytest.mark.parametrize(
+    "stopped_by, status", [(None, 0), ("SIGTERM", 143), ("SIGINT", 130)]
+)
 def test_a_run_stopped_by_a_signal_exits_with_its_status(
-    stopped_by, status, monkeypatch, tmp_path):
+    stopped_by, status, monkeypatch, tmp_path
+):
   # The trainer saves and returns the summary; the status tells the shell
   # (and a scheduler) which signal stopped it. The real signal is sent to a
   # run in tests/rl/test_trainer.py.
-  monkeypatch.setattr(trainer, "train",
-                      lambda *args, **kwargs: {"stopped_by": stopped_by})
+  monkeypatch.setattr(
+      trainer, "train", lambda *args, **kwargs: {"stopped_by": stopped_by}
+  )
   assert cli_main(["train", "--preset=smoke", f"--out={tmp_path}"]) == status
 
 
-@pytest.mark.parametrize("text, message", [
-    ("fsdp=8,fsdp=1",
-     "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)"),
-    ("dp=2,tp=2,dp=2", "mesh entry 'dp=2': axis dp is given twice"),
-    ("fsdp=0", "mesh entry 'fsdp=0': size must be a positive int"),
-    ("tp=-2", "mesh entry 'tp=-2': size must be a positive int"),
-    ("pp=2", "mesh entry 'pp=2': expected axis=size with axis in"),
-    ("fsdp", "mesh entry 'fsdp': expected axis=size"),
-    ("fsdp=2=2", "mesh entry 'fsdp=2=2': size must be an int"),
-    ("fsdp=", "mesh entry 'fsdp=': size must be an int"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "fsdp=8,fsdp=1",
+            "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)",
+        ),
+        ("dp=2,tp=2,dp=2", "mesh entry 'dp=2': axis dp is given twice"),
+        ("fsdp=0", "mesh entry 'fsdp=0': size must be a positive int"),
+        ("tp=-2", "mesh entry 'tp=-2': size must be a positive int"),
+        ("pp=2", "mesh entry 'pp=2': expected axis=size with axis in"),
+        ("fsdp", "mesh entry 'fsdp': expected axis=size"),
+        ("fsdp=2=2", "mesh entry 'fsdp=2=2': size must be an int"),
+        ("fsdp=", "mesh entry 'fsdp=': size must be an int"),
+    ],
+)
 def test_bad_mesh_entries_are_refused_naming_the_entry(text, message):
   with pytest.raises(ValueError) as info:
     parallel.MeshConfig.parse(text)
@@ -121,7 +168,8 @@ def test_bad_mesh_entries_are_refused_naming_the_entry(text, message):
 
 def test_mesh_entries_may_have_spaces():
   assert parallel.MeshConfig.parse(" dp = 2, fsdp=4 ") == parallel.MeshConfig(
-      dp=2, fsdp=4)
+      dp=2, fsdp=4
+  )
 
 
 def test_docstring_examples_run():

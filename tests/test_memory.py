@@ -16,9 +16,12 @@ FSDP8 = parallel.MeshConfig(fsdp=8)
 
 @pytest.fixture(scope="module")
 def reports():
-  return {opt: memory.plan_memory(TINY, mesh=FSDP8, optimizer=opt, rank=8,
-                                  seq_len=64, micro_batch=2)
-          for opt in ("adam", "logra")}
+  return {
+      opt: memory.plan_memory(
+          TINY, mesh=FSDP8, optimizer=opt, rank=8, seq_len=64, micro_batch=2
+      )
+      for opt in ("adam", "logra")
+  }
 
 
 def _num_params(config):
@@ -35,30 +38,37 @@ def test_sharded_sizes_follow_the_closed_form(reports):
   # 16 sequences of 64 tokens over 8 devices: int32 tokens and masks,
   # float32 old log-probs and advantages.
   rows, prompt, completion = 2, 16, 48
-  assert adam.batch == rows * (2 * prompt * 4 + 2 * completion * 4
-                               + completion * 4 + 4)
+  assert adam.batch == rows * (
+      2 * prompt * 4 + 2 * completion * 4 + completion * 4 + 4
+  )
 
 
 def test_parts_add_up_and_logra_holds_less_state(reports):
   for report in reports.values():
-    assert report.total == (report.params + report.optimizer_state
-                            + report.batch + report.grads + report.temporaries
-                            + report.outputs + report.rollout)
+    assert report.total == (
+        report.params
+        + report.optimizer_state
+        + report.batch
+        + report.grads
+        + report.temporaries
+        + report.outputs
+        + report.rollout
+    )
     assert report.temporaries > 0 and report.fits is None
   assert reports["logra"].optimizer_state < reports["adam"].optimizer_state
 
 
-def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(
-    reports):
+def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
   """LoGRA with sketch-direct gradients keeps each projected matrix as
   B + P A: B laid out like the parameter, A ([L, r, short] float32) split over
   fsdp; with a bfloat16 base, B takes 2 bytes per parameter."""
   shapes = models.decoder.param_shapes(TINY)
-  matrices = [s for s in shapes.values() if len(s) == 3]   # [L, in, out]
+  matrices = [s for s in shapes.values() if len(s) == 3]  # [L, in, out]
   coords = sum(L * 8 * min(m, n) for L, m, n in matrices) * 4 // 8
   assert reports["logra"].params == reports["adam"].params + coords
-  bf16 = memory.plan_memory(TINY, mesh=FSDP8, rank=8, seq_len=64,
-                            micro_batch=2, base_dtype="bfloat16")
+  bf16 = memory.plan_memory(
+      TINY, mesh=FSDP8, rank=8, seq_len=64, micro_batch=2, base_dtype="bfloat16"
+  )
   projected = sum(math.prod(s) for s in matrices)
   assert bf16.params == reports["logra"].params - 2 * projected // 8
   # No float32 copy of the bfloat16 base appears in the plan (XLA:CPU upcasts
@@ -66,15 +76,19 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(
   assert bf16.temporaries < reports["logra"].temporaries + 2 * projected // 8
   assert "bfloat16 base" in bf16.description
   with pytest.raises(ValueError, match="optimizer.base_dtype"):
-    memory.plan_memory(TINY, mesh=FSDP8, optimizer="adam",
-                       base_dtype="bfloat16")
+    memory.plan_memory(
+        TINY, mesh=FSDP8, optimizer="adam", base_dtype="bfloat16"
+    )
 
 
 def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
   config = models.DecoderConfig.tiny(vocab_size=512)
   default, projected = (
-      memory.plan_memory(config, mesh=FSDP8, rank=8, seq_len=64,
-                         project_embeddings=flag) for flag in (False, True))
+      memory.plan_memory(
+          config, mesh=FSDP8, rank=8, seq_len=64, project_embeddings=flag
+      )
+      for flag in (False, True)
+  )
   # The [512, 64] table and head: a float32 gradient and two moments each,
   # split over 8 devices, become [8, 64] sketches and two [8, 64] moments
   # each (whole on every device) plus [512, 8] projectors (split).
@@ -82,8 +96,10 @@ def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
   sketches = 2 * 8 * 64 * 4
   projectors = 2 * 512 * 8 * 4 // 8
   assert default.grads - projected.grads == embeddings - sketches
-  assert (default.optimizer_state - projected.optimizer_state
-          == 2 * embeddings - 2 * sketches - projectors)
+  assert (
+      default.optimizer_state - projected.optimizer_state
+      == 2 * embeddings - 2 * sketches - projectors
+  )
   assert "embeddings projected" in projected.description
   with pytest.raises(ValueError, match="project_embeddings applies to logra"):
     memory.plan_memory(config, optimizer="adam", project_embeddings=True)
@@ -98,38 +114,57 @@ def test_sketch_gradients_plan_no_more_than_dense_ones():
   vocabulary-sized buffers dwarf the layers, sketch mode still plans ~1%
   above dense: its savings grow with the layers.)"""
   sketch, dense = (
-      memory.plan_memory("qwen2.5-0.5b", mesh=FSDP8, rank=64, seq_len=2048,
-                         gradient_mode=mode, project_embeddings=True)
-      for mode in ("sketch", "dense"))
+      memory.plan_memory(
+          "qwen2.5-0.5b",
+          mesh=FSDP8,
+          rank=64,
+          seq_len=2048,
+          gradient_mode=mode,
+          project_embeddings=True,
+      )
+      for mode in ("sketch", "dense")
+  )
   assert sketch.grads < dense.grads
   assert sketch.total <= dense.total
 
 
 def test_rollout_reservation_is_weights_plus_kv_cache():
-  report = memory.plan_memory(TINY, mesh=FSDP8, seq_len=32, rollout_seqs=4,
-                              rollout_tokens=128, device_memory_gib=1e-6)
+  report = memory.plan_memory(
+      TINY,
+      mesh=FSDP8,
+      seq_len=32,
+      rollout_seqs=4,
+      rollout_tokens=128,
+      device_memory_gib=1e-6,
+  )
   kv = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2 * 4 * 128
   assert report.rollout == -(-(2 * report.num_params + kv) // 8)
   assert report.fits is False and "NO, over by" in report.summary()
 
 
 def test_less_remat_needs_more_temporaries():
-  full, none = (memory.plan_memory(TINY, seq_len=256, micro_batch=4,
-                                   remat=remat).temporaries
-                for remat in ("full", "none"))
+  full, none = (
+      memory.plan_memory(
+          TINY, seq_len=256, micro_batch=4, remat=remat
+      ).temporaries
+      for remat in ("full", "none")
+  )
   assert none > full
 
 
 # Parameter counts published with the checkpoints.
-@pytest.mark.parametrize("name,count", [
-    ("qwen2.5-0.5b", 494_032_768),
-    ("qwen2.5-1.5b", 1_543_714_304),
-    ("qwen2.5-7b", 7_615_616_512),
-    ("qwen2.5-14b", 14_770_033_664),
-    ("qwen2.5-32b", 32_763_876_352),
-    ("qwen3-8b", 8_190_735_360),
-    ("qwen3-32b", 32_762_123_264),
-])
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen2.5-1.5b", 1_543_714_304),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen2.5-14b", 14_770_033_664),
+        ("qwen2.5-32b", 32_763_876_352),
+        ("qwen3-8b", 8_190_735_360),
+        ("qwen3-32b", 32_762_123_264),
+    ],
+)
 def test_presets_have_the_published_parameter_counts(name, count):
   assert _num_params(memory.load_model_config(name)) == count
 
@@ -146,10 +181,13 @@ def test_config_json_is_read(tmp_path):
   assert config.num_layers == 2 and config.qk_norm
 
 
-@pytest.mark.parametrize("model,match", [
-    ("llama-7b", "unknown model 'llama-7b': not one of"),
-    ("missing/config.json", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        ("llama-7b", "unknown model 'llama-7b': not one of"),
+        ("missing/config.json", "does not exist"),
+    ],
+)
 def test_bad_model_names_are_clear_errors(model, match):
   with pytest.raises(ValueError, match=match):
     memory.load_model_config(model)
@@ -163,17 +201,62 @@ def test_unsupported_architecture_is_rejected(tmp_path):
 
 
 def test_cli_json_and_errors(capsys):
-  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "fsdp=3",
-                   "--seq", "64"]) == 2
+  assert (
+      cli_main(
+          [
+              "memory",
+              "--model",
+              "qwen2.5-0.5b",
+              "--mesh",
+              "fsdp=3",
+              "--seq",
+              "64",
+          ]
+      )
+      == 2
+  )
   assert "not divisible by mesh axis fsdp of size 3" in capsys.readouterr().err
   assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "pp=8"]) == 2
   assert "expected axis=size" in capsys.readouterr().err
-  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--optimizer", "adam",
-                   "--project-embeddings"]) == 2
+  assert (
+      cli_main(
+          [
+              "memory",
+              "--model",
+              "qwen2.5-0.5b",
+              "--optimizer",
+              "adam",
+              "--project-embeddings",
+          ]
+      )
+      == 2
+  )
   assert "project_embeddings applies to logra" in capsys.readouterr().err
-  assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--mesh", "fsdp=8",
-                   "--seq", "64", "--json", "--device-memory-gib", "80"]) == 0
+  assert (
+      cli_main(
+          [
+              "memory",
+              "--model",
+              "qwen2.5-0.5b",
+              "--mesh",
+              "fsdp=8",
+              "--seq",
+              "64",
+              "--json",
+              "--device-memory-gib",
+              "80",
+          ]
+      )
+      == 0
+  )
   report = json.loads(capsys.readouterr().out)
-  assert {"params", "grads", "optimizer_state", "temporaries", "rollout",
-          "total", "fits"} <= set(report)
+  assert {
+      "params",
+      "grads",
+      "optimizer_state",
+      "temporaries",
+      "rollout",
+      "total",
+      "fits",
+  } <= set(report)
   assert report["fits"] is True and report["num_params"] == 494_032_768

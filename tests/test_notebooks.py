@@ -8,20 +8,27 @@ import sys
 
 import pytest
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob(
-    "*.ipynb"))
+NOTEBOOKS = sorted(
+    (pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb")
+)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path):
   cells = json.loads(path.read_text())["cells"]
-  code = "\n\n".join("".join(cell["source"]) for cell in cells
-                     if cell["cell_type"] == "code")
+  code = "\n\n".join(
+      "".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"
+  )
   script = tmp_path / "notebook.py"
   script.write_text(code)
-  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "MPLBACKEND": "Agg"})
+  result = subprocess.run(
+      [sys.executable, str(script)],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=900,
+      env={**os.environ, "MPLBACKEND": "Agg"},
+  )
   assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -15,8 +15,9 @@ VOCAB = 32
 
 
 def _decoder(tie_word_embeddings: bool):
-  config = models.DecoderConfig.tiny(vocab_size=VOCAB,
-                                     tie_word_embeddings=tie_word_embeddings)
+  config = models.DecoderConfig.tiny(
+      vocab_size=VOCAB, tie_word_embeddings=tie_word_embeddings
+  )
   graphdef, params = models.split_model(models.init_model(config, rngs=0))
   ids_BxT = jax.random.randint(jax.random.key(1), (4, 9), 0, VOCAB)
 
@@ -38,9 +39,11 @@ def decoder():
 
 def _optimizer(params, include_embeddings=False, **kwargs):
   dims = models.matrix_dimension_numbers(
-      params, include_embeddings=include_embeddings)
-  return logra.logra(1e-2, rank=8, refresh_every=2, dimension_numbers=dims,
-                     **kwargs)
+      params, include_embeddings=include_embeddings
+  )
+  return logra.logra(
+      1e-2, rank=8, refresh_every=2, dimension_numbers=dims, **kwargs
+  )
 
 
 def _plans(opt_state):
@@ -59,14 +62,16 @@ def _check_sketches(params, ids_BxT, loss, tx, kind):
   loss_value, dense_grads = jax.jit(jax.value_and_grad(loss))(params, ids_BxT)
   sides = set()
   projected = set()
-  for step in range(2):   # a refresh step, then one with the stored projector
+  for step in range(2):  # a refresh step, then one with the stored projector
     value, grads, projectors = fn(params, opt_state, ids_BxT)
     np.testing.assert_allclose(value, loss_value, rtol=1e-6)
     spec = _plans(opt_state)
-    for plan, s, p, g in zip(spec.plans, spec.treedef.flatten_up_to(grads),
-                             spec.treedef.flatten_up_to(
-                                 projectors.projectors),
-                             spec.treedef.flatten_up_to(dense_grads)):
+    for plan, s, p, g in zip(
+        spec.plans,
+        spec.treedef.flatten_up_to(grads),
+        spec.treedef.flatten_up_to(projectors.projectors),
+        spec.treedef.flatten_up_to(dense_grads),
+    ):
       if not plan.projected:
         assert p is None
         assert _relative(s, g) <= 1e-6, plan.path
@@ -77,7 +82,9 @@ def _check_sketches(params, ids_BxT, loss, tx, kind):
       assert p.shape == (plan.batch, plan.long, 8)
       np.testing.assert_allclose(
           jnp.swapaxes(p, 1, 2) @ p,
-          jnp.broadcast_to(jnp.eye(8), (plan.batch, 8, 8)), atol=1e-5)
+          jnp.broadcast_to(jnp.eye(8), (plan.batch, 8, 8)),
+          atol=1e-5,
+      )
       assert _relative(s, plan.sketch(p, g)) <= 1e-5, (kind, step, plan.path)
       if step == 0 and kind == "range":
         # The refresh from thin products is the dense range finder's.
@@ -87,16 +94,18 @@ def _check_sketches(params, ids_BxT, loss, tx, kind):
       if step == 0 and kind == "svd":
         reference = proj_lib.svd_projector(plan.to_matrix(g), 8, plan.left)
         np.testing.assert_allclose(jnp.abs(p), jnp.abs(reference), atol=1e-4)
-    _, opt_state = jax.jit(tx.update)(grads, opt_state, params,
-                                      projectors=projectors)
+    _, opt_state = jax.jit(tx.update)(
+        grads, opt_state, params, projectors=projectors
+    )
   return projected, sides
 
 
 @pytest.mark.parametrize("kind", ["range", "random", "svd"])
 def test_sketch_equals_projected_dense_gradient(decoder, kind):
   params, ids_BxT, loss = decoder
-  projected, sides = _check_sketches(params, ids_BxT, loss,
-                                     _optimizer(params, kind=kind), kind)
+  projected, sides = _check_sketches(
+      params, ids_BxT, loss, _optimizer(params, kind=kind), kind
+  )
   assert sides == {True, False}
   assert "['embed']" not in projected and len(projected) == 7
 
@@ -114,8 +123,7 @@ def test_sketches_of_projected_embeddings(tie_word_embeddings):
   assert ("['lm_head']" in projected) == (not tie_word_embeddings)
 
 
-@pytest.mark.parametrize("kind,tolerance", [("random", 1e-5),
-                                            ("range", 1e-3)])
+@pytest.mark.parametrize("kind,tolerance", [("random", 1e-5), ("range", 1e-3)])
 def test_sketch_steps_equal_dense_steps(decoder, kind, tolerance):
   # Random projectors are the same arrays in both modes, so the steps agree
   # to float rounding. Range projectors are recomputed from differently
@@ -133,16 +141,19 @@ def test_sketch_steps_equal_dense_steps(decoder, kind, tolerance):
   @jax.jit
   def sketch_step(params, opt_state):
     _, grads, projectors = logra.value_and_sketch_grad(loss)(
-        params, opt_state, ids_BxT)
-    updates, opt_state = tx.update(grads, opt_state, params,
-                                   projectors=projectors)
+        params, opt_state, ids_BxT
+    )
+    updates, opt_state = tx.update(
+        grads, opt_state, params, projectors=projectors
+    )
     return optax.apply_updates(params, updates), opt_state
 
   dense = sketch = (params, tx.init(params))
-  for _ in range(3):   # refresh, stored projector, refresh
+  for _ in range(3):  # refresh, stored projector, refresh
     dense, sketch = dense_step(*dense), sketch_step(*sketch)
-  for p0, a, b in zip(*(jax.tree.leaves(p) for p in (params, sketch[0],
-                                                      dense[0]))):
+  for p0, a, b in zip(
+      *(jax.tree.leaves(p) for p in (params, sketch[0], dense[0]))
+  ):
     assert _relative(a - p0, b - p0) <= tolerance
   for a, b in zip(jax.tree.leaves(sketch[1]), jax.tree.leaves(dense[1])):
     if jnp.issubdtype(a.dtype, jnp.floating) and jnp.any(b != 0):
@@ -155,10 +166,11 @@ def test_micro_batched_sketches_equal_the_full_batch(decoder):
   params, ids_BxT, loss = decoder
   tx = _optimizer(params, kind="random")
   opt_state = tx.init(params)
-  total = lambda p, ids: loss(p, ids) * ids.shape[0]   # sum over sequences
+  total = lambda p, ids: loss(p, ids) * ids.shape[0]  # sum over sequences
   _, full, _ = logra.value_and_sketch_grad(total)(params, opt_state, ids_BxT)
   values, summed, _ = logra.value_and_sketch_grad(total, micro_batched=True)(
-      params, opt_state, ids_BxT.reshape(2, 2, -1))
+      params, opt_state, ids_BxT.reshape(2, 2, -1)
+  )
   assert values.shape == (2,)
   for a, b in zip(jax.tree.leaves(summed), jax.tree.leaves(full)):
     assert _relative(a, b) <= 1e-5
@@ -169,42 +181,53 @@ def test_value_and_grad_sum_is_the_gradient_of_the_sum():
   w, x_MxN = 0.7, jnp.arange(6.0).reshape(3, 2)
   values, grad = sketch_grad.value_and_grad_sum(loss)(w, x_MxN)
   np.testing.assert_allclose(values, jnp.sin(w * x_MxN).sum(1), rtol=1e-6)
-  np.testing.assert_allclose(grad, jnp.sum(x_MxN * jnp.cos(w * x_MxN)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      grad, jnp.sum(x_MxN * jnp.cos(w * x_MxN)), rtol=1e-6
+  )
 
 
 def test_matmul_of_a_low_rank_delta():
   keys = jax.random.split(jax.random.key(0), 4)
-  w, f, z = (jax.random.normal(k, s) for k, s in
-             zip(keys, [(6, 5), (6, 2), (2, 5)]))
+  w, f, z = (
+      jax.random.normal(k, s) for k, s in zip(keys, [(6, 5), (6, 2), (2, 5)])
+  )
   x = jax.random.normal(keys[3], (3, 6))
   rows = sketch_grad.LowRankDelta(w, f, z, rows=True, path="w")
-  np.testing.assert_allclose(sketch_grad.matmul(x, rows), x @ (w + f @ z),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+      sketch_grad.matmul(x, rows), x @ (w + f @ z), rtol=1e-5
+  )
   # W + Z F^T with coordinates Z = f [6, 2] and factor F = z^T [5, 2].
   cols = sketch_grad.LowRankDelta(w, z.T, f, rows=False, path="w")
-  np.testing.assert_allclose(sketch_grad.matmul(x, cols), x @ (w + f @ z),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+      sketch_grad.matmul(x, cols), x @ (w + f @ z), rtol=1e-5
+  )
   y = jax.random.normal(keys[3], (3, 5))
   for delta in (rows, cols):
-    np.testing.assert_allclose(sketch_grad.matmul(y, delta.T),
-                               y @ (w + f @ z).T, rtol=1e-5)
+    np.testing.assert_allclose(
+        sketch_grad.matmul(y, delta.T), y @ (w + f @ z).T, rtol=1e-5
+    )
   ids = jnp.array([[5, 0], [2, 5]])
   for delta in (rows, cols):
-    np.testing.assert_allclose(sketch_grad.take(delta, ids), (w + f @ z)[ids],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        sketch_grad.take(delta, ids), (w + f @ z)[ids], rtol=1e-5
+    )
   with pytest.raises(TypeError, match="parameter 'w'.*matmul"):
     jnp.sum(rows)
   with pytest.raises(ValueError, match="slice its layer axis"):
-    sketch_grad.matmul(x, sketch_grad.LowRankDelta(
-        w[None], f[None], z[None], rows=True, path="w"))
+    sketch_grad.matmul(
+        x,
+        sketch_grad.LowRankDelta(
+            w[None], f[None], z[None], rows=True, path="w"
+        ),
+    )
 
 
 def test_take_differentiates_the_coordinates_only():
   # d/dZ sum(take(W + F Z, ids) * c) = F_ids^T c; W gets no gradient.
   keys = jax.random.split(jax.random.key(1), 4)
-  w, f, c = (jax.random.normal(k, s) for k, s in
-             zip(keys, [(7, 3), (7, 2), (4, 3)]))
+  w, f, c = (
+      jax.random.normal(k, s) for k, s in zip(keys, [(7, 3), (7, 2), (4, 3)])
+  )
   ids = jnp.array([6, 1, 6, 0])
 
   def total(w, z):
@@ -245,12 +268,17 @@ def test_stale_projector_state_is_named(decoder):
   params, ids_BxT, loss = decoder
   state_r8 = _optimizer(params).init(params)
   state_r4 = logra.logra(
-      1e-2, rank=4, refresh_every=2,
-      dimension_numbers=models.matrix_dimension_numbers(params)).init(params)
+      1e-2,
+      rank=4,
+      refresh_every=2,
+      dimension_numbers=models.matrix_dimension_numbers(params),
+  ).init(params)
   # Projector arrays of another rank under this state's plan (e.g. restored
   # from a checkpoint of another configuration).
-  stale = (state_r8[0]._replace(projectors=state_r4[0].projectors),
-           *state_r8[1:])
+  stale = (
+      state_r8[0]._replace(projectors=state_r4[0].projectors),
+      *state_r8[1:],
+  )
   with pytest.raises(ValueError, match=r"down_proj.*rank 8.*stale"):
     logra.value_and_sketch_grad(loss)(params, stale, ids_BxT)
   # A whole state of another rank handed to this optimizer.

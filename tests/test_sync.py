@@ -18,16 +18,19 @@ from logra_jax import sync
 from logra_jax.sketch_grad import matmul
 
 STEPS = 300
-REFRESH = 25     # 12 windows, 11 merges after the first
+REFRESH = 25  # 12 windows, 11 merges after the first
 
 
 def _params():
   rng = np.random.default_rng(0)
   normal = lambda shape, scale: jnp.asarray(
-      scale * rng.standard_normal(shape), jnp.float32)
-  return {"w": normal((6, 20), 0.3),      # wide
-          "v": normal((12, 8), 0.3),      # tall
-          "b": normal((20,), 0.1)}        # dense
+      scale * rng.standard_normal(shape), jnp.float32
+  )
+  return {
+      "w": normal((6, 20), 0.3),  # wide
+      "v": normal((12, 8), 0.3),  # tall
+      "b": normal((20,), 0.1),
+  }  # dense
 
 
 def _learner(kind, base_dtype, weight_decay, donate=False):
@@ -35,14 +38,21 @@ def _learner(kind, base_dtype, weight_decay, donate=False):
   state, step)``; ``donate``: the step donates its inputs, as the
   trainer's does."""
   params = _params()
-  tx = logra.logra(1e-2, rank=2, kind=kind, refresh_every=REFRESH,
-                   weight_decay=weight_decay, factored=True)
+  tx = logra.logra(
+      1e-2,
+      rank=2,
+      kind=kind,
+      refresh_every=REFRESH,
+      weight_decay=weight_decay,
+      factored=True,
+  )
   state = tx.init(params)
-  weights = factored.factor(params, state, base_dtype=base_dtype,
-                            decay=weight_decay > 0)
+  weights = factored.factor(
+      params, state, base_dtype=base_dtype, decay=weight_decay > 0
+  )
 
   def loss(p, x):
-    h = jnp.tanh(matmul(x, p["v"]))          # [.., 12] -> [.., 8]
+    h = jnp.tanh(matmul(x, p["v"]))  # [.., 12] -> [.., 8]
     h = jnp.concatenate([h, h[:, :4] ** 2], axis=-1)[:, :6]
     return jnp.mean(jnp.square(matmul(h, p["w"]) + p["b"] - 0.5))
 
@@ -50,9 +60,9 @@ def _learner(kind, base_dtype, weight_decay, donate=False):
   def step(weights, state, x):
     weights = factored.merge_at_refresh(weights, state, seed=7)
     _, sketches, projectors = logra.value_and_sketch_grad(loss)(
-        weights, state, x)
-    updates, state = tx.update(sketches, state, weights,
-                               projectors=projectors)
+        weights, state, x
+    )
+    updates, state = tx.update(sketches, state, weights, projectors=projectors)
     return factored.apply_updates(weights, updates), state
 
   return weights, state, step
@@ -63,32 +73,46 @@ def _batch(i):
 
 
 def _same_bits(a, b):
-  return jax.tree.all(jax.tree.map(
-      lambda x, y: x.dtype == y.dtype and np.array_equal(
-          np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), a, b))
+  return jax.tree.all(
+      jax.tree.map(
+          lambda x, y: x.dtype == y.dtype
+          and np.array_equal(
+              np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)
+          ),
+          a,
+          b,
+      )
+  )
 
 
-@pytest.mark.parametrize("kind,base_dtype,weight_decay", [
-    ("range", "float32", 0.0), ("random", "bfloat16", 0.1),
-    ("svd", "bfloat16", 0.0)])
-def test_receiver_is_bit_identical_over_many_windows(kind, base_dtype,
-                                                     weight_decay):
-  weights, state, step = _learner(kind, base_dtype, weight_decay,
-                                  donate=True)
+@pytest.mark.parametrize(
+    "kind,base_dtype,weight_decay",
+    [
+        ("range", "float32", 0.0),
+        ("random", "bfloat16", 0.1),
+        ("svd", "bfloat16", 0.0),
+    ],
+)
+def test_receiver_is_bit_identical_over_many_windows(
+    kind, base_dtype, weight_decay
+):
+  weights, state, step = _learner(kind, base_dtype, weight_decay, donate=True)
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
-  receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7,
-                                 kind=kind)
+  receiver = sync.PolicyReceiver(
+      sync.policy_state(weights, state), seed=7, kind=kind
+  )
   receiver.apply(
-      sync.decode(sync.encode(sender.message(weights, state, full=True))))
+      sync.decode(sync.encode(sender.message(weights, state, full=True)))
+  )
   merges = 0
   dense = jax.jit(learner.dense_weights)
   for i in range(STEPS):
     weights, state = step(weights, state, _batch(i))
     message = sender.message(weights, state)
     merges += message.merge_step >= 0
-    if i % 2:   # every other message through bytes, as to another process
+    if i % 2:  # every other message through bytes, as to another process
       message = sync.decode(sync.encode(message))
-    receiver.apply(message)     # raises on any checksum mismatch
+    receiver.apply(message)  # raises on any checksum mismatch
   assert merges == STEPS // REFRESH and receiver.version == STEPS
   assert _same_bits(receiver.state, sync.policy_state(weights, state))
   assert _same_bits(receiver.effective_weights(), dense(weights, state))
@@ -98,15 +122,23 @@ def test_a_step_message_carries_only_the_window():
   weights, state, step = _learner("range", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   full = sender.message(weights, state, full=True)
-  weights, state = step(weights, state, _batch(0))   # merges (step 0)
+  weights, state = step(weights, state, _batch(0))  # merges (step 0)
   first = sender.message(weights, state)
   weights, state = step(weights, state, _batch(1))
   second = sender.message(weights, state)
   assert first.merge_step == 0 and second.merge_step == -1
-  kinds = {n: k for n, (k, _) in sync.named_arrays(
-      sync.policy_state(weights, state)).items()}
-  assert {kinds[n] for n in full.arrays} == {"base", "coords", "projector",
-                                              "dense"}
+  kinds = {
+      n: k
+      for n, (k, _) in sync.named_arrays(
+          sync.policy_state(weights, state)
+      ).items()
+  }
+  assert {kinds[n] for n in full.arrays} == {
+      "base",
+      "coords",
+      "projector",
+      "dense",
+  }
   assert {kinds[n] for n in first.arrays} == {"coords", "projector", "dense"}
   assert {kinds[n] for n in second.arrays} == {"coords", "dense"}
   # coords [1, 2, 6] and [1, 2, 8] float32, dense bias [20] float32
@@ -120,17 +152,17 @@ def test_several_updates_per_message_stay_exact():
   weights, state, step = _learner("range", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7)
-  receiver.apply(sender.message(weights, state))   # the first is full
+  receiver.apply(sender.message(weights, state))  # the first is full
   fulls, merges = [], []
-  for i in range(0, 60, 2):     # merges before the updates at counts 0, 25, 50
+  for i in range(0, 60, 2):  # merges before the updates at counts 0, 25, 50
     for j in (i, i + 1):
       weights, state = step(weights, state, _batch(j))
     message = sender.message(weights, state)
     fulls.append(message.full)
     merges.append(message.merge_step)
-    receiver.apply(message)     # raises on any checksum mismatch
+    receiver.apply(message)  # raises on any checksum mismatch
   assert _same_bits(receiver.state, sync.policy_state(weights, state))
-  assert [i for i, f in enumerate(fulls) if f] == [12]       # counts 24-26
+  assert [i for i, f in enumerate(fulls) if f] == [12]  # counts 24-26
   assert [m for m in merges if m >= 0] == [0, 25, 50]
 
 
@@ -175,15 +207,20 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
   name = next(n for n in messages[1].arrays if n.endswith(".coords"))
   tampered = dict(messages[1].arrays)
   tampered[name] = np.asarray(tampered[name]) + 1e-6
-  _refused(receiver, dataclasses.replace(messages[1], arrays=tampered),
-           "checksum mismatch")
+  _refused(
+      receiver,
+      dataclasses.replace(messages[1], arrays=tampered),
+      "checksum mismatch",
+  )
   short = {n: x for n, x in messages[1].arrays.items() if n != name}
-  _refused(receiver, dataclasses.replace(messages[1], arrays=short),
-           "missing")
+  _refused(receiver, dataclasses.replace(messages[1], arrays=short), "missing")
   wrong_shape = dict(messages[1].arrays, **{name: np.zeros((3,), np.float32)})
-  _refused(receiver, dataclasses.replace(messages[1], arrays=wrong_shape),
-           "does not fit")
-  receiver.apply(messages[1])       # the right message still applies
+  _refused(
+      receiver,
+      dataclasses.replace(messages[1], arrays=wrong_shape),
+      "does not fit",
+  )
+  receiver.apply(messages[1])  # the right message still applies
   assert _same_bits(receiver.state, sync.policy_state(weights, state))
 
 
@@ -193,9 +230,13 @@ def test_a_full_resync_heals_a_diverged_receiver(synced):
   # Damage the receiver's own base (which step messages do not carry): the
   # next message's checksums catch it.
   w = receiver.state["weights"]["w"]
-  receiver.state = {**receiver.state, "weights": {
-      **receiver.state["weights"],
-      "w": dataclasses.replace(w, base=w.base.at[0, 0].add(1.0))}}
+  receiver.state = {
+      **receiver.state,
+      "weights": {
+          **receiver.state["weights"],
+          "w": dataclasses.replace(w, base=w.base.at[0, 0].add(1.0)),
+      },
+  }
   with pytest.raises(sync.SyncError, match="checksum mismatch"):
     receiver.apply(messages[1])
   resync = sender.message(weights, state, full=True)
@@ -203,13 +244,16 @@ def test_a_full_resync_heals_a_diverged_receiver(synced):
   assert _same_bits(receiver.state, sync.policy_state(weights, state))
 
 
-@pytest.mark.parametrize("damage,match", [
-    (lambda b: b[:10], "truncated"),
-    (lambda b: b[:-3], "truncated"),
-    (lambda b: b + b"\0", "truncated or padded"),
-    (lambda b: b"X" + b[1:], "bad magic"),
-    (lambda b: b[:40] + bytes([b[40] ^ 0xFF]) + b[41:], "corrupted"),
-])
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda b: b[:10], "truncated"),
+        (lambda b: b[:-3], "truncated"),
+        (lambda b: b + b"\0", "truncated or padded"),
+        (lambda b: b"X" + b[1:], "bad magic"),
+        (lambda b: b[:40] + bytes([b[40] ^ 0xFF]) + b[41:], "corrupted"),
+    ],
+)
 def test_damaged_bytes_are_refused(synced, damage, match):
   data = sync.encode(synced[2][0])
   with pytest.raises(sync.SyncError, match=match):
@@ -221,15 +265,17 @@ def test_a_receiver_starts_from_a_full_message_of_its_own_config(synced):
   receiver = sync.PolicyReceiver(template, seed=7)
   with pytest.raises(sync.SyncError, match="not a full message"):
     receiver.apply(messages[0])
-  for other in (sync.PolicyReceiver(template, seed=8),
-                sync.PolicyReceiver(template, seed=7, rank=3)):
+  for other in (
+      sync.PolicyReceiver(template, seed=8),
+      sync.PolicyReceiver(template, seed=7, rank=3),
+  ):
     with pytest.raises(sync.SyncError, match="another policy"):
       other.apply(full)
   receiver.apply(full)
   receiver.apply(messages[0])
   receiver.apply(messages[1])
   with pytest.raises(sync.SyncError, match="older"):
-    receiver.apply(full)      # a stale resync does not roll it back
+    receiver.apply(full)  # a stale resync does not roll it back
 
 
 def test_weights_that_are_not_factored_are_sent_whole():
@@ -244,7 +290,10 @@ def test_weights_that_are_not_factored_are_sent_whole():
   params = optax.apply_updates(params, tx.update(params, state)[0])
   message = sender.message(params, state)
   assert message.merge_step == -1 and set(message.arrays) == {
-      "['b']", "['v']", "['w']"}
+      "['b']",
+      "['v']",
+      "['w']",
+  }
   receiver.apply(sync.decode(sync.encode(message)))
   assert _same_bits(receiver.effective_weights(), params)
 

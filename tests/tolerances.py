@@ -23,7 +23,6 @@ claim), and with hand-derived values where the math differs.
 """
 
 import jax.numpy as jnp
-import numpy as np
 
 
 def unit_roundoff(dtype) -> float:
@@ -50,7 +49,7 @@ def float_tolerance(dtype, reduction_length: int) -> float:
     ValueError: if ``n u >= 1``, where the bound says nothing.
 
   Example:
-    >>> round(float_tolerance(np.float32, 1024) / np.finfo(np.float32).eps)
+    >>> round(float_tolerance(jnp.float32, 1024) / jnp.finfo(jnp.float32).eps)
     512
   """
   if reduction_length < 1:
@@ -59,7 +58,8 @@ def float_tolerance(dtype, reduction_length: int) -> float:
   if nu >= 1:
     raise ValueError(
         f"no error bound for {reduction_length} terms in {jnp.dtype(dtype)}: "
-        f"n * u = {nu:.3g} >= 1")
+        f"n * u = {nu:.3g} >= 1"
+    )
   return nu / (1 - nu)
 
 
@@ -75,6 +75,12 @@ def decoder_reduction_length(config, length: int) -> int:
   doubles ``n`` and a gradient adds the tokens it sums over.
   """
   c = config
-  layer = (2 * c.hidden_size + c.head_dim + 2 * length
-           + c.num_heads * c.head_dim + c.hidden_size + c.intermediate_size)
+  layer = (
+      2 * c.hidden_size
+      + c.head_dim
+      + 2 * length
+      + c.num_heads * c.head_dim
+      + c.hidden_size
+      + c.intermediate_size
+  )
   return c.num_layers * layer + 2 * c.hidden_size

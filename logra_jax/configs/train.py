@@ -108,8 +108,10 @@ class TaskConfig:
     _check("task", self, "terms", ge=2)
     check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)
     if self.eval_size >= self.size:
-      raise ValueError(f"task.eval_size={self.eval_size} must be smaller than "
-                       f"task.size={self.size}")
+      raise ValueError(
+          f"task.eval_size={self.eval_size} must be smaller than "
+          f"task.size={self.size}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +137,8 @@ class RewardConfig:
     if self.function != "task" and ":" not in self.function:
       raise ValueError(
           f"rewards.function={self.function!r} must be 'task', "
-          "'package.module:function' or 'path/to/file.py:function'")
+          "'package.module:function' or 'path/to/file.py:function'"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,23 +181,34 @@ class PolicyConfig:
 
   def __post_init__(self):
     check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
-    check_choice("policy.reference_dtype", self.reference_dtype,
-                 ("float32", "bfloat16"))
-    _check("policy", self, "hidden_size num_layers num_heads num_kv_heads "
-           "intermediate_size warm_start_batch warm_start_examples", ge=1)
+    check_choice(
+        "policy.reference_dtype", self.reference_dtype, ("float32", "bfloat16")
+    )
+    _check(
+        "policy",
+        self,
+        "hidden_size num_layers num_heads num_kv_heads "
+        "intermediate_size warm_start_batch warm_start_examples",
+        ge=1,
+    )
     _check("policy", self, "warm_start_steps", ge=0)
     _check("policy", self, "warm_start_lr", gt=0)
     if self.hidden_size % self.num_heads:
-      raise ValueError(f"policy.num_heads={self.num_heads} must divide "
-                       f"policy.hidden_size={self.hidden_size}")
+      raise ValueError(
+          f"policy.num_heads={self.num_heads} must divide "
+          f"policy.hidden_size={self.hidden_size}"
+      )
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"policy.num_kv_heads={self.num_kv_heads} must divide "
-                       f"policy.num_heads={self.num_heads}")
+      raise ValueError(
+          f"policy.num_kv_heads={self.num_kv_heads} must divide "
+          f"policy.num_heads={self.num_heads}"
+      )
     if (self.hidden_size // self.num_heads) % 2:
       raise ValueError(
           f"policy.hidden_size={self.hidden_size} / policy.num_heads="
           f"{self.num_heads} = {self.hidden_size // self.num_heads} must be "
-          "even (the head size, for rotary embeddings)")
+          "even (the head size, for rotary embeddings)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +246,7 @@ class RolloutConfig:
     check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
     check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
-    _check("rollout", self, "num_generations", ge=2)   # a group baseline
+    _check("rollout", self, "num_generations", ge=2)  # a group baseline
     _check("rollout", self, "temperature", gt=0)
     _check("rollout", self, "top_p", gt=0, le=1)
     _check("rollout", self, "top_k", ge=0)
@@ -297,26 +311,28 @@ class OptimizerConfig:
   def __post_init__(self):
     check_choice("optimizer.name", self.name, OPTIMIZERS)
     check_choice("optimizer.kind", self.kind, KINDS)
-    check_choice("optimizer.moment_policy", self.moment_policy,
-                 MOMENT_POLICIES)
+    check_choice("optimizer.moment_policy", self.moment_policy, MOMENT_POLICIES)
     check_choice("optimizer.kl_mode", self.kl_mode, KL_MODES)
-    check_choice("optimizer.gradient_mode", self.gradient_mode,
-                 GRADIENT_MODES)
+    check_choice("optimizer.gradient_mode", self.gradient_mode, GRADIENT_MODES)
     _check("optimizer", self, "learning_rate target_kl", gt=0)
     _check("optimizer", self, "rank refresh_every kl_subsample", ge=1)
     _check("optimizer", self, "warmup_steps weight_decay max_grad_norm", ge=0)
     _check("optimizer", self, "b1 b2", ge=0, lt=1)
     if self.project_embeddings and self.name == "adam":
-      raise ValueError("optimizer.project_embeddings applies to logra and "
-                       "galore; adam keeps dense moments of every parameter")
+      raise ValueError(
+          "optimizer.project_embeddings applies to logra and "
+          "galore; adam keeps dense moments of every parameter"
+      )
     check_choice("optimizer.base_dtype", self.base_dtype, BASE_DTYPES)
     if self.base_dtype != "float32" and not (
-        self.name == "logra" and self.gradient_mode == "sketch"):
+        self.name == "logra" and self.gradient_mode == "sketch"
+    ):
       raise ValueError(
           f"optimizer.base_dtype={self.base_dtype!r} needs the factored "
           "policy of optimizer.name='logra' with optimizer.gradient_mode="
           f"'sketch'; got name={self.name!r}, gradient_mode="
-          f"{self.gradient_mode!r}")
+          f"{self.gradient_mode!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +415,7 @@ class LossConfig:
   max_len: Optional[int] = None
 
   def __post_init__(self):
-    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)   # ratio floor > 0
+    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)  # ratio floor > 0
     check_range("loss.eps_high", self.eps_high, ge=0)
     check_range("loss.beta", self.beta, ge=0)
     check_range("loss.kl_clamp", self.kl_clamp, gt=0)
@@ -410,7 +426,8 @@ class LossConfig:
     if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
       raise ValueError(
           "loss.aggregation='seq-mean-token-sum-norm' needs loss.max_len, the global "
-          "constant token normalizer (e.g. the max new tokens of generation)")
+          "constant token normalizer (e.g. the max new tokens of generation)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +451,8 @@ class LoggingConfig:
   samples_every: int = 25
   samples_shown: int = 4
   trackers: list[str] = dataclasses.field(
-      default_factory=lambda: ["tensorboard"])
+      default_factory=lambda: ["tensorboard"]
+  )
 
   def __post_init__(self):
     _check("logging", self, "samples_every", ge=0)
@@ -442,8 +460,9 @@ class LoggingConfig:
     for tracker in self.trackers:
       check_choice("logging.trackers", tracker, TRACKERS)
     if len(set(self.trackers)) != len(self.trackers):
-      raise ValueError(f"logging.trackers lists a tracker twice: "
-                       f"{list(self.trackers)}")
+      raise ValueError(
+          f"logging.trackers lists a tracker twice: " f"{list(self.trackers)}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,18 +509,24 @@ class TrainConfig:
 
   def __post_init__(self):
     check_choice("advantage", self.advantage, ADVANTAGES)
-    _check("", self, "steps num_iterations micro_batches "
-           "max_consecutive_skips", ge=1)
+    _check(
+        "",
+        self,
+        "steps num_iterations micro_batches " "max_consecutive_skips",
+        ge=1,
+    )
     _check("", self, "eval_every seed", ge=0)
     batch = self.rollout.prompts_per_step * self.rollout.num_generations
     if batch % self.micro_batches:
       raise ValueError(
           f"micro_batches={self.micro_batches} must divide the rollout batch "
-          f"of prompts_per_step * num_generations = {batch} completions")
+          f"of prompts_per_step * num_generations = {batch} completions"
+      )
     if (self.optimizer.kl_subsample or 0) > batch:
       raise ValueError(
           f"optimizer.kl_subsample={self.optimizer.kl_subsample} exceeds the "
-          f"rollout batch of {batch} completions")
+          f"rollout batch of {batch} completions"
+      )
 
 
 def preset_names() -> list[str]:
@@ -524,8 +549,11 @@ def get_preset(name: str) -> TrainConfig:
   return load_config(name)
 
 
-def load_config(preset: str = "tiny", files: Sequence[str | os.PathLike] = (),
-                overrides: Sequence[str] = ()) -> TrainConfig:
+def load_config(
+    preset: str = "tiny",
+    files: Sequence[str | os.PathLike] = (),
+    overrides: Sequence[str] = (),
+) -> TrainConfig:
   """A run config: a preset, then YAML files, then overrides, in that order.
 
   Each layer may set any field; maps merge key by key, lists are replaced.
@@ -554,17 +582,23 @@ def load_config(preset: str = "tiny", files: Sequence[str | os.PathLike] = (),
     >>> config.optimizer.rank, config.task.options
     (8, {'max_terms': 4})
   """
+  if isinstance(files, (str, os.PathLike)):
+    files = [files]
+  if isinstance(overrides, str):
+    overrides = [overrides]
   if preset not in preset_names():
-    raise ValueError(f"unknown preset {preset!r}; valid presets: "
-                     f"{preset_names()}")
+    raise ValueError(
+        f"unknown preset {preset!r}; valid presets: " f"{preset_names()}"
+    )
   layers = [_yaml_layer(PRESET_DIR / f"{preset}.yaml", f"preset {preset!r}")]
   layers += [_yaml_layer(pathlib.Path(f), f"config file {f}") for f in files]
   layers += [_override_layer(item) for item in overrides]
   return _build(OmegaConf.structured(TrainConfig), layers)
 
 
-def apply_overrides(config: TrainConfig, overrides: Sequence[str]
-                    ) -> TrainConfig:
+def apply_overrides(
+    config: TrainConfig, overrides: Sequence[str]
+) -> TrainConfig:
   """``config`` with ``section.field=value`` overrides applied (see
   :func:`load_config`).
 
@@ -573,8 +607,10 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]
     >>> cfg.optimizer.rank, cfg.steps
     (8, 5)
   """
-  return _build(OmegaConf.structured(config),
-                [_override_layer(item) for item in overrides])
+  return _build(
+      OmegaConf.structured(config),
+      [_override_layer(item) for item in overrides],
+  )
 
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:
@@ -605,17 +641,21 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     >>> from_dict(to_dict(config)) == config
     True
   """
-  return _build(OmegaConf.structured(TrainConfig),
-                [("a config map", _as_layer(data, "a config map"))])
+  return _build(
+      OmegaConf.structured(TrainConfig),
+      [("a config map", _as_layer(data, "a config map"))],
+  )
 
 
-_Layer = tuple[str, Any]   # (where it came from, an OmegaConf node)
+_Layer = tuple[str, Any]  # (where it came from, an OmegaConf node)
 
 
 def _as_layer(data: Any, source: str) -> omegaconf.DictConfig:
   if not isinstance(data, dict):
-    raise ValueError(f"{source} must be a map of config sections and "
-                     f"fields, got {type(data).__name__}")
+    raise ValueError(
+        f"{source} must be a map of config sections and "
+        f"fields, got {type(data).__name__}"
+    )
   return OmegaConf.create(data)
 
 
@@ -645,8 +685,11 @@ def _override_layer(item: str) -> _Layer:
 def _section_names() -> dict[type, str]:
   """Each section's dataclass -> its dotted name (``RewardConfig`` ->
   ``"rewards"``, whose items it types)."""
-  names = {type(f.default): f.name for f in dataclasses.fields(TrainConfig)
-           if dataclasses.is_dataclass(f.default)}
+  names = {
+      type(f.default): f.name
+      for f in dataclasses.fields(TrainConfig)
+      if dataclasses.is_dataclass(f.default)
+  }
   return {**names, RewardConfig: "rewards", TrainConfig: ""}
 
 
@@ -664,19 +707,21 @@ def _key_error(source: str, error: omegaconf.errors.ConfigKeyError) -> str:
   return f"{source}: unknown config key {key}"
 
 
-def _value_error(source: str, error: omegaconf.errors.OmegaConfBaseException
-                 ) -> str:
+def _value_error(
+    source: str, error: omegaconf.errors.OmegaConfBaseException
+) -> str:
   """The message of a value OmegaConf cannot take (a wrong type, a scalar
   where a section belongs)."""
   message = str(error).splitlines()[0]
   key = getattr(error, "full_key", None)
-  if "'none'" in message.lower():
+  if "Value 'none'" in message or "Value 'None'" in message:
     message += " (write null to clear an optional field)"
   return f"{source}: {key + ': ' if key else ''}{message}"
 
 
-def _build(schema: omegaconf.DictConfig, layers: Sequence[_Layer]
-           ) -> TrainConfig:
+def _build(
+    schema: omegaconf.DictConfig, layers: Sequence[_Layer]
+) -> TrainConfig:
   """Merges ``layers`` onto ``schema`` one at a time (so that an error names
   its layer), then builds the dataclasses."""
   merged = schema
@@ -687,7 +732,7 @@ def _build(schema: omegaconf.DictConfig, layers: Sequence[_Layer]
       raise ValueError(_key_error(source, error)) from None
     except omegaconf.errors.OmegaConfBaseException as error:
       raise ValueError(_value_error(source, error)) from None
-    except TypeError as error:   # e.g. a list merged into a map
+    except TypeError as error:  # e.g. a list merged into a map
       raise ValueError(f"{source}: {error}") from None
   try:
     return OmegaConf.to_object(merged)

@@ -49,11 +49,14 @@ def _pad_id(tokenizer: Tokenizer) -> int:
   if tokenizer.pad_token_id is None:
     raise ValueError(
         f"tokenizer {type(tokenizer).__name__} has no pad token; set one, e.g. "
-        "tokenizer.pad_token = tokenizer.eos_token.")
+        "tokenizer.pad_token = tokenizer.eos_token."
+    )
   return tokenizer.pad_token_id
 
 
-def _check_lengths(ids: Sequence[Sequence[int]], max_len: int | None, what: str) -> int:
+def _check_lengths(
+    ids: Sequence[Sequence[int]], max_len: int | None, what: str
+) -> int:
   """Returns the padded length: ``max_len``, or the longest sequence when it is None."""
   longest = max(len(x) for x in ids)
   if max_len is None:
@@ -62,12 +65,14 @@ def _check_lengths(ids: Sequence[Sequence[int]], max_len: int | None, what: str)
     i = max(range(len(ids)), key=lambda j: len(ids[j]))
     raise ValueError(
         f"{what} {i} has {longest} tokens, more than max_len={max_len}; raise max_len or "
-        "shorten the text.")
+        "shorten the text."
+    )
   return max_len
 
 
 def encode_prompts(
-    tokenizer: Tokenizer, prompts: Sequence[str], *, max_len: int | None = None) -> PromptBatch:
+    tokenizer: Tokenizer, prompts: Sequence[str], *, max_len: int | None = None
+) -> PromptBatch:
   """Tokenizes prompts (with the tokenizer's own special tokens) and left-pads them.
 
   Args:
@@ -95,14 +100,17 @@ def encode_prompts(
   mask_BxP = np.zeros((len(ids), length), np.int32)
   for row, seq in enumerate(ids):
     if seq:
-      tokens_BxP[row, length - len(seq):] = seq
-      mask_BxP[row, length - len(seq):] = 1
+      tokens_BxP[row, length - len(seq) :] = seq
+      mask_BxP[row, length - len(seq) :] = 1
   return PromptBatch(tokens_BxP=tokens_BxP, mask_BxP=mask_BxP)
 
 
 def decode_completions(
-    tokenizer: Tokenizer, tokens_BxT: np.ndarray, *,
-    stop_ids: Sequence[int] | None = None) -> list[str]:
+    tokenizer: Tokenizer,
+    tokens_BxT: np.ndarray,
+    *,
+    stop_ids: Sequence[int] | None = None,
+) -> list[str]:
   """Decodes completion tokens to strings, cutting each row at its first stop token.
 
   Args:
@@ -120,20 +128,32 @@ def decode_completions(
     ['12', '3']
   """
   if stop_ids is None:
-    stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    stop_ids = (
+        [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    )
   tokens_BxT = np.asarray(tokens_BxT)
   if tokens_BxT.ndim != 2:
-    raise ValueError(f"tokens_BxT must be 2-D [B, T], got shape {tokens_BxT.shape}.")
-  is_stop_BxT = np.isin(tokens_BxT, np.asarray(list(stop_ids), dtype=tokens_BxT.dtype))
+    raise ValueError(
+        f"tokens_BxT must be 2-D [B, T], got shape {tokens_BxT.shape}."
+    )
+  is_stop_BxT = np.isin(
+      tokens_BxT, np.asarray(list(stop_ids), dtype=tokens_BxT.dtype)
+  )
   has_stop_B = is_stop_BxT.any(axis=1)
   ends_B = np.where(has_stop_B, is_stop_BxT.argmax(axis=1), tokens_BxT.shape[1])
   return tokenizer.batch_decode(
-      [row[:end].tolist() for row, end in zip(tokens_BxT, ends_B)], skip_special_tokens=True)
+      [row[:end].tolist() for row, end in zip(tokens_BxT, ends_B)],
+      skip_special_tokens=True,
+  )
 
 
 def encode_sft(
-    tokenizer: Tokenizer, prompts: Sequence[str], answers: Sequence[str], *,
-    max_len: int | None = None) -> SFTBatch:
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    *,
+    max_len: int | None = None,
+) -> SFTBatch:
   """Encodes ``prompt + answer + eos`` for supervised warm start, loss on answer and eos.
 
   The prompt is tokenized with the tokenizer's special tokens (e.g. ``<bos>``), the answer
@@ -164,13 +184,17 @@ def encode_sft(
     raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos token.")
   prompt_ids = tokenizer(list(prompts))["input_ids"]
   answer_ids = tokenizer(list(answers), add_special_tokens=False)["input_ids"]
-  ids = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompt_ids, answer_ids)]
+  ids = [
+      p + a + [tokenizer.eos_token_id] for p, a in zip(prompt_ids, answer_ids)
+  ]
   length = _check_lengths(ids, max_len, "prompt + answer")
   tokens_BxT = np.full((len(ids), length), _pad_id(tokenizer), np.int32)
   mask_BxT = np.zeros((len(ids), length), np.int32)
   loss_mask_BxT = np.zeros((len(ids), length), np.int32)
   for row, (seq, p) in enumerate(zip(ids, prompt_ids)):
-    tokens_BxT[row, :len(seq)] = seq
-    mask_BxT[row, :len(seq)] = 1
-    loss_mask_BxT[row, len(p):len(seq)] = 1
-  return SFTBatch(tokens_BxT=tokens_BxT, mask_BxT=mask_BxT, loss_mask_BxT=loss_mask_BxT)
+    tokens_BxT[row, : len(seq)] = seq
+    mask_BxT[row, : len(seq)] = 1
+    loss_mask_BxT[row, len(p) : len(seq)] = 1
+  return SFTBatch(
+      tokens_BxT=tokens_BxT, mask_BxT=mask_BxT, loss_mask_BxT=loss_mask_BxT
+  )

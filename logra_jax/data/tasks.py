@@ -33,8 +33,16 @@ ScoreAnswer = Callable[[str | None, Mapping[str, Any]], float]
 
 TINY_TASK = "tiny_arithmetic"
 TINY_CHAIN_SUM_CONFIG: Mapping[str, int] = {
-    "min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-FILE_BUILDERS: Mapping[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    "min_terms": 2,
+    "max_terms": 3,
+    "min_digits": 1,
+    "max_digits": 2,
+}
+FILE_BUILDERS: Mapping[str, str] = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +68,9 @@ class Task:
   def __len__(self) -> int:
     return len(self.examples)
 
-  def split(self, eval_size: int, seed: int = 0) -> tuple[list[Example], list[Example]]:
+  def split(
+      self, eval_size: int, seed: int = 0
+  ) -> tuple[list[Example], list[Example]]:
     """Deterministic train / eval split, disjoint by prompt text.
 
     The distinct prompts are shuffled with ``seed``; the first ``eval_size`` form the eval
@@ -86,10 +96,13 @@ class Task:
     if not 1 <= eval_size < len(prompts):
       raise ValueError(
           f"eval_size={eval_size} must be in [1, {len(prompts) - 1}]: task {self.name!r} has "
-          f"{len(prompts)} distinct prompts and train needs at least one.")
+          f"{len(prompts)} distinct prompts and train needs at least one."
+      )
     order = np.random.default_rng(seed).permutation(len(prompts))
     eval_prompts = {prompts[i] for i in order[:eval_size]}
-    evals = [self.examples[first_by_prompt[prompts[i]]] for i in order[:eval_size]]
+    evals = [
+        self.examples[first_by_prompt[prompts[i]]] for i in order[:eval_size]
+    ]
     train = [e for e in self.examples if e["prompt"] not in eval_prompts]
     return train, evals
 
@@ -101,7 +114,8 @@ def _format(template: str, fields: Mapping[str, Any], source: str) -> str:
   except KeyError as e:
     raise ValueError(
         f"prompt template {template!r} uses field {e.args[0]!r}, which {source} lacks; "
-        f"available fields: {sorted(fields)}.") from None
+        f"available fields: {sorted(fields)}."
+    ) from None
 
 
 def reasoning_gym_task(
@@ -139,17 +153,28 @@ def reasoning_gym_task(
     raise ValueError(
         f"unknown task {name!r}.{hint} Valid names: {TINY_TASK!r}, a .jsonl/.json/.parquet file, "
         f"or one of the {len(valid)} reasoning-gym datasets, e.g. {valid[:8]} (all: "
-        "sorted(reasoning_gym.factory.DATASETS)).")
+        "sorted(reasoning_gym.factory.DATASETS))."
+    )
   if size < 1:
-    raise ValueError(f"task {name!r}: size must be >= 1 (empty dataset), got {size}.")
+    raise ValueError(
+        f"task {name!r}: size must be >= 1 (empty dataset), got {size}."
+    )
   config = dict(config or {})
   config_cls = reasoning_gym.factory.DATASETS[name][1]
-  fields = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
+  fields = sorted(
+      f.name
+      for f in dataclasses.fields(config_cls)
+      if f.name not in ("seed", "size")
+  )
   unknown = sorted(set(config) - set(fields))
   if unknown:
-    raise ValueError(f"unknown config fields {unknown} for {name!r}; valid fields: {fields}.")
+    raise ValueError(
+        f"unknown config fields {unknown} for {name!r}; valid fields: {fields}."
+    )
   try:
-    generator = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+    generator = reasoning_gym.create_dataset(
+        name, size=size, seed=seed, **config
+    )
   except AssertionError as e:
     raise ValueError(f"invalid config {config} for {name!r}: {e}") from None
   examples = []
@@ -158,10 +183,17 @@ def reasoning_gym_task(
     if callable(template):
       prompt = template(entry)
     else:
-      prompt = _format(template, {**entry.get("metadata", {}), **entry,
-                                  "prompt": entry["question"]}, f"{name!r} items")
-    examples.append({"prompt": prompt, "answer": str(entry["answer"]), "entry": entry})
-  return Task(name=name, examples=tuple(examples), score_answer=generator.score_answer)
+      prompt = _format(
+          template,
+          {**entry.get("metadata", {}), **entry, "prompt": entry["question"]},
+          f"{name!r} items",
+      )
+    examples.append(
+        {"prompt": prompt, "answer": str(entry["answer"]), "entry": entry}
+    )
+  return Task(
+      name=name, examples=tuple(examples), score_answer=generator.score_answer
+  )
 
 
 def _is_empty_file(path: str) -> bool:
@@ -182,8 +214,10 @@ def _json_lines_problem(lines: Sequence[str]) -> str | None:
     except json.JSONDecodeError as e:
       return f"line {number}: not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(row, dict):
-      return (f"line {number}: a JSON {type(row).__name__}, not a JSON "
-              "object (one row per line)")
+      return (
+          f"line {number}: a JSON {type(row).__name__}, not a JSON "
+          "object (one row per line)"
+      )
   return None
 
 
@@ -221,7 +255,8 @@ def _load_rows(builder: str, path: str) -> datasets.Dataset | None:
       root = root.__cause__ or root.__context__
     reason = (str(root).strip().splitlines() or [""])[0]
     raise ValueError(
-        f"cannot read {path}: {type(root).__name__}: {reason}") from e
+        f"cannot read {path}: {type(root).__name__}: {reason}"
+    ) from e
   raise ValueError(f"{path}, {problem}.")
 
 
@@ -259,15 +294,19 @@ def file_task(
     >>> task = file_task("gsm8k.jsonl", template="Question: {question}\nAnswer:",
     ...                  answer_after="#### ")   # doctest: +SKIP
   """
-  paths = [os.fspath(data_files)] if isinstance(data_files, (str, os.PathLike)) else [
-      os.fspath(p) for p in data_files]
+  paths = (
+      [os.fspath(data_files)]
+      if isinstance(data_files, (str, os.PathLike))
+      else [os.fspath(p) for p in data_files]
+  )
   if not paths:
     raise ValueError("file_task needs at least one data file, got none.")
   extensions = {os.path.splitext(p)[1].lower() for p in paths}
   if len(extensions) != 1 or next(iter(extensions)) not in FILE_BUILDERS:
     raise ValueError(
         f"data files {paths} must share one extension among {sorted(FILE_BUILDERS)}; "
-        f"got {sorted(extensions)}.")
+        f"got {sorted(extensions)}."
+    )
   missing_files = [p for p in paths if not os.path.isfile(p)]
   if missing_files:
     raise FileNotFoundError(f"data files not found: {missing_files}.")
@@ -277,31 +316,42 @@ def file_task(
   for path in paths:
     rows = _load_rows(builder, path)
     if rows is not None:
-      examples += _file_examples(path, rows, prompt_column, answer_column,
-                                 template, answer_after)
+      examples += _file_examples(
+          path, rows, prompt_column, answer_column, template, answer_after
+      )
   if not examples:
     raise ValueError(
-        f"task {name!r}: data files {paths} hold no rows (empty dataset).")
+        f"task {name!r}: data files {paths} hold no rows (empty dataset)."
+    )
   return Task(name=name, examples=tuple(examples))
 
 
 def _file_examples(
-    path: str, rows: datasets.Dataset, prompt_column: str, answer_column: str,
-    template: str, answer_after: str | None) -> list[Example]:
+    path: str,
+    rows: datasets.Dataset,
+    prompt_column: str,
+    answer_column: str,
+    template: str,
+    answer_after: str | None,
+) -> list[Example]:
   """The examples of one file's rows; errors name the file and the row."""
-  for role, column in (("prompt_column", prompt_column),
-                       ("answer_column", answer_column)):
+  for role, column in (
+      ("prompt_column", prompt_column),
+      ("answer_column", answer_column),
+  ):
     if column not in rows.column_names:
       raise ValueError(
           f"{role}={column!r} is not a column of {path}; available columns: "
-          f"{rows.column_names}.")
+          f"{rows.column_names}."
+      )
   examples = []
   for i, row in enumerate(rows):
     for role, column in (("prompt", prompt_column), ("answer", answer_column)):
       if row[column] is None:
         raise ValueError(
             f"{path}, row {i}: column {column!r} is null or missing; every "
-            f"row needs its {role}.")
+            f"row needs its {role}."
+        )
     where = f"{path}, row {i}"
     prompt = _format(template, {**row, "prompt": row[prompt_column]}, where)
     answer = str(row[answer_column])
@@ -309,7 +359,8 @@ def _file_examples(
       if answer_after not in answer:
         raise ValueError(
             f"{where}: answer {answer!r} has no marker {answer_after!r} "
-            "(answer_after).")
+            "(answer_after)."
+        )
       answer = answer.rsplit(answer_after, 1)[1].strip()
     examples.append({**row, "prompt": prompt, "answer": answer})
   return examples
@@ -325,8 +376,13 @@ def compact_expression_prompt(entry: Mapping[str, Any]) -> str:
   return entry["metadata"]["expression"].replace(" ", "") + "="
 
 
-def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, template: str = "{prompt}",
-                         **config: int) -> Task:
+def tiny_arithmetic_task(
+    *,
+    size: int = 2000,
+    seed: int = 0,
+    template: str = "{prompt}",
+    **config: int,
+) -> Task:
   """The tiny CPU default: short sums and differences, verified by reasoning-gym.
 
   reasoning-gym ``chain_sum`` with 2-3 terms of 1-2 digits (:data:`TINY_CHAIN_SUM_CONFIG`,
@@ -350,17 +406,31 @@ def tiny_arithmetic_task(*, size: int = 2000, seed: int = 0, template: str = "{p
     >>> example["prompt"], example["answer"]
     ('5-9=', '-4')
   """
+
   def prompt(entry: Mapping[str, Any]) -> str:
-    return _format(template, {**entry.get("metadata", {}), **entry,
-                              "prompt": compact_expression_prompt(entry)}, "tiny items")
+    return _format(
+        template,
+        {
+            **entry.get("metadata", {}),
+            **entry,
+            "prompt": compact_expression_prompt(entry),
+        },
+        "tiny items",
+    )
 
   task = reasoning_gym_task(
-      "chain_sum", size=size, seed=seed, config={**TINY_CHAIN_SUM_CONFIG, **config},
-      template=prompt)
+      "chain_sum",
+      size=size,
+      seed=seed,
+      config={**TINY_CHAIN_SUM_CONFIG, **config},
+      template=prompt,
+  )
   return dataclasses.replace(task, name=TINY_TASK)
 
 
-def worked_answers(examples: Sequence[Example], separator: str = "") -> list[str]:
+def worked_answers(
+    examples: Sequence[Example], separator: str = ""
+) -> list[str]:
   """Supervised warm-start texts: each prompt followed by its answer.
 
   Args:
@@ -402,7 +472,8 @@ def load_task(name: str, **kwargs: Any) -> Task:
 
 
 def prompt_batches(
-    examples: Sequence[Example], batch_size: int, *, seed: int = 0) -> Iterator[list[Example]]:
+    examples: Sequence[Example], batch_size: int, *, seed: int = 0
+) -> Iterator[list[Example]]:
   """Endless full batches of examples, reshuffled every epoch, deterministic in ``seed``.
 
   Batches run across epoch boundaries so every batch has exactly ``batch_size`` examples
@@ -422,7 +493,9 @@ def prompt_batches(
     (2, 2)
   """
   if not examples:
-    raise ValueError("prompt_batches needs at least one example, got an empty list.")
+    raise ValueError(
+        "prompt_batches needs at least one example, got an empty list."
+    )
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
   rng = np.random.default_rng(seed)

@@ -19,10 +19,17 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 DEFAULT_ALPHABET: str = (
-    string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n" + string.punctuation)
+    string.digits
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + " \n"
+    + string.punctuation
+)
 
 
-def char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> transformers.PreTrainedTokenizerFast:
+def char_tokenizer(
+    alphabet: str = DEFAULT_ALPHABET,
+) -> transformers.PreTrainedTokenizerFast:
   """Builds the character-level tokenizer over ``alphabet``.
 
   Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the alphabet in order (so
@@ -49,14 +56,25 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> transformers.PreTrainedT
     duplicates = sorted({c for c in alphabet if alphabet.count(c) > 1})
     raise ValueError(f"alphabet has repeated characters: {duplicates}.")
   if not alphabet:
-    raise ValueError("alphabet is empty; pass the characters the tokenizer must cover.")
+    raise ValueError(
+        "alphabet is empty; pass the characters the tokenizer must cover."
+    )
   vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(alphabet))}
   backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+  backend.pre_tokenizer = pre_tokenizers.Split(
+      tokenizers.Regex(r"[\s\S]"), behavior="isolated"
+  )
   backend.decoder = decoders.Fuse()
   backend.post_processor = processors.TemplateProcessing(
-      single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)])
+      single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+  )
   backend.add_special_tokens(list(SPECIAL_TOKENS))
   return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-      padding_side="left", clean_up_tokenization_spaces=False)
+      tokenizer_object=backend,
+      bos_token=BOS,
+      eos_token=EOS,
+      pad_token=PAD,
+      unk_token=UNK,
+      padding_side="left",
+      clean_up_tokenization_spaces=False,
+  )

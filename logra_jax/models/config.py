@@ -12,9 +12,9 @@ RematPolicy = Literal["none", "block", "dots_saveable"]
 
 # HF `architectures` entry and `model_type` for each supported family.
 HF_ARCHITECTURES: dict[str, str] = {
-  "llama": "LlamaForCausalLM",
-  "qwen2": "Qwen2ForCausalLM",
-  "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "block", "dots_saveable")
@@ -42,13 +42,15 @@ class RopeScaling:
   def __post_init__(self):
     if self.kind not in ("linear", "llama3"):
       raise ValueError(
-          f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}.")
+          f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}."
+      )
     if self.factor <= 0:
       raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}.")
     if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
       raise ValueError(
           "RopeScaling llama3 needs high_freq_factor > low_freq_factor, got "
-          f"{self.high_freq_factor} <= {self.low_freq_factor}.")
+          f"{self.high_freq_factor} <= {self.low_freq_factor}."
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,26 +121,38 @@ class DecoderConfig:
   param_dtype: str = "float32"
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
-        raise ValueError(f"DecoderConfig.{name} must be a positive int, got "
-                         f"{value!r}.")
+        raise ValueError(
+            f"DecoderConfig.{name} must be a positive int, got " f"{value!r}."
+        )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads}).")
+          f"({self.num_kv_heads})."
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
     if self.family not in HF_ARCHITECTURES:
-      raise ValueError(f"family must be one of {sorted(HF_ARCHITECTURES)}, got "
-                       f"{self.family!r}.")
+      raise ValueError(
+          f"family must be one of {sorted(HF_ARCHITECTURES)}, got "
+          f"{self.family!r}."
+      )
     if self.remat not in _REMAT:
       raise ValueError(f"remat must be one of {_REMAT}, got {self.remat!r}.")
     if self.attention_chunk < 1:
       raise ValueError(
-          f"attention_chunk must be >= 1, got {self.attention_chunk}.")
+          f"attention_chunk must be >= 1, got {self.attention_chunk}."
+      )
     for name in ("dtype", "param_dtype"):
       value = jnp.dtype(getattr(self, name)).name
       if value not in _DTYPES:
@@ -146,8 +160,10 @@ class DecoderConfig:
       object.__setattr__(self, name, value)
     object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
     if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-      raise ValueError("rope_theta and rms_norm_eps must be > 0, got "
-                       f"{self.rope_theta} and {self.rms_norm_eps}.")
+      raise ValueError(
+          "rope_theta and rms_norm_eps must be > 0, got "
+          f"{self.rope_theta} and {self.rms_norm_eps}."
+      )
 
   def replace(self, **changes: Any) -> DecoderConfig:
     """Returns a copy with `changes` applied (and validated)."""
@@ -168,8 +184,15 @@ class DecoderConfig:
       >>> DecoderConfig.tiny(vocab_size=100).num_kv_heads
       2
     """
-    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     fields.update(overrides)
     return cls(**fields)
 
@@ -199,24 +222,33 @@ class DecoderConfig:
       24
     """
     family = hf_config.model_type
-    architectures = list(hf_config.architectures or [HF_ARCHITECTURES.get(
-        family, "")])
+    architectures = list(
+        hf_config.architectures or [HF_ARCHITECTURES.get(family, "")]
+    )
     supported = ", ".join(
-        f"{a} (model_type {f!r})" for f, a in HF_ARCHITECTURES.items())
+        f"{a} (model_type {f!r})" for f, a in HF_ARCHITECTURES.items()
+    )
     if family not in HF_ARCHITECTURES or any(
-        a != HF_ARCHITECTURES[family] for a in architectures):
+        a != HF_ARCHITECTURES[family] for a in architectures
+    ):
       raise ValueError(
           f"Unsupported model: architectures={architectures}, "
-          f"model_type={family!r}. Supported: {supported}.")
+          f"model_type={family!r}. Supported: {supported}."
+      )
     if hf_config.hidden_act != "silu":
-      raise ValueError(f"Unsupported hidden_act {hf_config.hidden_act!r}; only "
-                       "'silu' (SwiGLU) is supported.")
+      raise ValueError(
+          f"Unsupported hidden_act {hf_config.hidden_act!r}; only "
+          "'silu' (SwiGLU) is supported."
+      )
     if getattr(hf_config, "mlp_bias", False):
       raise ValueError("Unsupported: mlp_bias=True.")
     if getattr(hf_config, "use_sliding_window", False):
       raise ValueError("Unsupported: use_sliding_window=True.")
-    rope = dict(getattr(hf_config, "rope_parameters", None)
-                or getattr(hf_config, "rope_scaling", None) or {})
+    rope = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 1e4))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -227,28 +259,42 @@ class DecoderConfig:
       scaling = RopeScaling("linear", float(rope["factor"]))
     elif rope_type == "llama3":
       scaling = RopeScaling(
-          "llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+          "llama3",
+          float(rope["factor"]),
+          float(rope["low_freq_factor"]),
           float(rope["high_freq_factor"]),
-          int(rope.get("original_max_position_embeddings",
-                       hf_config.max_position_embeddings)))
+          int(
+              rope.get(
+                  "original_max_position_embeddings",
+                  hf_config.max_position_embeddings,
+              )
+          ),
+      )
     else:
-      raise ValueError(f"Unsupported rope type {rope_type!r}; supported: "
-                       "'default', 'linear', 'llama3'.")
-    head_dim = (getattr(hf_config, "head_dim", None)
-                or hf_config.hidden_size // hf_config.num_attention_heads)
-    attention_bias = (True if family == "qwen2"
-                      else bool(hf_config.attention_bias))
+      raise ValueError(
+          f"Unsupported rope type {rope_type!r}; supported: "
+          "'default', 'linear', 'llama3'."
+      )
+    head_dim = (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    attention_bias = (
+        True if family == "qwen2" else bool(hf_config.attention_bias)
+    )
     eos = hf_config.eos_token_id
-    eos_ids = () if eos is None else (
-        (eos,) if isinstance(eos, int) else tuple(eos))
+    eos_ids = (
+        () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    )
     fields = dict(
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
         num_layers=hf_config.num_hidden_layers,
         num_heads=hf_config.num_attention_heads,
-        num_kv_heads=(hf_config.num_key_value_heads
-                      or hf_config.num_attention_heads),
+        num_kv_heads=(
+            hf_config.num_key_value_heads or hf_config.num_attention_heads
+        ),
         head_dim=head_dim,
         family=family,
         rope_theta=float(rope_theta),
@@ -284,26 +330,37 @@ class DecoderConfig:
 
     expected_norm = self.family == "qwen3"
     if self.qk_norm != expected_norm:
-      raise ValueError(f"family {self.family!r} requires qk_norm="
-                       f"{expected_norm}, got {self.qk_norm}.")
+      raise ValueError(
+          f"family {self.family!r} requires qk_norm="
+          f"{expected_norm}, got {self.qk_norm}."
+      )
     if self.family == "qwen2":
       if not self.attention_bias or self.attention_out_bias:
-        raise ValueError("family 'qwen2' requires attention_bias=True and "
-                         "attention_out_bias=False.")
+        raise ValueError(
+            "family 'qwen2' requires attention_bias=True and "
+            "attention_out_bias=False."
+        )
     elif self.attention_out_bias != self.attention_bias:
-      raise ValueError(f"family {self.family!r} requires attention_out_bias == "
-                       "attention_bias.")
-    rope: dict[str, Any] = {"rope_type": "default",
-                            "rope_theta": self.rope_theta}
+      raise ValueError(
+          f"family {self.family!r} requires attention_out_bias == "
+          "attention_bias."
+      )
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": self.rope_theta,
+    }
     if self.rope_scaling is not None:
-      rope.update(rope_type=self.rope_scaling.kind,
-                  factor=self.rope_scaling.factor)
+      rope.update(
+          rope_type=self.rope_scaling.kind, factor=self.rope_scaling.factor
+      )
       if self.rope_scaling.kind == "llama3":
         rope.update(
             low_freq_factor=self.rope_scaling.low_freq_factor,
             high_freq_factor=self.rope_scaling.high_freq_factor,
             original_max_position_embeddings=(
-                self.rope_scaling.original_max_position_embeddings))
+                self.rope_scaling.original_max_position_embeddings
+            ),
+        )
     eos = list(self.eos_token_ids)
     kwargs: dict[str, Any] = dict(
         vocab_size=self.vocab_size,
@@ -327,7 +384,9 @@ class DecoderConfig:
     )
     if self.family != "qwen2":
       kwargs["attention_bias"] = self.attention_bias
-    cls = {"llama": transformers.LlamaConfig,
-           "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[self.family]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[self.family]
     return cls(**kwargs)

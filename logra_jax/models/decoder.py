@@ -32,31 +32,32 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Logical axis names of every parameter, by path (the sharding hook). The
 # vocabulary tables are split along the vocabulary only (see PARTITION_RULES).
 LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
-  ("embed",): ("vocab", None),
-  ("final_norm",): ("embed",),
-  ("lm_head",): (None, "vocab"),
-  ("layers", "attn_norm"): ("layers", "embed"),
-  ("layers", "q_proj"): ("layers", "embed", "heads"),
-  ("layers", "k_proj"): ("layers", "embed", "kv_heads"),
-  ("layers", "v_proj"): ("layers", "embed", "kv_heads"),
-  ("layers", "o_proj"): ("layers", "heads", "embed"),
-  ("layers", "q_bias"): ("layers", "heads"),
-  ("layers", "k_bias"): ("layers", "kv_heads"),
-  ("layers", "v_bias"): ("layers", "kv_heads"),
-  ("layers", "o_bias"): ("layers", "embed"),
-  ("layers", "q_norm"): ("layers", None),
-  ("layers", "k_norm"): ("layers", None),
-  ("layers", "mlp_norm"): ("layers", "embed"),
-  ("layers", "gate_proj"): ("layers", "embed", "mlp"),
-  ("layers", "up_proj"): ("layers", "embed", "mlp"),
-  ("layers", "down_proj"): ("layers", "mlp", "embed"),
+    ("embed",): ("vocab", None),
+    ("final_norm",): ("embed",),
+    ("lm_head",): (None, "vocab"),
+    ("layers", "attn_norm"): ("layers", "embed"),
+    ("layers", "q_proj"): ("layers", "embed", "heads"),
+    ("layers", "k_proj"): ("layers", "embed", "kv_heads"),
+    ("layers", "v_proj"): ("layers", "embed", "kv_heads"),
+    ("layers", "o_proj"): ("layers", "heads", "embed"),
+    ("layers", "q_bias"): ("layers", "heads"),
+    ("layers", "k_bias"): ("layers", "kv_heads"),
+    ("layers", "v_bias"): ("layers", "kv_heads"),
+    ("layers", "o_bias"): ("layers", "embed"),
+    ("layers", "q_norm"): ("layers", None),
+    ("layers", "k_norm"): ("layers", None),
+    ("layers", "mlp_norm"): ("layers", "embed"),
+    ("layers", "gate_proj"): ("layers", "embed", "mlp"),
+    ("layers", "up_proj"): ("layers", "embed", "mlp"),
+    ("layers", "down_proj"): ("layers", "mlp", "embed"),
 }
 
 
-def logical_to_mesh(logical_axes: tuple[str | None, ...],
-                    mesh: jax.sharding.Mesh,
-                    rules: dict[str, str | tuple[str, ...] | None] | None = None,
-                    ) -> jax.sharding.NamedSharding:
+def logical_to_mesh(
+    logical_axes: tuple[str | None, ...],
+    mesh: jax.sharding.Mesh,
+    rules: dict[str, str | tuple[str, ...] | None] | None = None,
+) -> jax.sharding.NamedSharding:
   """Maps a parameter's logical axis names to a `NamedSharding` on `mesh`.
 
   This is the single hook between model metadata and device layout: each
@@ -79,17 +80,20 @@ def logical_to_mesh(logical_axes: tuple[str | None, ...],
   """
   rules = rules or {}
   spec = jax.sharding.PartitionSpec(
-      *(None if name is None else rules.get(name) for name in logical_axes))
+      *(None if name is None else rules.get(name) for name in logical_axes)
+  )
   return jax.sharding.NamedSharding(mesh, spec)
 
 
 _ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar(
-    "logra_activation_sharding", default=None)
+    "logra_activation_sharding", default=None
+)
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: jax.sharding.Mesh,
-                        rules: dict[str, str | tuple[str, ...] | None]):
+def activation_sharding(
+    mesh: jax.sharding.Mesh, rules: dict[str, str | tuple[str, ...] | None]
+):
   """Within this context, traced model code pins activations to `mesh` by
   their logical axes (see `constrain`); outside it, `constrain` is a no-op."""
   token = _ACTIVATION_RULES.set((mesh, rules))
@@ -107,10 +111,13 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     return x
   mesh, rules = active
   return jax.lax.with_sharding_constraint(
-      x, logical_to_mesh(logical_axes, mesh, rules))
+      x, logical_to_mesh(logical_axes, mesh, rules)
+  )
 
 
-def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+def param_shapes(
+    config: DecoderConfig,
+) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Returns the shape of every parameter of `config`'s decoder, by path.
 
   Args:
@@ -125,27 +132,37 @@ def param_shapes(config: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]
     (2, 64, 64)
   """
   c = config
-  L, D, F, V, h = (c.num_layers, c.hidden_size, c.intermediate_size,
-                   c.vocab_size, c.head_dim)
+  L, D, F, V, h = (
+      c.num_layers,
+      c.hidden_size,
+      c.intermediate_size,
+      c.vocab_size,
+      c.head_dim,
+  )
   Hh, Kh = c.num_heads * h, c.num_kv_heads * h
   shapes = {
-    ("embed",): (V, D),
-    ("final_norm",): (D,),
-    ("layers", "attn_norm"): (L, D),
-    ("layers", "q_proj"): (L, D, Hh),
-    ("layers", "k_proj"): (L, D, Kh),
-    ("layers", "v_proj"): (L, D, Kh),
-    ("layers", "o_proj"): (L, Hh, D),
-    ("layers", "mlp_norm"): (L, D),
-    ("layers", "gate_proj"): (L, D, F),
-    ("layers", "up_proj"): (L, D, F),
-    ("layers", "down_proj"): (L, F, D),
+      ("embed",): (V, D),
+      ("final_norm",): (D,),
+      ("layers", "attn_norm"): (L, D),
+      ("layers", "q_proj"): (L, D, Hh),
+      ("layers", "k_proj"): (L, D, Kh),
+      ("layers", "v_proj"): (L, D, Kh),
+      ("layers", "o_proj"): (L, Hh, D),
+      ("layers", "mlp_norm"): (L, D),
+      ("layers", "gate_proj"): (L, D, F),
+      ("layers", "up_proj"): (L, D, F),
+      ("layers", "down_proj"): (L, F, D),
   }
   if not c.tie_word_embeddings:
     shapes[("lm_head",)] = (D, V)
   if c.attention_bias:
-    shapes.update({("layers", "q_bias"): (L, Hh), ("layers", "k_bias"): (L, Kh),
-                   ("layers", "v_bias"): (L, Kh)})
+    shapes.update(
+        {
+            ("layers", "q_bias"): (L, Hh),
+            ("layers", "k_bias"): (L, Kh),
+            ("layers", "v_bias"): (L, Kh),
+        }
+    )
   if c.attention_out_bias:
     shapes[("layers", "o_bias")] = (L, D)
   if c.qk_norm:
@@ -175,8 +192,9 @@ class KVCache(NamedTuple):
     return self.k.shape[3]
 
 
-def init_cache(config: DecoderConfig, batch_size: int, max_length: int,
-               dtype: Any = None) -> KVCache:
+def init_cache(
+    config: DecoderConfig, batch_size: int, max_length: int, dtype: Any = None
+) -> KVCache:
   """Returns an empty cache of `max_length` slots.
 
   Args:
@@ -193,12 +211,20 @@ def init_cache(config: DecoderConfig, batch_size: int, max_length: int,
     >>> cache.k.shape
     (2, 2, 2, 8, 16)
   """
-  shape = (config.num_layers, batch_size, config.num_kv_heads, max_length,
-           config.head_dim)
+  shape = (
+      config.num_layers,
+      batch_size,
+      config.num_kv_heads,
+      max_length,
+      config.head_dim,
+  )
   dtype = dtype or config.dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 mask=jnp.zeros((batch_size, max_length), bool),
-                 index=jnp.zeros((), jnp.int32))
+  return KVCache(
+      k=jnp.zeros(shape, dtype),
+      v=jnp.zeros(shape, dtype),
+      mask=jnp.zeros((batch_size, max_length), bool),
+      index=jnp.zeros((), jnp.int32),
+  )
 
 
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
@@ -217,8 +243,10 @@ def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
     (8,)
   """
   h = config.head_dim
-  inv_freq = 1.0 / (np.float32(config.rope_theta) ** (
-      np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+  inv_freq = 1.0 / (
+      np.float32(config.rope_theta)
+      ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h))
+  )
   inv_freq = inv_freq.astype(np.float32)
   s = config.rope_scaling
   if s is None:
@@ -229,8 +257,9 @@ def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * np.pi / inv_freq
   scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-            / (s.high_freq_factor - s.low_freq_factor))
+  smooth = (
+      s.original_max_position_embeddings / wavelen - s.low_freq_factor
+  ) / (s.high_freq_factor - s.low_freq_factor)
   smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
   medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
   return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -243,8 +272,9 @@ def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def _apply_rope(x_BxTxNxh: jax.Array, cos_BxTxr: jax.Array,
-                sin_BxTxr: jax.Array) -> jax.Array:
+def _apply_rope(
+    x_BxTxNxh: jax.Array, cos_BxTxr: jax.Array, sin_BxTxr: jax.Array
+) -> jax.Array:
   """Rotates halves (HF `rotate_half` convention); r = h / 2."""
   x1, x2 = jnp.split(x_BxTxNxh.astype(jnp.float32), 2, axis=-1)
   cos, sin = cos_BxTxr[:, :, None], sin_BxTxr[:, :, None]
@@ -259,13 +289,22 @@ def _remat(fn, policy: str):
   if policy == "block":
     return jax.checkpoint(fn, prevent_cse=False)
   return jax.checkpoint(
-      fn, prevent_cse=False,
-      policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+      fn,
+      prevent_cse=False,
+      policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  )
 
 
-def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
-           cos_BxTxr: jax.Array, sin_BxTxr: jax.Array, mask_BxTxS: jax.Array,
-           past_k_BxKxSxh: jax.Array | None, past_v_BxKxSxh: jax.Array | None):
+def _block(
+    config: DecoderConfig,
+    x_BxTxD: jax.Array,
+    w: dict[str, jax.Array],
+    cos_BxTxr: jax.Array,
+    sin_BxTxr: jax.Array,
+    mask_BxTxS: jax.Array,
+    past_k_BxKxSxh: jax.Array | None,
+    past_v_BxKxSxh: jax.Array | None,
+):
   """One pre-norm block; returns (x, new keys `[B, K, T, h]`, new values).
 
   The mask covers `[past; new]` keys: S = past length + T.
@@ -310,32 +349,46 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
     # layer's slice of the stacked cache is read in place inside the fusion;
     # a matmul would first copy it out, which costs more than the math.
     def qk(q_BxKxGxTxh, keys_BxKxSxh):
-      return jnp.sum(q_BxKxGxTxh.astype(jnp.float32)
-                     * keys_BxKxSxh[:, :, None].astype(jnp.float32), axis=-1,
-                     keepdims=True).swapaxes(-1, -2)
+      return jnp.sum(
+          q_BxKxGxTxh.astype(jnp.float32)
+          * keys_BxKxSxh[:, :, None].astype(jnp.float32),
+          axis=-1,
+          keepdims=True,
+      ).swapaxes(-1, -2)
 
     def pv(probs_BxKxGxTxS, values_BxKxSxh):
-      return jnp.sum(probs_BxKxGxTxS.swapaxes(-1, -2).astype(jnp.float32)
-                     * values_BxKxSxh[:, :, None].astype(jnp.float32),
-                     axis=-2, keepdims=True).astype(dt)
+      return jnp.sum(
+          probs_BxKxGxTxS.swapaxes(-1, -2).astype(jnp.float32)
+          * values_BxKxSxh[:, :, None].astype(jnp.float32),
+          axis=-2,
+          keepdims=True,
+      ).astype(dt)
+
   else:
+
     def qk(q_BxKxGxTxh, keys_BxKxSxh):
-      return jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxh, keys_BxKxSxh,
-                        preferred_element_type=jnp.float32)
+      return jnp.einsum(
+          "bkgth,bksh->bkgts",
+          q_BxKxGxTxh,
+          keys_BxKxSxh,
+          preferred_element_type=jnp.float32,
+      )
 
     def pv(probs_BxKxGxTxS, values_BxKxSxh):
       return jnp.einsum("bkgts,bksh->bkgth", probs_BxKxGxTxS, values_BxKxSxh)
 
   def attend(q_BxKxGxTxh, mask_BxTxS):
     scores_BxKxGxTxS = jnp.concatenate(
-        [qk(q_BxKxGxTxh, keys) for keys, _ in blocks], axis=-1) * (h ** -0.5)
-    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
-                                 _MASK_VALUE)
+        [qk(q_BxKxGxTxh, keys) for keys, _ in blocks], axis=-1
+    ) * (h**-0.5)
+    scores_BxKxGxTxS = jnp.where(
+        mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASK_VALUE
+    )
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
     attn_BxKxGxTxh, start = 0, 0
     for _, values in blocks:
       size = values.shape[2]
-      attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start:start + size], values)
+      attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start : start + size], values)
       start += size
     return attn_BxKxGxTxh
 
@@ -347,15 +400,22 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
     # `C x S` score block is alive at a time, forward and backward.
     n = -(-T // C)
     pad = n * C - T
-    q_nxBxKxGxCxh = jnp.pad(
-        q_BxKxGxTxh, ((0, 0),) * 3 + ((0, pad), (0, 0))).reshape(
-            B, K, H // K, n, C, h).transpose(3, 0, 1, 2, 4, 5)
-    mask_nxBxCxS = jnp.pad(mask_BxTxS, ((0, 0), (0, pad), (0, 0))).reshape(
-        B, n, C, -1).swapaxes(0, 1)
-    attn_nxBxKxGxCxh = jax.lax.map(lambda a: jax.checkpoint(attend)(*a),
-                                   (q_nxBxKxGxCxh, mask_nxBxCxS))
+    q_nxBxKxGxCxh = (
+        jnp.pad(q_BxKxGxTxh, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+        .reshape(B, K, H // K, n, C, h)
+        .transpose(3, 0, 1, 2, 4, 5)
+    )
+    mask_nxBxCxS = (
+        jnp.pad(mask_BxTxS, ((0, 0), (0, pad), (0, 0)))
+        .reshape(B, n, C, -1)
+        .swapaxes(0, 1)
+    )
+    attn_nxBxKxGxCxh = jax.lax.map(
+        lambda a: jax.checkpoint(attend)(*a), (q_nxBxKxGxCxh, mask_nxBxCxS)
+    )
     attn_BxKxGxTxh = attn_nxBxKxGxCxh.transpose(1, 2, 3, 0, 4, 5).reshape(
-        B, K, H // K, n * C, h)[:, :, :, :T]
+        B, K, H // K, n * C, h
+    )[:, :, :, :T]
   attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
   out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
   if c.attention_out_bias:
@@ -363,8 +423,9 @@ def _block(config: DecoderConfig, x_BxTxD: jax.Array, w: dict[str, jax.Array],
   x_BxTxD = x_BxTxD + out_BxTxD
 
   hn_BxTxD = _rms_norm(x_BxTxD, w["mlp_norm"], c.rms_norm_eps)
-  act_BxTxF = jax.nn.silu(dense(hn_BxTxD, "gate_proj")) * dense(hn_BxTxD,
-                                                               "up_proj")
+  act_BxTxF = jax.nn.silu(dense(hn_BxTxD, "gate_proj")) * dense(
+      hn_BxTxD, "up_proj"
+  )
   x_BxTxD = x_BxTxD + dense(act_BxTxF, "down_proj")
   return x_BxTxD, k_BxKxTxh, v_BxKxTxh
 
@@ -405,26 +466,29 @@ def forward_hidden(
     if cache is not None:
       positions_BxT += jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
     positions_BxT = jnp.maximum(positions_BxT, 0)
-  freqs_BxTxr = (positions_BxT.astype(jnp.float32)[..., None]
-                 * jnp.asarray(rope_inv_freq(c)))
+  freqs_BxTxr = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(
+      rope_inv_freq(c)
+  )
   cos_BxTxr, sin_BxTxr = jnp.cos(freqs_BxTxr), jnp.sin(freqs_BxTxr)
 
   causal_TxT = jnp.tril(jnp.ones((T, T), bool))
   mask_BxTxS = causal_TxT[None] & attention_mask_BxT[:, None, :]
   if cache is not None:
-    past_BxTxS = jnp.broadcast_to(cache.mask[:, None, :],
-                                  (B, T, cache.max_length))
+    past_BxTxS = jnp.broadcast_to(
+        cache.mask[:, None, :], (B, T, cache.max_length)
+    )
     mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
 
   x_BxTxD = constrain(
-      take(weights["embed"], input_ids_BxT, dt),
-      ("batch", None, None))
+      take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
+  )
 
   def body(x_BxTxD, layer):
     w, past_k, past_v = layer
     x_BxTxD = constrain(x_BxTxD, ("batch", None, None))
     x_BxTxD, k_BxKxTxh, v_BxKxTxh = _block(
-        c, x_BxTxD, w, cos_BxTxr, sin_BxTxr, mask_BxTxS, past_k, past_v)
+        c, x_BxTxD, w, cos_BxTxr, sin_BxTxr, mask_BxTxS, past_k, past_v
+    )
     new_kv = None if cache is None else (k_BxKxTxh, v_BxKxTxh)
     return x_BxTxD, new_kv
 
@@ -437,18 +501,23 @@ def forward_hidden(
   k_LxBxKxTxh, v_LxBxKxTxh = new_kv
   at = (0, 0, 0, cache.index, 0)
   new_cache = KVCache(
-      k=jax.lax.dynamic_update_slice(cache.k, k_LxBxKxTxh.astype(cache.k.dtype),
-                                     at),
-      v=jax.lax.dynamic_update_slice(cache.v, v_LxBxKxTxh.astype(cache.v.dtype),
-                                     at),
-      mask=jax.lax.dynamic_update_slice(cache.mask, attention_mask_BxT,
-                                        (0, cache.index)),
-      index=cache.index + T)
+      k=jax.lax.dynamic_update_slice(
+          cache.k, k_LxBxKxTxh.astype(cache.k.dtype), at
+      ),
+      v=jax.lax.dynamic_update_slice(
+          cache.v, v_LxBxKxTxh.astype(cache.v.dtype), at
+      ),
+      mask=jax.lax.dynamic_update_slice(
+          cache.mask, attention_mask_BxT, (0, cache.index)
+      ),
+      index=cache.index + T,
+  )
   return hidden_BxTxD, new_cache
 
 
-def unembedding(config: DecoderConfig, weights: dict[str, Any]
-                ) -> jax.Array | LowRankDelta:
+def unembedding(
+    config: DecoderConfig, weights: dict[str, Any]
+) -> jax.Array | LowRankDelta:
   """The output projection `[D, V]` (tied or not) in compute dtype: an array,
   or under sketch-direct gradients a `LowRankDelta` whose weight is cast.
 
@@ -457,21 +526,27 @@ def unembedding(config: DecoderConfig, weights: dict[str, Any]
   pass then reuses this compute-dtype copy instead of keeping the float32
   table alive to cast it again.
   """
-  w_DxV = (weights["embed"].T if config.tie_word_embeddings
-           else weights["lm_head"])
+  w_DxV = (
+      weights["embed"].T if config.tie_word_embeddings else weights["lm_head"]
+  )
   if isinstance(w_DxV, LowRankDelta):
-    if not w_DxV.at_zero:   # a factored weight c B + P A: materialized once
+    if not w_DxV.at_zero:  # a factored weight c B + P A: materialized once
       return w_DxV.dense().astype(config.dtype)
     return w_DxV.with_base_dtype(config.dtype)
   return w_DxV.astype(config.dtype)
 
 
-def project_logits(hidden_BxTxD: jax.Array,
-                   w_DxV: jax.Array | LowRankDelta) -> jax.Array:
+def project_logits(
+    hidden_BxTxD: jax.Array, w_DxV: jax.Array | LowRankDelta
+) -> jax.Array:
   """`hidden @ W` in the hidden states' dtype, accumulated and returned in
   float32."""
-  return matmul(hidden_BxTxD, w_DxV, hidden_BxTxD.dtype,
-                preferred_element_type=jnp.float32)
+  return matmul(
+      hidden_BxTxD,
+      w_DxV,
+      hidden_BxTxD.dtype,
+      preferred_element_type=jnp.float32,
+  )
 
 
 class Decoder(nnx.Module):
@@ -502,43 +577,67 @@ class Decoder(nnx.Module):
         value = jnp.zeros(shape, dtype)
       else:
         value = normal(rngs.params(), shape, dtype)
-      return nnx.Param(value, out_sharding=LOGICAL_AXES[path],
-                       eager_sharding=False)
+      return nnx.Param(
+          value, out_sharding=LOGICAL_AXES[path], eager_sharding=False
+      )
 
     shapes = param_shapes(config)
     self.embed = param(("embed",), shapes[("embed",)])
-    self.layers = nnx.Dict({path[1]: param(path, shape)
-                            for path, shape in shapes.items()
-                            if path[0] == "layers"})
+    self.layers = nnx.Dict(
+        {
+            path[1]: param(path, shape)
+            for path, shape in shapes.items()
+            if path[0] == "layers"
+        }
+    )
     self.final_norm = param(("final_norm",), shapes[("final_norm",)])
-    self.lm_head = (None if config.tie_word_embeddings
-                    else param(("lm_head",), shapes[("lm_head",)]))
+    self.lm_head = (
+        None
+        if config.tie_word_embeddings
+        else param(("lm_head",), shapes[("lm_head",)])
+    )
 
   def weights(self) -> dict[str, Any]:
     """The raw parameter arrays as the dict `forward_hidden` takes."""
-    weights = {"embed": self.embed[...], "final_norm": self.final_norm[...],
-               "layers": {k: v[...] for k, v in self.layers.items()}}
+    weights = {
+        "embed": self.embed[...],
+        "final_norm": self.final_norm[...],
+        "layers": {k: v[...] for k, v in self.layers.items()},
+    }
     if self.lm_head is not None:
       weights["lm_head"] = self.lm_head[...]
     return weights
 
-  def hidden_states(self, input_ids_BxT: jax.Array, *,
-                    positions: jax.Array | None = None,
-                    attention_mask: jax.Array | None = None,
-                    cache: KVCache | None = None):
+  def hidden_states(
+      self,
+      input_ids_BxT: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      attention_mask: jax.Array | None = None,
+      cache: KVCache | None = None,
+  ):
     """Final-norm hidden states `[B, T, D]` and the updated cache (or None)."""
-    return forward_hidden(self.config, self.weights(), input_ids_BxT,
-                          positions_BxT=positions,
-                          attention_mask_BxT=attention_mask, cache=cache)
+    return forward_hidden(
+        self.config,
+        self.weights(),
+        input_ids_BxT,
+        positions_BxT=positions,
+        attention_mask_BxT=attention_mask,
+        cache=cache,
+    )
 
   def unembedding(self) -> jax.Array:
     """The output projection `[D, V]` in compute dtype."""
     return unembedding(self.config, self.weights())
 
-  def __call__(self, input_ids_BxT: jax.Array, *,
-               positions: jax.Array | None = None,
-               attention_mask: jax.Array | None = None,
-               cache: KVCache | None = None):
+  def __call__(
+      self,
+      input_ids_BxT: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      attention_mask: jax.Array | None = None,
+      cache: KVCache | None = None,
+  ):
     """Float32 logits `[B, T, V]`; with a cache, `(logits, new_cache)`.
 
     Args:
@@ -553,8 +652,11 @@ class Decoder(nnx.Module):
       `logits_BxTxV` if `cache` is None, else `(logits_BxTxV, new_cache)`.
     """
     hidden_BxTxD, new_cache = self.hidden_states(
-        input_ids_BxT, positions=positions, attention_mask=attention_mask,
-        cache=cache)
+        input_ids_BxT,
+        positions=positions,
+        attention_mask=attention_mask,
+        cache=cache,
+    )
     logits_BxTxV = project_logits(hidden_BxTxD, self.unembedding())
     return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)
 
@@ -598,10 +700,14 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
   return nnx.split(model, nnx.Param)
 
 
-def logits_fn(graphdef: nnx.GraphDef, params: nnx.State,
-              input_ids_BxT: jax.Array, *,
-              positions: jax.Array | None = None,
-              attention_mask: jax.Array | None = None) -> jax.Array:
+def logits_fn(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids_BxT: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
   """Pure float32 logits `[B, T, V]`; usable under `jit`, `grad` and `jvp`.
 
   Args:
@@ -621,12 +727,14 @@ def logits_fn(graphdef: nnx.GraphDef, params: nnx.State,
     (1, 4, 256)
   """
   model = nnx.merge(graphdef, params)
-  return model(input_ids_BxT, positions=positions,
-               attention_mask=attention_mask)
+  return model(
+      input_ids_BxT, positions=positions, attention_mask=attention_mask
+  )
 
 
-def matrix_dimension_numbers(params: nnx.State,
-                             include_embeddings: bool = False) -> nnx.State:
+def matrix_dimension_numbers(
+    params: nnx.State, include_embeddings: bool = False
+) -> nnx.State:
   """Which axes of each parameter form the matrix, for LoGRA projection.
 
   Args:
@@ -645,14 +753,17 @@ def matrix_dimension_numbers(params: nnx.State,
     >>> matrix_dimension_numbers(params)["layers"]["q_proj"].batch_axes
     (0,)
   """
+
   def spec(path, variable):
     names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
     if names[0] == "layers" and variable.ndim == 3:
-      return DimensionNumbers(reduction_axes=(1,), output_axes=(2,),
-                              batch_axes=(0,))
+      return DimensionNumbers(
+          reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
+      )
     if include_embeddings and names[0] in ("embed", "lm_head"):
       return DimensionNumbers(reduction_axes=(0,), output_axes=(1,))
     return None
 
   return jax.tree_util.tree_map_with_path(
-      spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )

@@ -71,8 +71,9 @@ def unpermute_rotary_rows(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
   """
   rows, cols = w_OxI.shape
   half = rows // num_heads // 2
-  return (w_OxI.reshape(num_heads, half, 2, cols).swapaxes(1, 2)
-          .reshape(rows, cols))
+  return (
+      w_OxI.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+  )
 
 
 def _field(reader, key: str, path: pathlib.Path):
@@ -81,15 +82,18 @@ def _field(reader, key: str, path: pathlib.Path):
   return reader.fields[key].contents()
 
 
-def _hf_tensors(reader, path: pathlib.Path, architecture: str
-                ) -> dict[str, np.ndarray]:
+def _hf_tensors(
+    reader, path: pathlib.Path, architecture: str
+) -> dict[str, np.ndarray]:
   """Every tensor of the GGUF file, dequantized to float32, by its Hugging
   Face name; a tensor of an unknown name or quantization is an error naming
   it."""
   from gguf import quants
+
   num_heads = int(_field(reader, f"{architecture}.attention.head_count", path))
-  num_kv_heads = int(_field(reader, f"{architecture}.attention.head_count_kv",
-                            path))
+  num_kv_heads = int(
+      _field(reader, f"{architecture}.attention.head_count_kv", path)
+  )
   tensors = {}
   for tensor in reader.tensors:
     name = tensor.name
@@ -102,15 +106,19 @@ def _hf_tensors(reader, path: pathlib.Path, architecture: str
       prefix, _, rest = name.partition(".")
       index, _, local = rest.partition(".")
       if prefix != "blk" or not index.isdigit() or local not in _LAYER_TENSORS:
-        raise ValueError(f"{path}: tensor {name!r} is not one of a "
-                         f"{architecture} decoder's")
+        raise ValueError(
+            f"{path}: tensor {name!r} is not one of a "
+            f"{architecture} decoder's"
+        )
       hf_name = f"model.layers.{index}.{_LAYER_TENSORS[local]}"
     try:
       values = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-      raise ValueError(f"{path}: tensor {name!r} has quantization "
-                       f"{tensor.tensor_type.name}, which the gguf package "
-                       "cannot dequantize") from None
+      raise ValueError(
+          f"{path}: tensor {name!r} has quantization "
+          f"{tensor.tensor_type.name}, which the gguf package "
+          "cannot dequantize"
+      ) from None
     values = np.asarray(values, np.float32)
     if architecture == "llama" and local in ("attn_q.weight", "attn_k.weight"):
       heads = num_heads if local == "attn_q.weight" else num_kv_heads
@@ -119,8 +127,12 @@ def _hf_tensors(reader, path: pathlib.Path, architecture: str
   return tensors
 
 
-def convert_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *,
-                 overwrite: bool = False) -> pathlib.Path:
+def convert_gguf(
+    gguf_file: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+) -> pathlib.Path:
   """Writes a GGUF checkpoint as a Hugging Face policy folder.
 
   Args:
@@ -148,8 +160,10 @@ def convert_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *,
   try:
     import gguf
   except ImportError:
-    raise ValueError("converting a GGUF file needs the gguf package: pip "
-                     "install 'logra-jax[convert]'") from None
+    raise ValueError(
+        "converting a GGUF file needs the gguf package: pip "
+        "install 'logra-jax[convert]'"
+    ) from None
   import safetensors.numpy
   import transformers
 
@@ -166,26 +180,30 @@ def convert_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *,
   if architecture not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
         f"{path}: architecture {architecture!r} is not supported; supported: "
-        f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        f"{sorted(SUPPORTED_ARCHITECTURES)}"
+    )
   tensors = _hf_tensors(reader, path, architecture)
   config = transformers.AutoConfig.from_pretrained(
-      path.parent, gguf_file=path.name)
+      path.parent, gguf_file=path.name
+  )
   config.architectures = [SUPPORTED_ARCHITECTURES[architecture]]
   config.tie_word_embeddings = "lm_head.weight" not in tensors
   tokenizer = transformers.AutoTokenizer.from_pretrained(
-      path.parent, gguf_file=path.name)
+      path.parent, gguf_file=path.name
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   # Written beside ``out`` and renamed when complete: an interrupted
   # conversion leaves no half-written policy folder.
   tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
   umask = os.umask(0)
   os.umask(umask)
-  tmp.chmod(0o777 & ~umask)   # mkdtemp's folder is private
+  tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private
   try:
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    safetensors.numpy.save_file(tensors, str(tmp / "model.safetensors"),
-                                metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+        tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     if out.exists():
       shutil.rmtree(out)
     tmp.rename(out)

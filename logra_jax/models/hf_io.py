@@ -33,30 +33,33 @@ _INDEX_FILE = "model.safetensors.index.json"
 # Our parameter path -> (HF tensor name, "{}" is the layer; transposed?).
 # HF linear weights are `[out, in]`; ours are `[in, out]`.
 HF_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
-  ("embed",): ("model.embed_tokens.weight", False),
-  ("final_norm",): ("model.norm.weight", False),
-  ("lm_head",): ("lm_head.weight", True),
-  ("layers", "attn_norm"): ("model.layers.{}.input_layernorm.weight", False),
-  ("layers", "q_proj"): ("model.layers.{}.self_attn.q_proj.weight", True),
-  ("layers", "k_proj"): ("model.layers.{}.self_attn.k_proj.weight", True),
-  ("layers", "v_proj"): ("model.layers.{}.self_attn.v_proj.weight", True),
-  ("layers", "o_proj"): ("model.layers.{}.self_attn.o_proj.weight", True),
-  ("layers", "q_bias"): ("model.layers.{}.self_attn.q_proj.bias", False),
-  ("layers", "k_bias"): ("model.layers.{}.self_attn.k_proj.bias", False),
-  ("layers", "v_bias"): ("model.layers.{}.self_attn.v_proj.bias", False),
-  ("layers", "o_bias"): ("model.layers.{}.self_attn.o_proj.bias", False),
-  ("layers", "q_norm"): ("model.layers.{}.self_attn.q_norm.weight", False),
-  ("layers", "k_norm"): ("model.layers.{}.self_attn.k_norm.weight", False),
-  ("layers", "mlp_norm"): (
-      "model.layers.{}.post_attention_layernorm.weight", False),
-  ("layers", "gate_proj"): ("model.layers.{}.mlp.gate_proj.weight", True),
-  ("layers", "up_proj"): ("model.layers.{}.mlp.up_proj.weight", True),
-  ("layers", "down_proj"): ("model.layers.{}.mlp.down_proj.weight", True),
+    ("embed",): ("model.embed_tokens.weight", False),
+    ("final_norm",): ("model.norm.weight", False),
+    ("lm_head",): ("lm_head.weight", True),
+    ("layers", "attn_norm"): ("model.layers.{}.input_layernorm.weight", False),
+    ("layers", "q_proj"): ("model.layers.{}.self_attn.q_proj.weight", True),
+    ("layers", "k_proj"): ("model.layers.{}.self_attn.k_proj.weight", True),
+    ("layers", "v_proj"): ("model.layers.{}.self_attn.v_proj.weight", True),
+    ("layers", "o_proj"): ("model.layers.{}.self_attn.o_proj.weight", True),
+    ("layers", "q_bias"): ("model.layers.{}.self_attn.q_proj.bias", False),
+    ("layers", "k_bias"): ("model.layers.{}.self_attn.k_proj.bias", False),
+    ("layers", "v_bias"): ("model.layers.{}.self_attn.v_proj.bias", False),
+    ("layers", "o_bias"): ("model.layers.{}.self_attn.o_proj.bias", False),
+    ("layers", "q_norm"): ("model.layers.{}.self_attn.q_norm.weight", False),
+    ("layers", "k_norm"): ("model.layers.{}.self_attn.k_norm.weight", False),
+    ("layers", "mlp_norm"): (
+        "model.layers.{}.post_attention_layernorm.weight",
+        False,
+    ),
+    ("layers", "gate_proj"): ("model.layers.{}.mlp.gate_proj.weight", True),
+    ("layers", "up_proj"): ("model.layers.{}.mlp.up_proj.weight", True),
+    ("layers", "down_proj"): ("model.layers.{}.mlp.down_proj.weight", True),
 }
 
 
-def _hf_tensors(config: DecoderConfig, path: tuple[str, ...]
-                ) -> list[tuple[str, tuple[int, ...]]]:
+def _hf_tensors(
+    config: DecoderConfig, path: tuple[str, ...]
+) -> list[tuple[str, tuple[int, ...]]]:
   """HF names and HF-orientation shapes of the tensors behind one parameter."""
   template, transpose = HF_NAMES[path]
   shape = param_shapes(config)[path]
@@ -79,12 +82,12 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
       if not file.exists():
         raise FileNotFoundError(
             f"Shard {file.name} listed in {index} (holding tensor {name!r}) "
-            "does not exist: the checkpoint is partial.")
+            "does not exist: the checkpoint is partial."
+        )
     return files
   single = path / _SINGLE_FILE
   if not single.exists():
-    raise FileNotFoundError(
-        f"No {_SINGLE_FILE} or {_INDEX_FILE} in {path}.")
+    raise FileNotFoundError(f"No {_SINGLE_FILE} or {_INDEX_FILE} in {path}.")
   with _open(single) as f:
     return {name: single for name in f.keys()}
 
@@ -104,14 +107,16 @@ def _read_config(path: pathlib.Path) -> None:
   file = path / "config.json"
   if not file.is_file():
     raise FileNotFoundError(
-        f"There is no config.json in {path}: not a Hugging Face model folder.")
+        f"There is no config.json in {path}: not a Hugging Face model folder."
+    )
   try:
     config = json.loads(file.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"{file} is not valid JSON: {e}") from None
   if not isinstance(config, dict) or "model_type" not in config:
     raise ValueError(
-        f"{file} has no 'model_type': not a Hugging Face model config.")
+        f"{file} has no 'model_type': not a Hugging Face model config."
+    )
 
 
 def _warn_unknown(path: pathlib.Path, names: set[str]) -> None:
@@ -122,7 +127,9 @@ def _warn_unknown(path: pathlib.Path, names: set[str]) -> None:
     more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
     warnings.warn(
         f"{len(unknown)} tensors in {path} are not used by the model and were "
-        f"ignored: {unknown[:5]}{more}.", stacklevel=3)
+        f"ignored: {unknown[:5]}{more}.",
+        stacklevel=3,
+    )
 
 
 def _check_finite(name: str, file: pathlib.Path, value: np.ndarray) -> None:
@@ -132,7 +139,8 @@ def _check_finite(name: str, file: pathlib.Path, value: np.ndarray) -> None:
     raise ValueError(
         f"Tensor {name!r} in {file} has {bad} non-finite value"
         f"{'s' if bad > 1 else ''} (NaN or inf) in {value.dtype}; pass "
-        "allow_non_finite=True to load it anyway.")
+        "allow_non_finite=True to load it anyway."
+    )
 
 
 def _open(file: pathlib.Path):
@@ -143,12 +151,16 @@ def _open(file: pathlib.Path):
     raise ValueError(f"Cannot read safetensors file {file}: {e}") from e
 
 
-def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
-                    mesh: jax.sharding.Mesh | None = None, *,
-                    compute_dtype: Any = None,
-                    sharding_rules: dict[str, Any] | None = None,
-                    allow_non_finite: bool = False,
-                    **config_overrides: Any) -> Decoder:
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    compute_dtype: Any = None,
+    sharding_rules: dict[str, Any] | None = None,
+    allow_non_finite: bool = False,
+    **config_overrides: Any,
+) -> Decoder:
   """Loads a local HF Llama/Qwen2/Qwen3 folder into a `Decoder`.
 
   Args:
@@ -191,9 +203,11 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
   _read_config(path)
   hf_config = transformers.AutoConfig.from_pretrained(path)
   config = DecoderConfig.from_hf(
-      hf_config, param_dtype=dtype,
+      hf_config,
+      param_dtype=dtype,
       dtype=compute_dtype if compute_dtype is not None else dtype,
-      **config_overrides)
+      **config_overrides,
+  )
   abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract, nnx.Param)
   files = _tensor_files(path)
@@ -201,10 +215,13 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
   for tensors in wanted.values():
     for name, _ in tensors:
       if name not in files:
-        raise ValueError(f"Tensor {name!r} is missing from the checkpoint in "
-                         f"{path}.")
-  _warn_unknown(path, set(files) - {name for tensors in wanted.values()
-                                    for name, _ in tensors})
+        raise ValueError(
+            f"Tensor {name!r} is missing from the checkpoint in " f"{path}."
+        )
+  _warn_unknown(
+      path,
+      set(files) - {name for tensors in wanted.values() for name, _ in tensors},
+  )
 
   np_dtype = np.dtype(jnp.dtype(config.param_dtype))
   with contextlib.ExitStack() as stack:
@@ -215,16 +232,16 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         if found != shape:
           raise ValueError(
               f"Tensor {name!r} has shape {found} in the checkpoint but the "
-              f"config expects {shape}.")
+              f"config expects {shape}."
+          )
 
     def load(key_path, variable):
       p = tuple(k.key for k in key_path)
       _, transpose = HF_NAMES[p]
       parts = []
       for name, _ in wanted[p]:
-        with np.errstate(over="ignore"):   # overflow gives inf: refused below
-          t = handles[files[name]].get_tensor(name).astype(np_dtype,
-                                                           copy=False)
+        with np.errstate(over="ignore"):  # overflow gives inf: refused below
+          t = handles[files[name]].get_tensor(name).astype(np_dtype, copy=False)
         if not allow_non_finite:
           _check_finite(name, files[name], t)
         parts.append(t.T if transpose else t)
@@ -233,18 +250,27 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
       if mesh is None:
         value = jax.device_put(host)
       else:
-        value = jax.device_put(host, logical_to_mesh(
-            variable.get_metadata()["out_sharding"], mesh, sharding_rules))
+        value = jax.device_put(
+            host,
+            logical_to_mesh(
+                variable.get_metadata()["out_sharding"], mesh, sharding_rules
+            ),
+        )
       return variable.replace(value)
 
     params = jax.tree_util.tree_map_with_path(
-        load, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        load, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
   return nnx.merge(graphdef, params)
 
 
-def save_pretrained(model: Decoder, path: str | os.PathLike, *,
-                    max_shard_bytes: int = 4 * 2**30,
-                    overwrite: bool = False) -> None:
+def save_pretrained(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 4 * 2**30,
+    overwrite: bool = False,
+) -> None:
   """Writes `config.json` and safetensors that `transformers` loads back.
 
   The files go to a temporary folder next to `path`, renamed to `path` only
@@ -285,8 +311,15 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
   for p in sorted(param_shapes(config), key=lambda p: HF_NAMES[p][0]):
     _, transpose = HF_NAMES[p]
     for layer, (name, shape) in enumerate(_hf_tensors(config, p)):
-      plan.append((name, p, layer if p[0] == "layers" else None, transpose,
-                   int(np.prod(shape)) * itemsize))
+      plan.append(
+          (
+              name,
+              p,
+              layer if p[0] == "layers" else None,
+              transpose,
+              int(np.prod(shape)) * itemsize,
+          )
+      )
   shards, size = [[]], 0
   for item in plan:
     if shards[-1] and size + item[-1] > max_shard_bytes:
@@ -296,31 +329,41 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *,
     size += item[-1]
 
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-",
-                                      dir=path.parent))
+  tmp = pathlib.Path(
+      tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent)
+  )
   try:
     hf_config.save_pretrained(tmp)
     weight_map = {}
     for i, shard in enumerate(shards):
-      file = (_SINGLE_FILE if len(shards) == 1
-              else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+      file = (
+          _SINGLE_FILE
+          if len(shards) == 1
+          else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      )
       tensors = {}
       for name, p, layer, transpose, _ in shard:
         value = weights[p[0]] if len(p) == 1 else weights[p[0]][p[1]]
-        host = np.asarray(jax.device_get(
-            value if layer is None else value[layer]))
+        host = np.asarray(
+            jax.device_get(value if layer is None else value[layer])
+        )
         tensors[name] = np.ascontiguousarray(host.T if transpose else host)
         weight_map[name] = file
-      safetensors.numpy.save_file(tensors, str(tmp / file),
-                                  metadata={"format": "pt"})
+      safetensors.numpy.save_file(
+          tensors, str(tmp / file), metadata={"format": "pt"}
+      )
     if len(shards) > 1:
       total = sum(item[-1] for item in plan)
-      (tmp / _INDEX_FILE).write_text(json.dumps(
-          {"metadata": {"total_size": total}, "weight_map": weight_map},
-          indent=2))
+      (tmp / _INDEX_FILE).write_text(
+          json.dumps(
+              {"metadata": {"total_size": total}, "weight_map": weight_map},
+              indent=2,
+          )
+      )
     if path.exists():
-      old = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.old-",
-                                          dir=path.parent))
+      old = pathlib.Path(
+          tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent)
+      )
       os.replace(path, old / path.name)
       os.replace(tmp, path)
       shutil.rmtree(old)
@@ -350,8 +393,10 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
   import transformers  # Heavy import, only needed here.
 
   path = _folder(path)
-  if not any((path / f).is_file()
-             for f in ("tokenizer.json", "tokenizer_config.json")):
+  if not any(
+      (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+  ):
     raise FileNotFoundError(
-        f"There is no tokenizer.json or tokenizer_config.json in {path}.")
+        f"There is no tokenizer.json or tokenizer_config.json in {path}."
+    )
   return transformers.AutoTokenizer.from_pretrained(path)

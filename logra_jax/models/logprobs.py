@@ -10,8 +10,9 @@ from logra_jax.models.decoder import constrain
 from logra_jax.models.decoder import project_logits
 
 
-def completion_logits_scale(temperature: float | jax.Array
-                            ) -> float | jax.Array:
+def completion_logits_scale(
+    temperature: float | jax.Array,
+) -> float | jax.Array:
   """The divisor applied to logits: `temperature`, or 1 for greedy (0)."""
   if isinstance(temperature, (int, float)):
     return 1.0 if temperature == 0 else float(temperature)
@@ -38,18 +39,24 @@ def completion_hidden_states(
   B, P = prompt_ids_BxP.shape
   N = completion_ids_BxN.shape[1]
   if P < 1:
-    raise ValueError("completion log-probs need at least one prompt position (the "
-                     "first completion token is predicted from it).")
+    raise ValueError(
+        "completion log-probs need at least one prompt position (the "
+        "first completion token is predicted from it)."
+    )
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
   model = nnx.merge(graphdef, params)
   ids_BxT = jnp.concatenate([prompt_ids_BxP, completion_ids_BxN], axis=1)
-  mask_BxT = jnp.concatenate([prompt_mask_BxP.astype(bool),
-                              completion_mask_BxN.astype(bool)], axis=1)
-  hidden_BxTxD, _ = model.hidden_states(ids_BxT.astype(jnp.int32),
-                                        attention_mask=mask_BxT)
-  return (constrain(hidden_BxTxD[:, P - 1:P + N - 1], ("batch", None, None)),
-          model.unembedding())
+  mask_BxT = jnp.concatenate(
+      [prompt_mask_BxP.astype(bool), completion_mask_BxN.astype(bool)], axis=1
+  )
+  hidden_BxTxD, _ = model.hidden_states(
+      ids_BxT.astype(jnp.int32), attention_mask=mask_BxT
+  )
+  return (
+      constrain(hidden_BxTxD[:, P - 1 : P + N - 1], ("batch", None, None)),
+      model.unembedding(),
+  )
 
 
 def token_logprobs(
@@ -107,15 +114,22 @@ def token_logprobs(
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
   hidden_BxNxD, w_DxV = completion_hidden_states(
-      graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxN,
-      completion_mask_BxN)
+      graphdef,
+      params,
+      prompt_ids_BxP,
+      prompt_mask_BxP,
+      completion_ids_BxN,
+      completion_mask_BxN,
+  )
   scale = completion_logits_scale(temperature)
 
   C = min(chunk_size, N)
   n_chunks = -(-N // C)
   pad = n_chunks * C - N
   hidden_BxNxD = jnp.pad(hidden_BxNxD, ((0, 0), (0, pad), (0, 0)))
-  targets_BxN = jnp.pad(completion_ids_BxN.astype(jnp.int32), ((0, 0), (0, pad)))
+  targets_BxN = jnp.pad(
+      completion_ids_BxN.astype(jnp.int32), ((0, 0), (0, pad))
+  )
   D = hidden_BxNxD.shape[-1]
   hidden_nxBxCxD = hidden_BxNxD.reshape(B, n_chunks, C, D).swapaxes(0, 1)
   targets_nxBxC = targets_BxN.reshape(B, n_chunks, C).swapaxes(0, 1)
@@ -128,18 +142,20 @@ def token_logprobs(
     # each device computes its vocabulary slice of the logits (and of the
     # weight's gradient) for all of them.
     hidden_BxCxD = constrain(hidden_BxCxD, ("vocab_batch", None, None))
-    logits_BxCxV = constrain(project_logits(hidden_BxCxD, w_DxV) / scale,
-                             ("vocab_batch", None, "vocab"))
+    logits_BxCxV = constrain(
+        project_logits(hidden_BxCxD, w_DxV) / scale,
+        ("vocab_batch", None, "vocab"),
+    )
     logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
     # A masked sum rather than a gather: it stays split by vocabulary. The
     # mask multiplies (exact: one term is kept, the others are zeros) rather
     # than selects: `where(mask, logp, 0)` broadcasts a constant zero that
     # does not depend on the chunk, which differentiating `lax.map` hoists
     # out of the loop as a [B, C, V] buffer alive for the whole loop.
-    is_target_BxCxV = (jnp.arange(logp_BxCxV.shape[-1])
-                       == targets_BxC[..., None])
-    logprobs_BxC = jnp.sum(logp_BxCxV * is_target_BxCxV.astype(jnp.float32),
-                           axis=-1)
+    is_target_BxCxV = jnp.arange(logp_BxCxV.shape[-1]) == targets_BxC[..., None]
+    logprobs_BxC = jnp.sum(
+        logp_BxCxV * is_target_BxCxV.astype(jnp.float32), axis=-1
+    )
     if not return_entropy:
       return (logprobs_BxC,)
     entropy_BxC = -jnp.sum(jnp.exp(logp_BxCxV) * logp_BxCxV, axis=-1)
@@ -149,5 +165,6 @@ def token_logprobs(
   keep_BxN = completion_mask_BxN.astype(bool)
   logprobs_BxN, *entropy_BxN = (
       jnp.where(keep_BxN, x_nxBxC.swapaxes(0, 1).reshape(B, -1)[:, :N], 0.0)
-      for x_nxBxC in outputs)
+      for x_nxBxC in outputs
+  )
   return (logprobs_BxN, *entropy_BxN) if return_entropy else logprobs_BxN

@@ -31,7 +31,6 @@ from logra_jax.models.decoder import project_logits
 from logra_jax.models.decoder import split_model
 from logra_jax.models.logprobs import completion_logits_scale
 
-
 _STOP_SLOTS = 8
 
 
@@ -76,7 +75,8 @@ class SamplingParams:
   def __post_init__(self):
     if self.max_new_tokens < 1:
       raise ValueError(
-          f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+          f"max_new_tokens must be >= 1, got {self.max_new_tokens}."
+      )
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
     if self.top_k < 0:
@@ -86,8 +86,9 @@ class SamplingParams:
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], length: int,
-                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], length: int, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """Left-pads token lists into `[B, length]` ids and a 0/1 mask.
 
   Args:
@@ -106,8 +107,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int,
   mask = np.zeros((len(prompts), length), np.int32)
   for row, prompt in enumerate(prompts):
     if len(prompt):
-      ids[row, length - len(prompt):] = prompt
-      mask[row, length - len(prompt):] = 1
+      ids[row, length - len(prompt) :] = prompt
+      mask[row, length - len(prompt) :] = 1
   return ids, mask
 
 
@@ -123,8 +124,9 @@ def _argmax(x_BxV: jax.Array) -> jax.Array:
   return jnp.minimum(first_B, x_BxV.shape[-1] - 1)  # All-NaN rows: stay valid.
 
 
-def sample_token(logits_BxV: jax.Array, key: jax.Array,
-                 params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def sample_token(
+    logits_BxV: jax.Array, key: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row; returns `(tokens_B, logprobs_B)`.
 
   The log-prob is taken from the untruncated `softmax(logits / temperature)`
@@ -151,8 +153,9 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array,
     tokens_B = _argmax(scaled_BxV + jax.random.gumbel(key, scaled_BxV.shape))
   else:
     if params.top_k:
-      kept_BxK, index_BxK = jax.lax.top_k(scaled_BxV,
-                                          min(params.top_k, scaled_BxV.shape[-1]))
+      kept_BxK, index_BxK = jax.lax.top_k(
+          scaled_BxV, min(params.top_k, scaled_BxV.shape[-1])
+      )
     else:
       index_BxK = jnp.argsort(-scaled_BxV, axis=-1)
       kept_BxK = jnp.take_along_axis(scaled_BxV, index_BxK, axis=-1)
@@ -199,21 +202,36 @@ class Sampler:
     (2, 5)
   """
 
-  def __init__(self, model: Decoder, *, max_length: int | None = None,
-               bucket_size: int = 16, pad_id: int = 0,
-               mesh: jax.sharding.Mesh | None = None,
-               rules: dict[str, Any] | None = None):
+  def __init__(
+      self,
+      model: Decoder,
+      *,
+      max_length: int | None = None,
+      bucket_size: int = 16,
+      pad_id: int = 0,
+      mesh: jax.sharding.Mesh | None = None,
+      rules: dict[str, Any] | None = None,
+  ):
     if bucket_size < 1:
       raise ValueError(f"bucket_size must be >= 1, got {bucket_size}.")
     if (mesh is None) != (rules is None):
-      raise ValueError("give both mesh and rules (e.g. "
-                       "logra_jax.parallel.PARTITION_RULES), or neither.")
+      raise ValueError(
+          "give both mesh and rules (e.g. "
+          "logra_jax.parallel.PARTITION_RULES), or neither."
+      )
     self.mesh, self.rules = mesh, rules
     self.graphdef, params = split_model(model)
-    self._params_sharding = None if mesh is None else jax.tree.map(
-        lambda v: v.replace(logical_to_mesh(
-            v.get_metadata()["out_sharding"], mesh, rules)),
-        params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    self._params_sharding = (
+        None
+        if mesh is None
+        else jax.tree.map(
+            lambda v: v.replace(
+                logical_to_mesh(v.get_metadata()["out_sharding"], mesh, rules)
+            ),
+            params,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
     self.config = model.config
     self.max_length = max_length or self.config.max_position_embeddings
     self.bucket_size = bucket_size
@@ -228,14 +246,23 @@ class Sampler:
       raise ValueError(
           f"Prompt of {longest_prompt} tokens plus max_new_tokens="
           f"{max_new_tokens} does not fit the cache of {self.max_length} "
-          "tokens.")
+          "tokens."
+      )
     bucket = -(-longest_prompt // self.bucket_size) * self.bucket_size
     return min(bucket, room)
 
-  def sample(self, params: nnx.State, prompts: Sequence[Sequence[int]],
-             key: jax.Array, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0,
-             stop_ids: Sequence[int] | None = None) -> SampleOutput:
+  def sample(
+      self,
+      params: nnx.State,
+      prompts: Sequence[Sequence[int]],
+      key: jax.Array,
+      *,
+      max_new_tokens: int,
+      temperature: float = 1.0,
+      top_k: int = 0,
+      top_p: float = 1.0,
+      stop_ids: Sequence[int] | None = None,
+  ) -> SampleOutput:
     """Samples completions of token-list prompts.
 
     Args:
@@ -252,26 +279,43 @@ class Sampler:
       A `SampleOutput`.
     """
     settings = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, stop_ids=tuple(self.config.eos_token_ids
-                                    if stop_ids is None else stop_ids))
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=tuple(
+            self.config.eos_token_ids if stop_ids is None else stop_ids
+        ),
+    )
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("Every prompt needs at least one token.")
     length = self.bucket_length(max(len(p) for p in prompts), max_new_tokens)
     rows = len(prompts)
-    if self.mesh is not None:   # the data axes must divide the batch
+    if self.mesh is not None:  # the data axes must divide the batch
       axes = self.rules.get("batch") or ()
-      multiple = int(np.prod([self.mesh.shape[a] for a in (
-          (axes,) if isinstance(axes, str) else axes)]))
+      multiple = int(
+          np.prod(
+              [
+                  self.mesh.shape[a]
+                  for a in ((axes,) if isinstance(axes, str) else axes)
+              ]
+          )
+      )
       prompts = list(prompts) + [prompts[0]] * (-rows % multiple)
     ids, mask = pad_prompts(prompts, length, self.pad_id)
     out = self.sample_padded(params, ids, mask, key, settings)
-    return out if len(prompts) == rows else jax.tree.map(
-        lambda x: x[:rows], out)
+    return (
+        out if len(prompts) == rows else jax.tree.map(lambda x: x[:rows], out)
+    )
 
-  def sample_padded(self, params: nnx.State, prompt_ids_BxP: Any,
-                    prompt_mask_BxP: Any, key: jax.Array,
-                    settings: SamplingParams) -> SampleOutput:
+  def sample_padded(
+      self,
+      params: nnx.State,
+      prompt_ids_BxP: Any,
+      prompt_mask_BxP: Any,
+      key: jax.Array,
+      settings: SamplingParams,
+  ) -> SampleOutput:
     """Samples from prompts already left-padded to `[B, P]`.
 
     Args:
@@ -289,41 +333,61 @@ class Sampler:
       raise ValueError(
           f"Prompt of {P} tokens plus max_new_tokens="
           f"{settings.max_new_tokens} does not fit the cache of "
-          f"{self.max_length} tokens.")
+          f"{self.max_length} tokens."
+      )
     n_stop = -(-max(len(settings.stop_ids), 1) // _STOP_SLOTS) * _STOP_SLOTS
     stop_ids = np.full((n_stop,), -1, np.int32)
-    stop_ids[:len(settings.stop_ids)] = settings.stop_ids
+    stop_ids[: len(settings.stop_ids)] = settings.stop_ids
     static = dataclasses.replace(settings, stop_ids=())
     compile_key = (B, P, n_stop, static)
     if compile_key not in self._compiled:
       self._compiled[compile_key] = self._jit(static)
     return self._compiled[compile_key](
-        params, jnp.asarray(prompt_ids_BxP, jnp.int32),
-        jnp.asarray(prompt_mask_BxP, bool), jnp.asarray(stop_ids), key)
+        params,
+        jnp.asarray(prompt_ids_BxP, jnp.int32),
+        jnp.asarray(prompt_mask_BxP, bool),
+        jnp.asarray(stop_ids),
+        key,
+    )
 
   def _jit(self, settings: SamplingParams) -> Callable[..., SampleOutput]:
     """The sampling program; under a mesh, with explicit shardings: params
     by the partition rules, prompts and outputs split along the batch."""
     if self.mesh is None:
       return jax.jit(lambda *args: self._generate(*args, settings))
-    rows = lambda ndim: logical_to_mesh(("batch",) + (None,) * (ndim - 1),
-                                        self.mesh, self.rules)
+    rows = lambda ndim: logical_to_mesh(
+        ("batch",) + (None,) * (ndim - 1), self.mesh, self.rules
+    )
     replicated = logical_to_mesh((), self.mesh, self.rules)
 
     def generate(*args):
       with activation_sharding(self.mesh, self.rules):
         return self._generate(*args, settings)
 
-    outputs = SampleOutput(*(rows(2) for _ in range(4)), lengths=rows(1),
-                           logprobs=rows(2))
-    return jax.jit(generate,
-                   in_shardings=(self._params_sharding, rows(2), rows(2),
-                                 replicated, replicated),
-                   out_shardings=outputs)
+    outputs = SampleOutput(
+        *(rows(2) for _ in range(4)), lengths=rows(1), logprobs=rows(2)
+    )
+    return jax.jit(
+        generate,
+        in_shardings=(
+            self._params_sharding,
+            rows(2),
+            rows(2),
+            replicated,
+            replicated,
+        ),
+        out_shardings=outputs,
+    )
 
-  def _generate(self, params: nnx.State, prompt_ids_BxP: jax.Array,
-                prompt_mask_BxP: jax.Array, stop_ids: jax.Array,
-                key: jax.Array, settings: SamplingParams) -> SampleOutput:
+  def _generate(
+      self,
+      params: nnx.State,
+      prompt_ids_BxP: jax.Array,
+      prompt_mask_BxP: jax.Array,
+      stop_ids: jax.Array,
+      key: jax.Array,
+      settings: SamplingParams,
+  ) -> SampleOutput:
     """Traced body: prefill, then a while loop of single-token steps.
 
     `stop_ids` is padded with -1, which no token equals.
@@ -336,45 +400,81 @@ class Sampler:
 
     cache = init_cache(self.config, B, P + N - 1)
     hidden_BxPxD, cache = model.hidden_states(
-        prompt_ids_BxP, attention_mask=prompt_mask_BxP, cache=cache)
+        prompt_ids_BxP, attention_mask=prompt_mask_BxP, cache=cache
+    )
     logits_BxV = project_logits(hidden_BxPxD[:, -1:], w_DxV)[:, 0]
 
     def emit(state):
-      step, cache, logits_BxV, done_B, tokens_BxN, mask_BxN, logprobs_BxN = state
+      step, cache, logits_BxV, done_B, tokens_BxN, mask_BxN, logprobs_BxN = (
+          state
+      )
       token_B, logprob_B = sample_token(
-          logits_BxV, jax.random.fold_in(key, step), settings)
+          logits_BxV, jax.random.fold_in(key, step), settings
+      )
       live_B = ~done_B
       token_B = jnp.where(live_B, token_B, self.pad_id)
       tokens_BxN = tokens_BxN.at[:, step].set(token_B)
       mask_BxN = mask_BxN.at[:, step].set(live_B)
       logprobs_BxN = logprobs_BxN.at[:, step].set(
-          jnp.where(live_B, logprob_B, 0.0))
+          jnp.where(live_B, logprob_B, 0.0)
+      )
       done_B = done_B | jnp.isin(token_B, stop_ids)
-      return (step, cache, token_B, done_B, tokens_BxN, mask_BxN,
-              logprobs_BxN), live_B
+      return (
+          step,
+          cache,
+          token_B,
+          done_B,
+          tokens_BxN,
+          mask_BxN,
+          logprobs_BxN,
+      ), live_B
 
     def body(state):
-      (step, cache, token_B, done_B, tokens_BxN, mask_BxN,
-       logprobs_BxN), live_B = emit(state)
+      (
+          step,
+          cache,
+          token_B,
+          done_B,
+          tokens_BxN,
+          mask_BxN,
+          logprobs_BxN,
+      ), live_B = emit(state)
       hidden_Bx1xD, cache = model.hidden_states(
-          token_B[:, None], attention_mask=live_B[:, None], cache=cache)
+          token_B[:, None], attention_mask=live_B[:, None], cache=cache
+      )
       logits_BxV = project_logits(hidden_Bx1xD, w_DxV)[:, 0]
-      return (step + 1, cache, logits_BxV, done_B, tokens_BxN, mask_BxN,
-              logprobs_BxN)
+      return (
+          step + 1,
+          cache,
+          logits_BxV,
+          done_B,
+          tokens_BxN,
+          mask_BxN,
+          logprobs_BxN,
+      )
 
     def cond(state):
       step, done_B = state[0], state[3]
       return (step < N - 1) & ~jnp.all(done_B)
 
-    state = (jnp.zeros((), jnp.int32), cache, logits_BxV,
-             jnp.zeros((B,), bool), jnp.full((B, N), self.pad_id, jnp.int32),
-             jnp.zeros((B, N), bool), jnp.zeros((B, N), jnp.float32))
+    state = (
+        jnp.zeros((), jnp.int32),
+        cache,
+        logits_BxV,
+        jnp.zeros((B,), bool),
+        jnp.full((B, N), self.pad_id, jnp.int32),
+        jnp.zeros((B, N), bool),
+        jnp.zeros((B, N), jnp.float32),
+    )
     state = jax.lax.while_loop(cond, body, state)
     # The last token needs no forward pass after it (when every row stopped
     # early, this writes one more padding slot).
     (_, _, _, _, tokens_BxN, mask_BxN, logprobs_BxN), _ = emit(state)
     return SampleOutput(
-        prompt_ids=prompt_ids_BxP, prompt_mask=prompt_mask_BxP.astype(jnp.int32),
-        tokens=tokens_BxN, mask=mask_BxN.astype(jnp.int32),
+        prompt_ids=prompt_ids_BxP,
+        prompt_mask=prompt_mask_BxP.astype(jnp.int32),
+        tokens=tokens_BxN,
+        mask=mask_BxN.astype(jnp.int32),
         lengths=jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32),
-        logprobs=logprobs_BxN)
+        logprobs=logprobs_BxN,
+    )

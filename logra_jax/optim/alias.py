@@ -97,23 +97,37 @@ def logra(
     Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
     Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024.
   """
-  kl = ([] if target_kl is None
-        else [kl_control.scale_by_predicted_kl(target_kl, mode=kl_mode)])
+  kl = (
+      []
+      if target_kl is None
+      else [kl_control.scale_by_predicted_kl(target_kl, mode=kl_mode)]
+  )
   decay = []
   if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
     stage = factored_lib.add_decayed_weights(weight_decay)
-    decay = [stage if weight_decay_mask is None
-             else optax.masked(stage, weight_decay_mask)]
+    decay = [
+        stage
+        if weight_decay_mask is None
+        else optax.masked(stage, weight_decay_mask)
+    ]
   return optax.chain(
       transforms.project(
-          rank=rank, kind=kind, refresh_every=refresh_every,
-          power_iters=power_iters, oversample=oversample, seed=seed,
-          dimension_numbers=dimension_numbers, mask=mask,
-          moment_policy=moment_policy),
+          rank=rank,
+          kind=kind,
+          refresh_every=refresh_every,
+          power_iters=power_iters,
+          oversample=oversample,
+          seed=seed,
+          dimension_numbers=dimension_numbers,
+          mask=mask,
+          moment_policy=moment_policy,
+      ),
       transforms.low_rank_moments(
-          optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)),
-      transforms.unproject(scale=scale, keep_factors=keep_factors,
-                           factored=factored),
+          optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)
+      ),
+      transforms.unproject(
+          scale=scale, keep_factors=keep_factors, factored=factored
+      ),
       *decay,
       optax.scale_by_learning_rate(learning_rate),
       *kl,

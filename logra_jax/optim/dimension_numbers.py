@@ -133,8 +133,9 @@ def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, DimensionNumbers)
 
 
-def _spec_for_shape(path: str, shape: tuple[int, ...],
-                    spec: DimensionNumbers) -> tuple[tuple[int, ...], ...]:
+def _spec_for_shape(
+    path: str, shape: tuple[int, ...], spec: DimensionNumbers
+) -> tuple[tuple[int, ...], ...]:
   """Normalizes ``spec`` against ``shape``; raises naming ``path`` if invalid."""
   ndim = len(shape)
   groups = []
@@ -145,29 +146,34 @@ def _spec_for_shape(path: str, shape: tuple[int, ...],
         raise ValueError(
             f"dimension numbers for parameter {path!r} with shape {shape}: "
             f"{name} contains axis {a}, out of range for a {ndim}-d weight "
-            f"(got {spec})")
+            f"(got {spec})"
+        )
     groups.append(tuple(a % ndim for a in axes))
   reduction, output, batch = groups
   if not reduction or not output:
     raise ValueError(
         f"dimension numbers for parameter {path!r} with shape {shape}: "
-        f"reduction_axes and output_axes must be non-empty (got {spec})")
+        f"reduction_axes and output_axes must be non-empty (got {spec})"
+    )
   flat = reduction + output + batch
   if len(set(flat)) != len(flat):
     raise ValueError(
         f"dimension numbers for parameter {path!r} with shape {shape}: "
-        f"axes overlap (got {spec})")
+        f"axes overlap (got {spec})"
+    )
   if sorted(flat) != list(range(ndim)):
     missing = sorted(set(range(ndim)) - set(flat))
     raise ValueError(
         f"dimension numbers for parameter {path!r} with shape {shape}: "
         f"axes {missing} are in no group; every axis must be a reduction, "
-        f"output or batch axis (got {spec})")
+        f"output or batch axis (got {spec})"
+    )
   return reduction, output, batch
 
 
-def resolve_specs(params: Any, dimension_numbers: SpecTree | None,
-                  mask: Any | None) -> list[DimensionNumbers | None]:
+def resolve_specs(
+    params: Any, dimension_numbers: SpecTree | None, mask: Any | None
+) -> list[DimensionNumbers | None]:
   """Returns one ``DimensionNumbers`` (or None: dense) per leaf of ``params``.
 
   ``dimension_numbers`` is None (every 2-d leaf is a matrix, other leaves are
@@ -183,8 +189,11 @@ def resolve_specs(params: Any, dimension_numbers: SpecTree | None,
   elif isinstance(dimension_numbers, DimensionNumbers):
     specs = [dimension_numbers if jnp.ndim(p) >= 2 else None for p in leaves]
   else:
-    tree = (dimension_numbers(params) if callable(dimension_numbers)
-            else dimension_numbers)
+    tree = (
+        dimension_numbers(params)
+        if callable(dimension_numbers)
+        else dimension_numbers
+    )
     specs = _broadcast_prefix("dimension_numbers", tree, params, _is_spec_leaf)
   if mask is not None:
     mask_tree = mask(params) if callable(mask) else mask
@@ -199,23 +208,36 @@ def _broadcast_prefix(name: str, tree: Any, params: Any, is_leaf) -> list:
   try:
     subtrees = treedef.flatten_up_to(params)
   except (ValueError, TypeError):
-    params_paths = {jax.tree_util.keystr(k) for k, _ in
-                    jax.tree_util.tree_flatten_with_path(params)[0]}
-    tree_paths = {jax.tree_util.keystr(k) for k, _ in
-                  jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
-    missing = sorted(p for p in params_paths
-                     if not any(p.startswith(t) for t in tree_paths))
-    extra = sorted(t for t in tree_paths
-                   if not any(p.startswith(t) for p in params_paths))
+    params_paths = {
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    tree_paths = {
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[
+            0
+        ]
+    }
+    missing = sorted(
+        p for p in params_paths if not any(p.startswith(t) for t in tree_paths)
+    )
+    extra = sorted(
+        t for t in tree_paths if not any(p.startswith(t) for p in params_paths)
+    )
     raise ValueError(
         f"{name} does not match the parameters: missing entries for "
-        f"{missing[:5]}, entries for unknown parameters {extra[:5]}") from None
-  return [leaf for leaf, sub in zip(tree_leaves, subtrees)
-          for _ in jax.tree.leaves(sub)]
+        f"{missing[:5]}, entries for unknown parameters {extra[:5]}"
+    ) from None
+  return [
+      leaf
+      for leaf, sub in zip(tree_leaves, subtrees)
+      for _ in jax.tree.leaves(sub)
+  ]
 
 
-def plan_leaves(params: Any, rank: int, dimension_numbers: SpecTree | None,
-                mask: Any | None) -> Any:
+def plan_leaves(
+    params: Any, rank: int, dimension_numbers: SpecTree | None, mask: Any | None
+) -> Any:
   """Builds the static ``LeafPlan`` of every parameter leaf.
 
   Raises:
@@ -238,10 +260,19 @@ def plan_leaves(params: Any, rank: int, dimension_numbers: SpecTree | None,
     if rank > max(m, n):
       raise ValueError(
           f"rank={rank} is larger than both dimensions of parameter {path!r} "
-          f"viewed as a {m}x{n} matrix (shape {shape})")
-    plans.append(LeafPlan(
-        path=path, index=index, shape=shape, dtype=dtype,
-        perm=batch + reduction + output,
-        batch=math.prod(shape[a] for a in batch), m=m, n=n,
-        rank=min(rank, m, n)))
+          f"viewed as a {m}x{n} matrix (shape {shape})"
+      )
+    plans.append(
+        LeafPlan(
+            path=path,
+            index=index,
+            shape=shape,
+            dtype=dtype,
+            perm=batch + reduction + output,
+            batch=math.prod(shape[a] for a in batch),
+            m=m,
+            n=n,
+            rank=min(rank, m, n),
+        )
+    )
   return jax.tree.unflatten(treedef, plans)

@@ -47,9 +47,11 @@ BASE_DTYPES = ("float32", "bfloat16")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["base", "coords", "scale"],
-                   meta_fields=["plan"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["base", "coords", "scale"],
+    meta_fields=["plan"],
+)
 @dataclasses.dataclass(frozen=True)
 class FactoredWeight:
   r"""One projected weight held as :math:`W = c\,B + P A`.
@@ -83,13 +85,19 @@ def is_factored(x) -> bool:
 def _project_state(opt_state) -> transforms.ProjectState:
   found = transforms.find_states(opt_state, transforms.ProjectState)
   if len(found) != 1:
-    raise ValueError("a factored policy needs an optimizer state with exactly "
-                     f"one logra.project stage; found {len(found)}")
+    raise ValueError(
+        "a factored policy needs an optimizer state with exactly "
+        f"one logra.project stage; found {len(found)}"
+    )
   return found[0]
 
 
-def factor(params: Any, opt_state: optax.OptState,
-           base_dtype: str = "float32", decay: bool = False) -> Any:
+def factor(
+    params: Any,
+    opt_state: optax.OptState,
+    base_dtype: str = "float32",
+    decay: bool = False,
+) -> Any:
   """The factored form of ``params``: each projected leaf as
   :class:`FactoredWeight` ``(B = param in base_dtype, A = 0, c = 1)``.
 
@@ -117,8 +125,9 @@ def factor(params: Any, opt_state: optax.OptState,
     (dtype(bfloat16), (1, 2, 8))
   """
   if base_dtype not in BASE_DTYPES:
-    raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got "
-                     f"{base_dtype!r}")
+    raise ValueError(
+        f"base_dtype must be one of {BASE_DTYPES}, got " f"{base_dtype!r}"
+    )
   spec = _project_state(opt_state).spec
   flat = transforms._flatten_like(spec, params, "params")
   leaves = []
@@ -126,29 +135,33 @@ def factor(params: Any, opt_state: optax.OptState,
     if tuple(jnp.shape(p)) != plan.shape:
       raise ValueError(
           f"parameter {plan.path!r} has shape {tuple(jnp.shape(p))}, but the "
-          f"optimizer state was initialized for shape {plan.shape}")
+          f"optimizer state was initialized for shape {plan.shape}"
+      )
     if not plan.projected:
       leaves.append(p)
       continue
     check_layers_in_out(plan, "a factored policy")
-    leaves.append(FactoredWeight(
-        base=jnp.asarray(p).astype(base_dtype),
-        coords=jnp.zeros(plan.sketch_shape, jnp.float32),
-        scale=jnp.ones((plan.batch,), jnp.float32) if decay else None,
-        plan=plan))
+    leaves.append(
+        FactoredWeight(
+            base=jnp.asarray(p).astype(base_dtype),
+            coords=jnp.zeros(plan.sketch_shape, jnp.float32),
+            scale=jnp.ones((plan.batch,), jnp.float32) if decay else None,
+            plan=plan,
+        )
+    )
   return spec.treedef.unflatten(leaves)
 
 
 def check_layers_in_out(plan: LeafPlan, what: str) -> None:
   """Raises unless a projected leaf is laid out ``[*layers, in, out]``."""
   ndim = len(plan.shape)
-  if (plan.perm != tuple(range(ndim))
-      or plan.shape[-2:] != (plan.m, plan.n)):
+  if plan.perm != tuple(range(ndim)) or plan.shape[-2:] != (plan.m, plan.n):
     raise ValueError(
         f"{what} needs projected parameter {plan.path!r} laid out as "
         f"[*layers, in, out] with one input and one output axis; its "
         f"dimension numbers give shape {plan.shape} -> {plan.batch} x "
-        f"{plan.m} x {plan.n}; use dense gradients for it")
+        f"{plan.m} x {plan.n}; use dense gradients for it"
+    )
 
 
 def without_base(params: Any) -> Any:
@@ -156,15 +169,20 @@ def without_base(params: Any) -> Any:
   the part a step changes."""
   return jax.tree.map(
       lambda p: dataclasses.replace(p, base=None) if is_factored(p) else p,
-      params, is_leaf=is_factored)
+      params,
+      is_leaf=is_factored,
+  )
 
 
 def with_base(trainable: Any, params: Any) -> Any:
   """``trainable`` (from :func:`without_base`) with the bases of ``params``
   put back."""
   return jax.tree.map(
-      lambda t, p: dataclasses.replace(t, base=p.base) if is_factored(t)
-      else t, trainable, params, is_leaf=is_factored)
+      lambda t, p: dataclasses.replace(t, base=p.base) if is_factored(t) else t,
+      trainable,
+      params,
+      is_leaf=is_factored,
+  )
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
@@ -179,28 +197,35 @@ def apply_updates(params: Any, updates: Any) -> Any:
     TypeError: naming the leaf, for a dense update of a factored weight or
       a decayed update of a weight kept without a scale.
   """
+
   def leaf(p, u):
     if not is_factored(p):
-      return None if p is None else (jnp.asarray(p) + u).astype(
-          jnp.result_type(p))
+      return (
+          None if p is None else (jnp.asarray(p) + u).astype(jnp.result_type(p))
+      )
     if not isinstance(u, FactoredDelta):
-      raise TypeError(f"factored parameter {p.plan.path!r} needs a "
-                      f"FactoredDelta update, got {type(u).__name__}")
+      raise TypeError(
+          f"factored parameter {p.plan.path!r} needs a "
+          f"FactoredDelta update, got {type(u).__name__}"
+      )
     if u.decay is None:
       return dataclasses.replace(p, coords=p.coords + u.coords)
     if p.scale is None:
       raise TypeError(
           f"factored parameter {p.plan.path!r} was made without a scale "
-          "(factor(..., decay=False)) but the update decays it")
+          "(factor(..., decay=False)) but the update decays it"
+      )
     keep = 1.0 + u.decay
-    return dataclasses.replace(p, coords=keep * p.coords + u.coords,
-                               scale=keep * p.scale)
+    return dataclasses.replace(
+        p, coords=keep * p.coords + u.coords, scale=keep * p.scale
+    )
 
   return jax.tree.map(leaf, params, updates, is_leaf=is_factored)
 
 
-def _low_rank_term(plan: LeafPlan, p_LxR: jax.Array,
-                   a_RxS: jax.Array) -> jax.Array:
+def _low_rank_term(
+    plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array
+) -> jax.Array:
   """``P A`` of one matrix as ``[m, n]`` float32 (transposed when wide)."""
   term = jnp.dot(p_LxR, a_RxS, precision=_HIGHEST)
   return term if plan.left else term.T
@@ -229,8 +254,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   if np.dtype(dtype) == np.float32:
     return x
   if np.dtype(dtype) != jnp.bfloat16:
-    raise ValueError(f"stochastic_round rounds to float32 or bfloat16, got "
-                     f"{np.dtype(dtype)}")
+    raise ValueError(
+        f"stochastic_round rounds to float32 or bfloat16, got "
+        f"{np.dtype(dtype)}"
+    )
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   noise = uniform_bits(key, x.shape) >> 16
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
@@ -267,7 +294,8 @@ def flat_index(shape: tuple[int, ...]) -> jax.Array:
   index, stride = jnp.zeros(shape, jnp.uint32), 1
   for axis in reversed(range(len(shape))):
     index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
-        stride % 2**32)
+        stride % 2**32
+    )
     stride *= shape[axis]
   return index
 
@@ -280,8 +308,9 @@ def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
 
 
-def _merge_leaf(w: FactoredWeight, p_BxLxR: jax.Array, seed: int,
-                step: jax.Array) -> FactoredWeight:
+def _merge_leaf(
+    w: FactoredWeight, p_BxLxR: jax.Array, seed: int, step: jax.Array
+) -> FactoredWeight:
   """One leaf's window merged, one matrix at a time (in place)."""
   plan = w.plan
   dtype = jnp.result_type(w.base)
@@ -289,20 +318,24 @@ def _merge_leaf(w: FactoredWeight, p_BxLxR: jax.Array, seed: int,
 
   def one(i, b_BxMxN):
     scale = 1.0 if w.scale is None else w.scale[i]
-    merged = (scale * b_BxMxN[i].astype(jnp.float32)
-              + _low_rank_term(plan, p_BxLxR[i], w.coords[i]))
+    merged = scale * b_BxMxN[i].astype(jnp.float32) + _low_rank_term(
+        plan, p_BxLxR[i], w.coords[i]
+    )
     rounded = stochastic_round(merged, dtype, jax.random.fold_in(key, i))
     return b_BxMxN.at[i].set(rounded.astype(dtype))
 
   b_BxMxN = jax.lax.fori_loop(
-      0, plan.batch, one, w.base.reshape(plan.batch, plan.m, plan.n))
+      0, plan.batch, one, w.base.reshape(plan.batch, plan.m, plan.n)
+  )
   return FactoredWeight(
-      base=b_BxMxN.reshape(plan.shape), coords=jnp.zeros_like(w.coords),
-      scale=None if w.scale is None else jnp.ones_like(w.scale), plan=plan)
+      base=b_BxMxN.reshape(plan.shape),
+      coords=jnp.zeros_like(w.coords),
+      scale=None if w.scale is None else jnp.ones_like(w.scale),
+      plan=plan,
+  )
 
 
-def merge(params: Any, projectors: Any, *, seed: int,
-          step: jax.Array) -> Any:
+def merge(params: Any, projectors: Any, *, seed: int, step: jax.Array) -> Any:
   r"""Every factored weight's window merged into its base.
 
   :math:`B \leftarrow \mathrm{round}(c B + P A)`, ``A <- 0``, ``c <- 1``,
@@ -323,13 +356,17 @@ def merge(params: Any, projectors: Any, *, seed: int,
   """
   flat, treedef = jax.tree.flatten(params, is_leaf=is_factored)
   flat_p = treedef.flatten_up_to(projectors)
-  return treedef.unflatten([
-      _merge_leaf(w, p, seed, step) if is_factored(w) else w
-      for w, p in zip(flat, flat_p)])
+  return treedef.unflatten(
+      [
+          _merge_leaf(w, p, seed, step) if is_factored(w) else w
+          for w, p in zip(flat, flat_p)
+      ]
+  )
 
 
-def merge_at_refresh(params: Any, opt_state: optax.OptState, *,
-                     seed: int) -> Any:
+def merge_at_refresh(
+    params: Any, opt_state: optax.OptState, *, seed: int
+) -> Any:
   """``params`` merged (:func:`merge`) when the optimizer's next update
   refreshes its projectors, unchanged otherwise (``lax.cond``); the step is
   the ``project`` stage's count."""
@@ -337,12 +374,15 @@ def merge_at_refresh(params: Any, opt_state: optax.OptState, *,
   due = state.count % state.spec.config.refresh_every == 0
   projectors = transforms.window_projectors(opt_state)
   return jax.lax.cond(
-      due, lambda: merge(params, projectors, seed=seed, step=state.count),
-      lambda: params)
+      due,
+      lambda: merge(params, projectors, seed=seed, step=state.count),
+      lambda: params,
+  )
 
 
-def effective_weights(params: Any, projectors: Any,
-                      dtype: Optional[Any] = None) -> Any:
+def effective_weights(
+    params: Any, projectors: Any, dtype: Optional[Any] = None
+) -> Any:
   r"""The dense weights :math:`W = c B + P A` of factored params.
 
   Args:
@@ -354,6 +394,7 @@ def effective_weights(params: Any, projectors: Any,
   Returns:
     A tree like the original params, every leaf an array.
   """
+
   def dense(w, p_BxLxR):
     if not is_factored(w):
       return w
@@ -361,8 +402,7 @@ def effective_weights(params: Any, projectors: Any,
     b_BxMxN = w.base.reshape(plan.batch, plan.m, plan.n).astype(jnp.float32)
     if w.scale is not None:
       b_BxMxN = w.scale[:, None, None] * b_BxMxN
-    term = jax.vmap(functools.partial(_low_rank_term, plan))(p_BxLxR,
-                                                             w.coords)
+    term = jax.vmap(functools.partial(_low_rank_term, plan))(p_BxLxR, w.coords)
     out = (b_BxMxN + term).reshape(plan.shape)
     return out.astype(plan.dtype if dtype is None else dtype)
 
@@ -386,6 +426,7 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
     >>> updates["b"].tolist()
     [2.0, 2.0]
   """
+
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError(optax.NO_PARAMS_MSG)
@@ -394,7 +435,8 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
       if isinstance(u, FactoredDelta):
         decay = jnp.asarray(weight_decay, jnp.float32)
         return dataclasses.replace(
-            u, decay=decay if u.decay is None else u.decay + decay)
+            u, decay=decay if u.decay is None else u.decay + decay
+        )
       return None if u is None else u + weight_decay * p
 
     is_delta = lambda x: isinstance(x, FactoredDelta) or x is None
@@ -413,7 +455,8 @@ def update_norm(updates: Any, params: Any, projectors: Any) -> jax.Array:
   when the step decays.
   """
   flat_u, treedef = jax.tree.flatten(
-      updates, is_leaf=lambda x: isinstance(x, FactoredDelta))
+      updates, is_leaf=lambda x: isinstance(x, FactoredDelta)
+  )
   flat_w = treedef.flatten_up_to(params)
   flat_p = treedef.flatten_up_to(projectors)
   total = jnp.zeros([], jnp.float32)
@@ -426,18 +469,24 @@ def update_norm(updates: Any, params: Any, projectors: Any) -> jax.Array:
       continue
     plan = w.plan
     b_BxMxN = w.base.reshape(plan.batch, plan.m, plan.n)
-    pt_b = (jnp.einsum("bmr,bmn->brn", p_BxLxR, b_BxMxN,
-                       preferred_element_type=jnp.float32)
-            if plan.left else
-            jnp.einsum("bmn,bnr->brm", b_BxMxN, p_BxLxR,
-                       preferred_element_type=jnp.float32))
+    pt_b = (
+        jnp.einsum(
+            "bmr,bmn->brn", p_BxLxR, b_BxMxN, preferred_element_type=jnp.float32
+        )
+        if plan.left
+        else jnp.einsum(
+            "bmn,bnr->brm", b_BxMxN, p_BxLxR, preferred_element_type=jnp.float32
+        )
+    )
     scale = 1.0 if w.scale is None else w.scale[:, None, None]
     pt_w = scale * pt_b + w.coords
     # ||W||^2 = ||c B||^2 + 2 <c P^T B, A> + ||A||^2.
     b_sq = jnp.sum(jnp.square(b_BxMxN.astype(jnp.float32)), axis=(1, 2))
     c_sq = 1.0 if w.scale is None else jnp.square(w.scale)
-    w_sq = (jnp.sum(c_sq * b_sq) + 2 * jnp.sum(scale * pt_b * w.coords)
-            + jnp.sum(jnp.square(w.coords)))
-    total += (jnp.square(u.decay) * w_sq
-              + 2 * u.decay * jnp.sum(pt_w * u.coords))
+    w_sq = (
+        jnp.sum(c_sq * b_sq)
+        + 2 * jnp.sum(scale * pt_b * w.coords)
+        + jnp.sum(jnp.square(w.coords))
+    )
+    total += jnp.square(u.decay) * w_sq + 2 * u.decay * jnp.sum(pt_w * u.coords)
   return jnp.sqrt(jnp.maximum(total, 0.0))

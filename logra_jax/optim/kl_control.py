@@ -34,20 +34,24 @@ from logra_jax.optim.transforms import find_states
 KL_MODES = ("clamp", "target")
 
 
-def _factored_tangent(delta: FactoredDelta,
-                      weight: factored_lib.FactoredWeight) -> Any:
+def _factored_tangent(
+    delta: FactoredDelta, weight: factored_lib.FactoredWeight
+) -> Any:
   r"""The tangent of ``(B, A, c)`` that moves ``W = c B + P A`` by
   ``D = a W + P Delta``: ``(0, a A + Delta, a c)``."""
   decay = 0.0 if delta.decay is None else delta.decay
   return dataclasses.replace(
-      weight, base=jnp.zeros_like(weight.base),
+      weight,
+      base=jnp.zeros_like(weight.base),
       coords=decay * weight.coords + delta.coords,
-      scale=None if weight.scale is None else decay * weight.scale)
+      scale=None if weight.scale is None else decay * weight.scale,
+  )
 
 
 def _densify(update: Any, params: Any) -> Any:
   """A tangent with the params' structure and dtypes: dense, or in the
   coordinates of factored params for :class:`FactoredDelta` updates."""
+
   def leaf(u, p):
     if isinstance(u, FactoredUpdate):
       u = u.dense()
@@ -55,7 +59,8 @@ def _densify(update: Any, params: Any) -> Any:
       if not factored_lib.is_factored(p):
         raise ValueError(
             f"a factored update of parameter {u.plan.path!r} needs factored "
-            "params (logra_jax.optim.factored.factor) in the KL predictor")
+            "params (logra_jax.optim.factored.factor) in the KL predictor"
+        )
       u = _factored_tangent(u, p)
     return jax.tree.map(lambda t, q: jnp.asarray(t).astype(q.dtype), u, p)
 
@@ -66,7 +71,8 @@ def _densify(update: Any, params: Any) -> Any:
     raise ValueError(
         "the update given to the KL predictor does not match the structure of "
         f"the params it was built with: {jax.tree.structure(update)} vs "
-        f"{jax.tree.structure(params)}") from None
+        f"{jax.tree.structure(params)}"
+    ) from None
   return treedef.unflatten([leaf(u, p) for u, p in zip(flat_u, flat_p)])
 
 
@@ -107,8 +113,9 @@ class KLPredictor:
   def __call__(self, update: Any) -> jax.Array:
     tokens = jnp.sum(self.token_mask)
     total = jnp.sum(self.token_kl(update) * self.token_mask)
-    return jnp.where(tokens > 0, total / jnp.where(tokens > 0, tokens, 1.0),
-                     jnp.nan)
+    return jnp.where(
+        tokens > 0, total / jnp.where(tokens > 0, tokens, 1.0), jnp.nan
+    )
 
 
 def make_kl_predictor(
@@ -186,16 +193,19 @@ def make_kl_predictor(
   num_rows = jnp.shape(leaves[0])[0]
   if subsample is not None:
     if not 1 <= subsample <= num_rows:
-      raise ValueError(f"subsample must be in [1, {num_rows}] (the batch "
-                       f"size), got {subsample}")
+      raise ValueError(
+          f"subsample must be in [1, {num_rows}] (the batch "
+          f"size), got {subsample}"
+      )
     rows = jnp.arange(subsample) * (num_rows // subsample)
     batch = _rows(batch, rows)
     token_mask = None if token_mask is None else _rows(token_mask, rows)
 
   def token_kl(update):
     tangent = _densify(update, params)
-    primal_out, tangent_out = jax.jvp(lambda p: logits_fn(p, batch),
-                                      (params,), (tangent,))
+    primal_out, tangent_out = jax.jvp(
+        lambda p: logits_fn(p, batch), (params,), (tangent,)
+    )
     if isinstance(primal_out, (tuple, list)):
       hidden_BxTxD, w_DxV = primal_out
       d_hidden_BxTxD, d_w_DxV = tangent_out
@@ -210,36 +220,44 @@ def make_kl_predictor(
       @jax.checkpoint
       def chunk(args):
         h_BxCxD, dh_BxCxD = args
-        logits = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV,
-                            preferred_element_type=jnp.float32)
-        tangent = (jnp.einsum("bcd,dv->bcv", dh_BxCxD, w_DxV,
-                              preferred_element_type=jnp.float32)
-                   + jnp.einsum("bcd,dv->bcv", h_BxCxD, d_w_DxV,
-                                preferred_element_type=jnp.float32))
+        logits = jnp.einsum(
+            "bcd,dv->bcv", h_BxCxD, w_DxV, preferred_element_type=jnp.float32
+        )
+        tangent = jnp.einsum(
+            "bcd,dv->bcv", dh_BxCxD, w_DxV, preferred_element_type=jnp.float32
+        ) + jnp.einsum(
+            "bcd,dv->bcv", h_BxCxD, d_w_DxV, preferred_element_type=jnp.float32
+        )
         return _token_variance(logits, tangent)
 
-      var_nxBxC = jax.lax.map(chunk, (to_chunks(hidden_BxTxD),
-                                      to_chunks(d_hidden_BxTxD)))
+      var_nxBxC = jax.lax.map(
+          chunk, (to_chunks(hidden_BxTxD), to_chunks(d_hidden_BxTxD))
+      )
       var_BxT = var_nxBxC.swapaxes(0, 1).reshape(B, n * C)[:, :T]
     else:
       var_BxT = _token_variance(primal_out, tangent_out)
     return 0.5 * var_BxT
 
   mask_shape = jax.eval_shape(
-      lambda: token_kl(jax.tree.map(jnp.zeros_like, params))).shape
+      lambda: token_kl(jax.tree.map(jnp.zeros_like, params))
+  ).shape
   if token_mask is None:
     token_mask = jnp.ones(mask_shape, jnp.float32)
   elif jnp.shape(token_mask) != mask_shape:
-    raise ValueError(f"token_mask has shape {jnp.shape(token_mask)} but the "
-                     f"logits have token shape {mask_shape}")
+    raise ValueError(
+        f"token_mask has shape {jnp.shape(token_mask)} but the "
+        f"logits have token shape {mask_shape}"
+    )
   token_mask = jnp.asarray(token_mask).astype(jnp.float32)
   try:
     empty = not bool(token_mask.any())
   except jax.errors.ConcretizationTypeError:  # traced: a NaN prediction skips
     empty = False
   if empty:
-    raise ValueError("make_kl_predictor: token_mask selects no token, so "
-                     "there is no KL to predict")
+    raise ValueError(
+        "make_kl_predictor: token_mask selects no token, so "
+        "there is no KL to predict"
+    )
   return KLPredictor(token_kl, token_mask)
 
 
@@ -262,14 +280,20 @@ class ScaleByPredictedKLState(NamedTuple):
   skipped_steps: jax.Array
 
 
-def kl_scale(predicted_kl: jax.Array, target_kl: float, min_scale: float,
-             max_scale: float) -> jax.Array:
+def kl_scale(
+    predicted_kl: jax.Array,
+    target_kl: float,
+    min_scale: float,
+    max_scale: float,
+) -> jax.Array:
   r"""``clip(sqrt(target_kl / predicted_kl), min_scale, max_scale)``; ``max_scale``
   where the prediction is 0."""
   ratio = target_kl / jnp.maximum(predicted_kl, jnp.finfo(jnp.float32).tiny)
-  return jnp.where(predicted_kl > 0,
-                   jnp.clip(jnp.sqrt(ratio), min_scale, max_scale),
-                   max_scale).astype(jnp.float32)
+  return jnp.where(
+      predicted_kl > 0,
+      jnp.clip(jnp.sqrt(ratio), min_scale, max_scale),
+      max_scale,
+  ).astype(jnp.float32)
 
 
 def scale_by_predicted_kl(
@@ -338,16 +362,20 @@ def scale_by_predicted_kl(
   if max_scale is None:
     max_scale = 1.0 if mode == "clamp" else 10.0
   if mode == "clamp" and max_scale > 1.0:
-    raise ValueError(f"mode='clamp' only shrinks steps, so max_scale must be "
-                     f"<= 1, got {max_scale}; use mode='target' to grow them")
+    raise ValueError(
+        f"mode='clamp' only shrinks steps, so max_scale must be "
+        f"<= 1, got {max_scale}; use mode='target' to grow them"
+    )
   if min_scale < 0:
     raise ValueError(f"min_scale must be >= 0, got {min_scale}")
   if min_scale > max_scale:
-    raise ValueError(f"min_scale ({min_scale}) must be <= max_scale "
-                     f"({max_scale})")
+    raise ValueError(
+        f"min_scale ({min_scale}) must be <= max_scale " f"({max_scale})"
+    )
   if token_quantile_cap is not None and not token_quantile_cap > 0:
     raise ValueError(
-        f"token_quantile_cap must be > 0, got {token_quantile_cap!r}")
+        f"token_quantile_cap must be > 0, got {token_quantile_cap!r}"
+    )
   if not 0 < quantile <= 1:
     raise ValueError(f"quantile must be in (0, 1], got {quantile}")
   warned = []
@@ -360,56 +388,71 @@ def scale_by_predicted_kl(
         predicted_kl=jnp.zeros([], jnp.float32),
         scale=jnp.ones([], jnp.float32),
         scaled_steps=jnp.zeros([], jnp.int32),
-        skipped_steps=jnp.zeros([], jnp.int32))
+        skipped_steps=jnp.zeros([], jnp.int32),
+    )
 
-  def update_fn(updates, state, params=None, *, kl_predictor=None,
-                **extra_args):
+  def update_fn(
+      updates, state, params=None, *, kl_predictor=None, **extra_args
+  ):
     del params, extra_args
     if kl_predictor is None:
       if not warned:
-        warnings.warn("scale_by_predicted_kl got no kl_predictor; updates pass "
-                      "through unscaled", stacklevel=2)
+        warnings.warn(
+            "scale_by_predicted_kl got no kl_predictor; updates pass "
+            "through unscaled",
+            stacklevel=2,
+        )
         warned.append(True)
       return updates, state._replace(
           count=optax.safe_increment(state.count),
           predicted_kl=jnp.full([], jnp.nan, jnp.float32),
-          scale=jnp.ones([], jnp.float32))
+          scale=jnp.ones([], jnp.float32),
+      )
     if token_quantile_cap is None:
       predicted = jnp.asarray(kl_predictor(updates), jnp.float32)
       quantile_scale = jnp.inf
     else:
       if not hasattr(kl_predictor, "token_kl"):
-        raise TypeError("token_quantile_cap needs a predictor with per-token "
-                        "values (from make_kl_predictor)")
+        raise TypeError(
+            "token_quantile_cap needs a predictor with per-token "
+            "values (from make_kl_predictor)"
+        )
       mask = kl_predictor.token_mask
       token_kl = kl_predictor.token_kl(updates)
       tokens = jnp.sum(mask)
-      predicted = jnp.where(tokens > 0, jnp.sum(token_kl * mask)
-                            / jnp.where(tokens > 0, tokens, 1.0), jnp.nan)
+      predicted = jnp.where(
+          tokens > 0,
+          jnp.sum(token_kl * mask) / jnp.where(tokens > 0, tokens, 1.0),
+          jnp.nan,
+      )
       top = jnp.nanquantile(jnp.where(mask > 0, token_kl, jnp.nan), quantile)
       quantile_scale = kl_scale(top, token_quantile_cap, 0.0, math.inf)
     valid = jnp.isfinite(predicted) & (predicted >= 0)
-    scale = jnp.minimum(kl_scale(predicted, target_kl, min_scale, max_scale),
-                        quantile_scale)
+    scale = jnp.minimum(
+        kl_scale(predicted, target_kl, min_scale, max_scale), quantile_scale
+    )
     scale = jnp.where(valid, scale, 0.0).astype(jnp.float32)
     updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
     return updates, ScaleByPredictedKLState(
         count=optax.safe_increment(state.count),
         predicted_kl=predicted,
         scale=scale,
-        scaled_steps=state.scaled_steps + (valid & (scale != 1)).astype(
-            jnp.int32),
-        skipped_steps=state.skipped_steps + (~valid).astype(jnp.int32))
+        scaled_steps=state.scaled_steps
+        + (valid & (scale != 1)).astype(jnp.int32),
+        skipped_steps=state.skipped_steps + (~valid).astype(jnp.int32),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def predicted_kl_state(opt_state: optax.OptState
-                       ) -> Optional[ScaleByPredictedKLState]:
+def predicted_kl_state(
+    opt_state: optax.OptState,
+) -> Optional[ScaleByPredictedKLState]:
   """The state of the ``scale_by_predicted_kl`` stage inside ``opt_state``,
   or None if the optimizer has none."""
   found = find_states(opt_state, ScaleByPredictedKLState)
   if len(found) > 1:
-    raise ValueError("the optimizer state holds more than one "
-                     "scale_by_predicted_kl stage")
+    raise ValueError(
+        "the optimizer state holds more than one " "scale_by_predicted_kl stage"
+    )
   return found[0] if found else None

@@ -27,9 +27,12 @@ def _batched(fn):
   per weight) can occupy every pool thread and wait on each other forever.
   One matrix per call runs inline. Elsewhere one batched call (``vmap``).
   """
+
   def apply(x_BxMxN):
     return jax.lax.platform_dependent(
-        x_BxMxN, cpu=lambda x: jax.lax.map(fn, x), default=jax.vmap(fn))
+        x_BxMxN, cpu=lambda x: jax.lax.map(fn, x), default=jax.vmap(fn)
+    )
+
   return apply
 
 
@@ -38,8 +41,9 @@ orthonormal_columns = _batched(lambda y_LxK: jnp.linalg.qr(y_LxK)[0])
 thin_svd = _batched(lambda x: jnp.linalg.svd(x, full_matrices=False))
 
 
-def random_projector(key: jax.Array, batch: int, long: int,
-                     rank: int) -> jax.Array:
+def random_projector(
+    key: jax.Array, batch: int, long: int, rank: int
+) -> jax.Array:
   """Orthonormalized Gaussian ``[batch, long, rank]`` (Flora-style).
 
   Regenerable from ``key``, so it never needs to be stored or sent.
@@ -48,8 +52,13 @@ def random_projector(key: jax.Array, batch: int, long: int,
   return orthonormal_columns(omega)
 
 
-def range_projector(g_BxLxS: jax.Array, key: jax.Array, rank: int,
-                    oversample: int, power_iters: int) -> jax.Array:
+def range_projector(
+    g_BxLxS: jax.Array,
+    key: jax.Array,
+    rank: int,
+    oversample: int,
+    power_iters: int,
+) -> jax.Array:
   r"""Randomized range finder (Halko, Martinsson & Tropp, 2011).
 
   With a Gaussian test matrix :math:`\Omega` (``short x (rank + p)``):

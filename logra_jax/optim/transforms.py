@@ -30,7 +30,8 @@ MOMENT_POLICIES = ("transfer", "keep", "reset")
 # the same params, so `project.init` publishes its plan here and the next
 # `low_rank_moments.init` on the same params tree reads it.
 _LATEST_PLAN: contextvars.ContextVar = contextvars.ContextVar(
-    "logra_latest_projection_plan", default=None)
+    "logra_latest_projection_plan", default=None
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,16 @@ class Sketched:
     config: static ``ProjectionConfig``.
   """
 
-  def __init__(self, value, projector=None, basis_change=None, refreshed=None,
-               *, plan: LeafPlan, config: ProjectionConfig):
+  def __init__(
+      self,
+      value,
+      projector=None,
+      basis_change=None,
+      refreshed=None,
+      *,
+      plan: LeafPlan,
+      config: ProjectionConfig,
+  ):
     self.value = value
     self.projector = projector
     self.basis_change = basis_change
@@ -82,8 +91,12 @@ class Sketched:
     return cls(*children, plan=plan, config=config)
 
   def replace(self, **kwargs) -> "Sketched":
-    fields = dict(value=self.value, projector=self.projector,
-                  basis_change=self.basis_change, refreshed=self.refreshed)
+    fields = dict(
+        value=self.value,
+        projector=self.projector,
+        basis_change=self.basis_change,
+        refreshed=self.refreshed,
+    )
     fields.update(kwargs)
     return Sketched(**fields, plan=self.plan, config=self.config)
 
@@ -174,8 +187,7 @@ class LowRankFactor:
   of the same step; :func:`factored_updates` pairs the two.
   """
 
-  def __init__(self, coefficients, *, plan: LeafPlan,
-               config: ProjectionConfig):
+  def __init__(self, coefficients, *, plan: LeafPlan, config: ProjectionConfig):
     self.coefficients = coefficients
     self.plan = plan
     self.config = config
@@ -204,11 +216,15 @@ class FactoredUpdate(NamedTuple):
   def dense(self) -> jax.Array:
     """Materializes the update with the parameter's shape and dtype."""
     return self.plan.expand(self.projector, self.coefficients).astype(
-        self.plan.dtype)
+        self.plan.dtype
+    )
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["coords", "decay"], meta_fields=["plan"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["coords", "decay"],
+    meta_fields=["plan"],
+)
 @dataclasses.dataclass(frozen=True)
 class FactoredDelta:
   r"""The update of one projected weight, :math:`D = a W + P \Delta`.
@@ -233,26 +249,35 @@ class FactoredDelta:
 
 def _check_rank(rank) -> None:
   if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-    raise TypeError(f"rank must be a positive int, got {rank!r} "
-                    f"of type {type(rank).__name__}")
+    raise TypeError(
+        f"rank must be a positive int, got {rank!r} "
+        f"of type {type(rank).__name__}"
+    )
   if rank < 1:
     raise ValueError(f"rank must be a positive int, got {rank}")
 
 
-def check_projection_args(rank, kind, refresh_every, power_iters, oversample,
-                          moment_policy) -> None:
+def check_projection_args(
+    rank, kind, refresh_every, power_iters, oversample, moment_policy
+) -> None:
   """Validates the hyperparameters of :func:`project` at construction time."""
   _check_rank(rank)
   if kind not in proj_lib.KINDS:
     raise ValueError(f"kind must be one of {proj_lib.KINDS}, got {kind!r}")
   if moment_policy not in MOMENT_POLICIES:
     raise ValueError(
-        f"moment_policy must be one of {MOMENT_POLICIES}, got {moment_policy!r}")
-  for name, value, low in (("refresh_every", refresh_every, 1),
-                           ("power_iters", power_iters, 0),
-                           ("oversample", oversample, 0)):
-    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-        or value < low):
+        f"moment_policy must be one of {MOMENT_POLICIES}, got {moment_policy!r}"
+    )
+  for name, value, low in (
+      ("refresh_every", refresh_every, 1),
+      ("power_iters", power_iters, 0),
+      ("oversample", oversample, 0),
+  ):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < low
+    ):
       raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
@@ -338,12 +363,17 @@ def project(
     Halko, Martinsson & Tropp, `Finding structure with randomness
     <https://arxiv.org/abs/0909.4061>`_, 2011.
   """
-  check_projection_args(rank, kind, refresh_every, power_iters, oversample,
-                        moment_policy)
-  config = ProjectionConfig(kind=kind, refresh_every=int(refresh_every),
-                            power_iters=int(power_iters),
-                            oversample=int(oversample), seed=int(seed),
-                            moment_policy=moment_policy)
+  check_projection_args(
+      rank, kind, refresh_every, power_iters, oversample, moment_policy
+  )
+  config = ProjectionConfig(
+      kind=kind,
+      refresh_every=int(refresh_every),
+      power_iters=int(power_iters),
+      oversample=int(oversample),
+      seed=int(seed),
+      moment_policy=moment_policy,
+  )
 
   def init_fn(params):
     plans = plan_leaves(params, int(rank), dimension_numbers, mask)
@@ -355,14 +385,16 @@ def project(
       return jnp.zeros(plan.projector_shape, jnp.float32)
 
     flat_plans, treedef = jax.tree.flatten(
-        plans, is_leaf=lambda x: isinstance(x, LeafPlan))
-    return ProjectState(count=jnp.zeros([], jnp.int32),
-                        projectors=jax.tree.map(init_projector, plans),
-                        non_finite=jnp.zeros([], jnp.int32),
-                        spec=ProjectionSpec(config, treedef, tuple(flat_plans)))
+        plans, is_leaf=lambda x: isinstance(x, LeafPlan)
+    )
+    return ProjectState(
+        count=jnp.zeros([], jnp.int32),
+        projectors=jax.tree.map(init_projector, plans),
+        non_finite=jnp.zeros([], jnp.int32),
+        spec=ProjectionSpec(config, treedef, tuple(flat_plans)),
+    )
 
-  def update_fn(updates, state, params=None, *, projectors=None,
-                **extra_args):
+  def update_fn(updates, state, params=None, *, projectors=None, **extra_args):
     del params, extra_args
     _check_spec(state.spec, config, int(rank))
     window = state.count // config.refresh_every
@@ -372,22 +404,26 @@ def project(
     if isinstance(projectors, SketchProjectors):
       refused = projectors.non_finite
       projectors = projectors.projectors
-    flat_given = (None if projectors is None
-                  else _flatten_like(state.spec, projectors, "projectors"))
+    flat_given = (
+        None
+        if projectors is None
+        else _flatten_like(state.spec, projectors, "projectors")
+    )
     flat_projectors = state.spec.treedef.flatten_up_to(state.projectors)
     sketches, new_projectors = [], []
     for i, (g, plan, p_old) in enumerate(
-        zip(flat_updates, state.spec.plans, flat_projectors)):
+        zip(flat_updates, state.spec.plans, flat_projectors)
+    ):
       if not plan.projected:
         _check_shape(g, plan.shape, plan, "gradient")
-        sketches.append(Sketched(g.astype(jnp.float32), plan=plan,
-                                 config=config))
+        sketches.append(
+            Sketched(g.astype(jnp.float32), plan=plan, config=config)
+        )
         new_projectors.append(None)
         continue
       if flat_given is None:
         _check_shape(g, plan.shape, plan, "gradient")
-        p_new, n_refused = _new_projector(g, p_old, plan, config,
-                                          state.count)
+        p_new, n_refused = _new_projector(g, p_old, plan, config, state.count)
         refused += n_refused
         s_BxRxS = plan.sketch(p_new, g)
       else:
@@ -396,35 +432,45 @@ def project(
         _check_shape(p_new, plan.projector_shape, plan, "projector")
         s_BxRxS = g.astype(jnp.float32)
       change = _basis_change(p_new, p_old, plan, config, window, refresh)
-      sketches.append(Sketched(s_BxRxS, p_new, change, refresh, plan=plan,
-                               config=config))
+      sketches.append(
+          Sketched(s_BxRxS, p_new, change, refresh, plan=plan, config=config)
+      )
       new_projectors.append(None if kind == "random" else p_new)
-    jax.lax.cond(refused > 0, lambda: jax.debug.callback(
-        _warn_non_finite_projectors, refused, state.count), lambda: None)
+    jax.lax.cond(
+        refused > 0,
+        lambda: jax.debug.callback(
+            _warn_non_finite_projectors, refused, state.count
+        ),
+        lambda: None,
+    )
     new_state = ProjectState(
         count=optax.safe_increment(state.count),
         projectors=state.spec.treedef.unflatten(new_projectors),
         non_finite=state.non_finite + refused,
-        spec=state.spec)
+        spec=state.spec,
+    )
     return state.spec.treedef.unflatten(sketches), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_spec(spec: ProjectionSpec, config: ProjectionConfig,
-                rank: int) -> None:
+def _check_spec(
+    spec: ProjectionSpec, config: ProjectionConfig, rank: int
+) -> None:
   """Refuses a state made by a ``project`` stage with other settings."""
   if spec.config != config:
     raise ValueError(
         "this optimizer state was initialized by a project stage with "
         f"{spec.config}, but is updated by one with {config}; re-initialize "
-        "the state (tx.init) for the new settings")
+        "the state (tx.init) for the new settings"
+    )
   for plan in spec.plans:
     if plan.projected and plan.rank != min(rank, plan.m, plan.n):
       raise ValueError(
           f"this optimizer state projects parameter {plan.path!r} at rank "
           f"{plan.rank}, but the project stage has rank={rank}; the state "
-          "comes from another configuration")
+          "comes from another configuration"
+      )
 
 
 def _flatten_like(spec: ProjectionSpec, tree: Any, name: str) -> list:
@@ -433,12 +479,15 @@ def _flatten_like(spec: ProjectionSpec, tree: Any, name: str) -> list:
     return spec.treedef.flatten_up_to(tree)
   except (ValueError, TypeError):
     known = [plan.path for plan in spec.plans]
-    got = [jax.tree_util.keystr(k) for k, _ in
-           jax.tree_util.tree_flatten_with_path(tree)[0]]
+    got = [
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
     raise ValueError(
         f"{name} do not match the parameters this optimizer state was "
         f"initialized with: unknown leaves {sorted(set(got) - set(known))[:5]}, "
-        f"missing leaves {sorted(set(known) - set(got))[:5]}") from None
+        f"missing leaves {sorted(set(known) - set(got))[:5]}"
+    ) from None
 
 
 def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
@@ -446,10 +495,16 @@ def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
     got = None if x is None else tuple(jnp.shape(x))
     raise ValueError(
         f"{what} for parameter {plan.path!r} has shape {got}, expected "
-        f"{tuple(shape)}" + (
+        f"{tuple(shape)}"
+        + (
             "; sketched gradients need the projectors= argument from "
-            "logra.value_and_sketch_grad" if what == "gradient"
-            and plan.projected and got == plan.sketch_shape else ""))
+            "logra.value_and_sketch_grad"
+            if what == "gradient"
+            and plan.projected
+            and got == plan.sketch_shape
+            else ""
+        )
+    )
 
 
 def _warn_non_finite_projectors(refused, count) -> None:
@@ -458,11 +513,12 @@ def _warn_non_finite_projectors(refused, count) -> None:
       f"{int(count)} were not finite and were replaced (the previous "
       "projector, or a random orthonormal one on the first refresh); the "
       "optimizer state counts them in ProjectState.non_finite",
-      RuntimeWarning, stacklevel=1)
+      RuntimeWarning,
+      stacklevel=1,
+  )
 
 
-def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
-                   count):
+def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig, count):
   """This step's projector of a leaf from its full gradient ``g``, and the
   number of its matrices refused as non-finite.
 
@@ -470,25 +526,35 @@ def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig,
   """
   window = count // config.refresh_every
   if config.kind == "random":
-    return (random_window_projector(plan, config, window),
-            jnp.zeros([], jnp.int32))
+    return (
+        random_window_projector(plan, config, window),
+        jnp.zeros([], jnp.int32),
+    )
 
   def recompute():
     if config.kind == "svd":
       p = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
     else:
       key = proj_lib.window_key(config.seed, plan.index, window)
-      p = proj_lib.range_projector(plan.to_long_view(g), key, plan.rank,
-                                   config.oversample, config.power_iters)
+      p = proj_lib.range_projector(
+          plan.to_long_view(g),
+          key,
+          plan.rank,
+          config.oversample,
+          config.power_iters,
+      )
     return refuse_non_finite_projector(p, p_old, plan, config, count)
 
-  return jax.lax.cond(count % config.refresh_every == 0, recompute,
-                      lambda: (p_old, jnp.zeros([], jnp.int32)))
+  return jax.lax.cond(
+      count % config.refresh_every == 0,
+      recompute,
+      lambda: (p_old, jnp.zeros([], jnp.int32)),
+  )
 
 
-def refuse_non_finite_projector(p_new, p_old, plan: LeafPlan,
-                                config: ProjectionConfig, count
-                                ) -> tuple[jax.Array, jax.Array]:
+def refuse_non_finite_projector(
+    p_new, p_old, plan: LeafPlan, config: ProjectionConfig, count
+) -> tuple[jax.Array, jax.Array]:
   """A refreshed projector with every non-finite matrix replaced.
 
   Each matrix of the batch (e.g. one layer) is checked on its own. One with a
@@ -514,37 +580,45 @@ def refuse_non_finite_projector(p_new, p_old, plan: LeafPlan,
   def replace():
     window = count // config.refresh_every
     old_ok_B = (count > 0) & jnp.all(jnp.isfinite(p_old), axis=(1, 2))
-    fallback = jnp.where(old_ok_B[:, None, None], p_old,
-                         random_window_projector(plan, config, window))
+    fallback = jnp.where(
+        old_ok_B[:, None, None],
+        p_old,
+        random_window_projector(plan, config, window),
+    )
     return jnp.where(ok_B[:, None, None], p_new, fallback)
 
   p = jax.lax.cond(jnp.all(ok_B), lambda: p_new, replace)
   return p, jnp.sum(~ok_B, dtype=jnp.int32)
 
 
-def random_window_projector(plan: LeafPlan, config: ProjectionConfig,
-                            window) -> jax.Array:
+def random_window_projector(
+    plan: LeafPlan, config: ProjectionConfig, window
+) -> jax.Array:
   """The ``kind='random'`` projector of a leaf for one refresh window."""
   key = proj_lib.window_key(config.seed, plan.index, window)
   return proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
 
 
-def _basis_change(p_new, p_old, plan: LeafPlan, config: ProjectionConfig,
-                  window, refresh):
+def _basis_change(
+    p_new, p_old, plan: LeafPlan, config: ProjectionConfig, window, refresh
+):
   """``C = P_new^T P_old`` on refresh steps (identity otherwise), for moment
   transfer; None unless ``moment_policy='transfer'``."""
   if config.moment_policy != "transfer":
     return None
-  eye = jnp.broadcast_to(jnp.eye(plan.rank, dtype=jnp.float32),
-                         (plan.batch, plan.rank, plan.rank))
+  eye = jnp.broadcast_to(
+      jnp.eye(plan.rank, dtype=jnp.float32), (plan.batch, plan.rank, plan.rank)
+  )
   if config.kind == "random":
+
     def changed():
-      p_prev = random_window_projector(plan, config,
-                                       jnp.maximum(window - 1, 0))
+      p_prev = random_window_projector(plan, config, jnp.maximum(window - 1, 0))
       return jnp.swapaxes(p_new, 1, 2) @ p_prev
+
     return jax.lax.cond(refresh & (window > 0), changed, lambda: eye)
-  return jax.lax.cond(refresh, lambda: jnp.swapaxes(p_new, 1, 2) @ p_old,
-                      lambda: eye)
+  return jax.lax.cond(
+      refresh, lambda: jnp.swapaxes(p_new, 1, 2) @ p_old, lambda: eye
+  )
 
 
 def low_rank_moments(
@@ -593,7 +667,8 @@ def low_rank_moments(
     >>> state = tx.init({"w": jnp.ones((8, 4))})
   """
   inner = optax.with_extra_args_support(
-      optax.scale_by_adam(*betas) if inner is None else inner)
+      optax.scale_by_adam(*betas) if inner is None else inner
+  )
   b1, b2 = betas
 
   def init_fn(params):
@@ -603,7 +678,8 @@ def low_rank_moments(
           "low_rank_moments must follow logra.project in the same chain, e.g. "
           "optax.chain(logra.project(rank), logra.low_rank_moments(), "
           "logra.unproject()); no matching project stage was initialized on "
-          "these params")
+          "these params"
+      )
     _, plans, _ = latest
 
     def proxy(plan):
@@ -615,12 +691,18 @@ def low_rank_moments(
   def update_fn(updates, state, params=None, **extra_args):
     del params
     values = jax.tree.map(lambda s: s.value, updates, is_leaf=_is_sketched)
-    inner_state = _follow_basis(state.inner_state, updates,
-                                jax.tree.structure(values), b1, b2)
-    new_values, inner_state = inner.update(values, inner_state, None,
-                                           **extra_args)
-    new_updates = jax.tree.map(lambda s, v: s.replace(value=v), updates,
-                               new_values, is_leaf=_is_sketched)
+    inner_state = _follow_basis(
+        state.inner_state, updates, jax.tree.structure(values), b1, b2
+    )
+    new_values, inner_state = inner.update(
+        values, inner_state, None, **extra_args
+    )
+    new_updates = jax.tree.map(
+        lambda s, v: s.replace(value=v),
+        updates,
+        new_values,
+        is_leaf=_is_sketched,
+    )
     return new_updates, LowRankMomentsState(inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -628,13 +710,17 @@ def low_rank_moments(
 
 def _follow_basis(inner_state, sketches, values_treedef, b1, b2):
   """Moves the moments in ``inner_state`` into each refreshed leaf's new basis."""
+
   def matches(x):
     return jax.tree.structure(x) == values_treedef
 
   def per_leaf(fn, *trees):
     return jax.tree.map(
         lambda *args: _apply_on_refresh(fn, args[-1], *args[:-1]),
-        *trees, sketches, is_leaf=_is_sketched)
+        *trees,
+        sketches,
+        is_leaf=_is_sketched,
+    )
 
   def walk(node):
     if isinstance(node, tuple) and hasattr(node, "_fields"):
@@ -643,12 +729,15 @@ def _follow_basis(inner_state, sketches, values_treedef, b1, b2):
       nu = getattr(node, "nu", None) if "nu" in fields else None
       if mu is not None and nu is not None and matches(mu) and matches(nu):
         count = getattr(node, "count", None)
-        out = per_leaf(lambda s, m, v: _transfer_adam(s, m, v, count, b1, b2),
-                       mu, nu)
-        mu = jax.tree.map(lambda s, pair: pair[0], sketches, out,
-                          is_leaf=_is_sketched)
-        nu = jax.tree.map(lambda s, pair: pair[1], sketches, out,
-                          is_leaf=_is_sketched)
+        out = per_leaf(
+            lambda s, m, v: _transfer_adam(s, m, v, count, b1, b2), mu, nu
+        )
+        mu = jax.tree.map(
+            lambda s, pair: pair[0], sketches, out, is_leaf=_is_sketched
+        )
+        nu = jax.tree.map(
+            lambda s, pair: pair[1], sketches, out, is_leaf=_is_sketched
+        )
         return node._replace(mu=mu, nu=nu)
       replaced = {}
       for name in ("mu", "trace"):
@@ -705,8 +794,9 @@ def _transfer_adam(sketch: Sketched, m, v, count, b1, b2):
   return (m_new * c1).astype(m.dtype), (v_new * c2).astype(v.dtype)
 
 
-def unproject(scale: float = 1.0, keep_factors: bool = False,
-              factored: bool = False) -> optax.GradientTransformation:
+def unproject(
+    scale: float = 1.0, keep_factors: bool = False, factored: bool = False
+) -> optax.GradientTransformation:
   r"""Maps low-rank updates back to the parameters' shapes and dtypes.
 
   For a projected leaf with projector ``P`` and low-rank update ``N`` from
@@ -749,8 +839,9 @@ def unproject(scale: float = 1.0, keep_factors: bool = False,
     def factor(plan):
       if not plan.projected:
         return None
-      return LowRankFactor(jnp.zeros(plan.sketch_shape, jnp.float32),
-                           plan=plan, config=config)
+      return LowRankFactor(
+          jnp.zeros(plan.sketch_shape, jnp.float32), plan=plan, config=config
+      )
 
     return UnprojectState(factors=jax.tree.map(factor, plans))
 
@@ -760,7 +851,8 @@ def unproject(scale: float = 1.0, keep_factors: bool = False,
       if not _is_sketched(leaf):
         raise TypeError(
             "unproject expects the output of logra.low_rank_moments; got a "
-            f"leaf of type {type(leaf).__name__}")
+            f"leaf of type {type(leaf).__name__}"
+        )
 
     def to_dense(s: Sketched):
       if not s.plan.projected:
@@ -779,7 +871,8 @@ def unproject(scale: float = 1.0, keep_factors: bool = False,
       return LowRankFactor(scale * s.value, plan=s.plan, config=s.config)
 
     return dense, UnprojectState(
-        factors=jax.tree.map(factor, updates, is_leaf=_is_sketched))
+        factors=jax.tree.map(factor, updates, is_leaf=_is_sketched)
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -822,13 +915,15 @@ def factored_updates(opt_state: optax.OptState) -> Any:
     ValueError: if the state holds no such pair of stages.
   """
   projects = find_states(opt_state, ProjectState)
-  unprojects = [s for s in find_states(opt_state, UnprojectState)
-                if s.factors is not None]
+  unprojects = [
+      s for s in find_states(opt_state, UnprojectState) if s.factors is not None
+  ]
   if len(projects) != 1 or len(unprojects) != 1:
     raise ValueError(
         "factored_updates needs exactly one logra.project stage and one "
         "logra.unproject(keep_factors=True) stage in the optimizer state; "
-        f"found {len(projects)} and {len(unprojects)}")
+        f"found {len(projects)} and {len(unprojects)}"
+    )
   factors = unprojects[0].factors
 
   def pair(factor, projector):
@@ -837,8 +932,9 @@ def factored_updates(opt_state: optax.OptState) -> Any:
     return FactoredUpdate(projector, factor.coefficients, factor.plan)
 
   is_leaf = lambda x: x is None or isinstance(x, LowRankFactor)
-  return jax.tree.map(pair, factors, window_projectors(opt_state),
-                      is_leaf=is_leaf)
+  return jax.tree.map(
+      pair, factors, window_projectors(opt_state), is_leaf=is_leaf
+  )
 
 
 def window_projectors(opt_state: optax.OptState) -> Any:
@@ -854,16 +950,23 @@ def window_projectors(opt_state: optax.OptState) -> Any:
   """
   projects = find_states(opt_state, ProjectState)
   if len(projects) != 1:
-    raise ValueError("window_projectors needs exactly one logra.project "
-                     f"stage in the optimizer state; found {len(projects)}")
+    raise ValueError(
+        "window_projectors needs exactly one logra.project "
+        f"stage in the optimizer state; found {len(projects)}"
+    )
   state = projects[0]
   config = state.spec.config
   if config.kind != "random":
     return state.projectors
   window = jnp.maximum(state.count - 1, 0) // config.refresh_every
-  return state.spec.treedef.unflatten([
-      random_window_projector(plan, config, window) if plan.projected
-      else None for plan in state.spec.plans])
+  return state.spec.treedef.unflatten(
+      [
+          random_window_projector(plan, config, window)
+          if plan.projected
+          else None
+          for plan in state.spec.plans
+      ]
+  )
 
 
 def optimizer_state_bytes(state: Any) -> int:

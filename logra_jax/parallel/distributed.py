@@ -9,10 +9,12 @@ import jax
 import numpy as np
 
 
-def initialize(coordinator_address: Optional[str] = None,
-               num_processes: Optional[int] = None,
-               process_id: Optional[int] = None,
-               local_device_ids: Optional[Sequence[int]] = None) -> None:
+def initialize(
+    coordinator_address: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+    local_device_ids: Optional[Sequence[int]] = None,
+) -> None:
   """Connects this process to the others of a multi-host run.
 
   Wraps ``jax.distributed.initialize``. Arguments left as None are read from
@@ -37,7 +39,8 @@ def initialize(coordinator_address: Optional[str] = None,
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get(
-      "LOGRA_COORDINATOR_ADDRESS")
+      "LOGRA_COORDINATOR_ADDRESS"
+  )
 
   def from_env(value, name):
     if value is not None or name not in env:
@@ -49,19 +52,23 @@ def initialize(coordinator_address: Optional[str] = None,
 
   num_processes = from_env(num_processes, "LOGRA_NUM_PROCESSES")
   process_id = from_env(process_id, "LOGRA_PROCESS_ID")
-  given = [x is not None for x in (coordinator_address, num_processes,
-                                   process_id)]
+  given = [
+      x is not None for x in (coordinator_address, num_processes, process_id)
+  ]
   if any(given) and not all(given):
     raise ValueError(
         "give all of coordinator_address, num_processes and process_id (or "
         "none, to let JAX detect the cluster); got "
         f"coordinator_address={coordinator_address!r}, "
-        f"num_processes={num_processes!r}, process_id={process_id!r}")
+        f"num_processes={num_processes!r}, process_id={process_id!r}"
+    )
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes,
-                             process_id=process_id,
-                             local_device_ids=local_device_ids)
+  jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=local_device_ids,
+  )
 
 
 def global_array(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -71,5 +78,6 @@ def global_array(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   works on one host and on many.
   """
   value = np.asarray(value)
-  return jax.make_array_from_callback(value.shape, sharding,
-                                      lambda index: value[index])
+  return jax.make_array_from_callback(
+      value.shape, sharding, lambda index: value[index]
+  )

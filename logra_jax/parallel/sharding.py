@@ -70,8 +70,9 @@ class MeshConfig:
     for axis in MESH_AXES:
       size = getattr(self, axis)
       if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"mesh axis {axis} must be a positive int, got "
-                         f"{size!r}")
+        raise ValueError(
+            f"mesh axis {axis} must be a positive int, got " f"{size!r}"
+        )
 
   @property
   def size(self) -> int:
@@ -95,11 +96,15 @@ class MeshConfig:
     for item in (i.strip() for i in items if i.strip()):
       axis, sep, value = (part.strip() for part in item.partition("="))
       if not sep or axis not in MESH_AXES:
-        raise ValueError(f"mesh entry {item!r}: expected axis=size with axis "
-                         f"in {MESH_AXES}")
+        raise ValueError(
+            f"mesh entry {item!r}: expected axis=size with axis "
+            f"in {MESH_AXES}"
+        )
       if axis in sizes:
-        raise ValueError(f"mesh entry {item!r}: axis {axis} is given twice "
-                         f"(already {axis}={sizes[axis]})")
+        raise ValueError(
+            f"mesh entry {item!r}: axis {axis} is given twice "
+            f"(already {axis}={sizes[axis]})"
+        )
       try:
         sizes[axis] = int(value)
       except ValueError:
@@ -112,8 +117,9 @@ class MeshConfig:
     return ",".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
 
 
-def make_mesh(config: MeshConfig,
-              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+def make_mesh(
+    config: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
+) -> Mesh:
   """The ``(dp, fsdp, tp)`` mesh over ``devices`` (default: all devices).
 
   Raises:
@@ -126,10 +132,15 @@ def make_mesh(config: MeshConfig,
   """
   devices = list(jax.devices() if devices is None else devices)
   if config.size != len(devices):
-    raise ValueError(f"mesh {config} needs {config.size} devices, but "
-                     f"{len(devices)} are given")
-  return Mesh(np.asarray(devices).reshape(config.shape), MESH_AXES,
-              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    raise ValueError(
+        f"mesh {config} needs {config.size} devices, but "
+        f"{len(devices)} are given"
+    )
+  return Mesh(
+      np.asarray(devices).reshape(config.shape),
+      MESH_AXES,
+      axis_types=(AxisType.Auto,) * len(MESH_AXES),
+  )
 
 
 def _mesh_axes_size(mesh: Mesh, axes) -> int:
@@ -143,14 +154,21 @@ def _present_axes(mesh: Mesh, axes):
   """``axes`` without the mesh axes of size 1 (they shard nothing)."""
   if axes is None:
     return None
-  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
-               if mesh.shape[a] > 1)
+  kept = tuple(
+      a
+      for a in ((axes,) if isinstance(axes, str) else axes)
+      if mesh.shape[a] > 1
+  )
   return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def logical_sharding(name: str, shape: Sequence[int],
-                     logical_axes: Sequence[Optional[str]], mesh: Mesh,
-                     rules: Optional[dict] = None) -> NamedSharding:
+def logical_sharding(
+    name: str,
+    shape: Sequence[int],
+    logical_axes: Sequence[Optional[str]],
+    mesh: Mesh,
+    rules: Optional[dict] = None,
+) -> NamedSharding:
   """The sharding of one array from its logical axis names.
 
   Raises:
@@ -168,13 +186,15 @@ def logical_sharding(name: str, shape: Sequence[int],
       raise ValueError(
           f"cannot shard {name} (shape {tuple(shape)}): dimension {dim} "
           f"({logical!r}, size {size}) is not divisible by mesh axis {axes} "
-          f"of size {parts}")
+          f"of size {parts}"
+      )
     spec.append(axes)
   return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def param_shardings(params: nnx.State, mesh: Mesh,
-                    rules: Optional[dict] = None) -> Any:
+def param_shardings(
+    params: nnx.State, mesh: Mesh, rules: Optional[dict] = None
+) -> Any:
   """Shardings of the model parameters, from their logical axis metadata.
 
   Args:
@@ -192,14 +212,21 @@ def param_shardings(params: nnx.State, mesh: Mesh,
     logical = variable.get_metadata().get("out_sharding")
     if logical is None:
       logical = (None,) * len(variable.shape)
-    return variable.replace(logical_sharding(
-        jax.tree_util.keystr(path), variable.shape, logical, mesh, rules))
+    return variable.replace(
+        logical_sharding(
+            jax.tree_util.keystr(path), variable.shape, logical, mesh, rules
+        )
+    )
 
   return jax.tree_util.tree_map_with_path(shard, params, is_leaf=is_param)
 
 
-def weight_shardings(weights: Any, params_shardings: Any, mesh: Mesh,
-                     rules: Optional[dict] = None) -> Any:
+def weight_shardings(
+    weights: Any,
+    params_shardings: Any,
+    mesh: Mesh,
+    rules: Optional[dict] = None,
+) -> Any:
   """Shardings of the learner's weights, factored or not.
 
   A factored weight (``logra_jax.optim.factored.FactoredWeight``) keeps its
@@ -228,17 +255,24 @@ def weight_shardings(weights: Any, params_shardings: Any, mesh: Mesh,
     if not factored_lib.is_factored(w):
       return sharding
     return dataclasses.replace(
-        w, base=sharding, coords=coords_sharding(w.coords.shape),
-        scale=None if w.scale is None else replicated)
+        w,
+        base=sharding,
+        coords=coords_sharding(w.coords.shape),
+        scale=None if w.scale is None else replicated,
+    )
 
   flat, treedef = jax.tree.flatten(weights, is_leaf=factored_lib.is_factored)
-  return treedef.unflatten([
-      leaf(w, s)
-      for w, s in zip(flat, treedef.flatten_up_to(params_shardings))])
+  return treedef.unflatten(
+      [
+          leaf(w, s)
+          for w, s in zip(flat, treedef.flatten_up_to(params_shardings))
+      ]
+  )
 
 
-def batch_sharding(mesh: Mesh, ndim: int,
-                   rules: Optional[dict] = None) -> NamedSharding:
+def batch_sharding(
+    mesh: Mesh, ndim: int, rules: Optional[dict] = None
+) -> NamedSharding:
   """Leading (batch) axis split over the data axes; the rest replicated."""
   rules = PARTITION_RULES if rules is None else rules
   lead = _present_axes(mesh, rules["batch"])
@@ -251,6 +285,7 @@ def data_shardings(batch: Any, mesh: Mesh) -> Any:
   Raises:
     ValueError: if the batch size is not divisible by the data axes.
   """
+
   def shard(path, x):
     sharding = batch_sharding(mesh, x.ndim)
     parts = _mesh_axes_size(mesh, sharding.spec[0] if x.ndim else None)
@@ -258,13 +293,16 @@ def data_shardings(batch: Any, mesh: Mesh) -> Any:
       raise ValueError(
           f"cannot shard batch field {jax.tree_util.keystr(path)} (shape "
           f"{tuple(x.shape)}): batch size {x.shape[0]} is not divisible by "
-          f"the data axes of size {parts}")
+          f"the data axes of size {parts}"
+      )
     return sharding
+
   return jax.tree_util.tree_map_with_path(shard, batch)
 
 
-def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
-                              shardings: Any, mesh: Mesh) -> Any:
+def optimizer_state_shardings(
+    tx: optax.GradientTransformation, params: Any, shardings: Any, mesh: Mesh
+) -> Any:
   """Shardings of ``tx``'s state that follow the parameters' shardings.
 
   Lowers one ``tx.update`` with parameters and gradients sharded as
@@ -281,8 +319,9 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
   Returns:
     A tree like ``jax.eval_shape(tx.init, params)`` of ``NamedSharding``.
   """
-  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
-                          params)
+  abstract = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
+  )
   state = jax.eval_shape(tx.init, abstract)
   replicated = NamedSharding(mesh, PartitionSpec())
   extra = {}
@@ -290,8 +329,12 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
     extra["kl_predictor"] = lambda update: jax.numpy.zeros([])
   probe = jax.jit(
       lambda grads, state, params: tx.update(grads, state, params, **extra),
-      in_shardings=(shardings, jax.tree.map(lambda _: replicated, state),
-                    shardings))
+      in_shardings=(
+          shardings,
+          jax.tree.map(lambda _: replicated, state),
+          shardings,
+      ),
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     compiled = probe.lower(abstract, state, abstract).compile()
@@ -303,8 +346,9 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
     # XLA reports fully replicated outputs as a GSPMD sharding.
     if sharding.is_fully_replicated:
       return replicated
-    raise ValueError(f"unexpected optimizer state sharding {sharding} for a "
-                     f"leaf of shape {leaf.shape}")
+    raise ValueError(
+        f"unexpected optimizer state sharding {sharding} for a "
+        f"leaf of shape {leaf.shape}"
+    )
 
   return jax.tree.map(named, state_out, state)
-

@@ -38,15 +38,19 @@ def _grouped(rewards_N: Array, num_generations: int) -> Array:
   if num_generations < 2:
     raise ValueError(
         f"group advantages need num_generations >= 2 completions per prompt, got "
-        f"{num_generations}: with one completion the group baseline equals the reward.")
+        f"{num_generations}: with one completion the group baseline equals the reward."
+    )
   if rewards_N.ndim != 1 or rewards_N.shape[0] % num_generations:
     raise ValueError(
         f"rewards must have shape [num_prompts * num_generations] grouped contiguously; got "
-        f"shape {rewards_N.shape} with num_generations={num_generations}.")
+        f"shape {rewards_N.shape} with num_generations={num_generations}."
+    )
   return jnp.reshape(rewards_N.astype(jnp.float32), (-1, num_generations))
 
 
-def grpo_advantages(rewards_N: Array, num_generations: int, eps: float = 1e-6) -> Array:
+def grpo_advantages(
+    rewards_N: Array, num_generations: int, eps: float = 1e-6
+) -> Array:
   r"""GRPO advantages: rewards standardized within each prompt's group.
 
   .. math::
@@ -121,7 +125,9 @@ def rloo_advantages(rewards_N: Array, num_generations: int) -> Array:
     Ahmadian et al., Back to Basics: REINFORCE style optimization, 2024 (arXiv 2402.14740).
   """
   r_PxG = _grouped(rewards_N, num_generations)
-  others_PxG = (r_PxG.sum(axis=1, keepdims=True) - r_PxG) / (num_generations - 1)
+  others_PxG = (r_PxG.sum(axis=1, keepdims=True) - r_PxG) / (
+      num_generations - 1
+  )
   return (r_PxG - others_PxG).reshape(-1)
 
 
@@ -133,7 +139,10 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Array, int], Array]] = {
 
 
 def compute_advantages(
-    rewards_N: Array, num_generations: int, estimator: AdvantageEstimator = "grpo") -> Array:
+    rewards_N: Array,
+    num_generations: int,
+    estimator: AdvantageEstimator = "grpo",
+) -> Array:
   """Group advantages by estimator name (``"grpo"``, ``"dr_grpo"`` or ``"rloo"``).
 
   Args:
@@ -150,7 +159,8 @@ def compute_advantages(
   """
   if estimator not in ADVANTAGE_ESTIMATORS:
     raise ValueError(
-        f"unknown advantage estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}.")
+        f"unknown advantage estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}."
+    )
   return ADVANTAGE_ESTIMATORS[estimator](rewards_N, num_generations)
 
 
@@ -159,10 +169,12 @@ def compute_advantages(
 # ------------------------------------------------------------------------------------------
 
 
-
 def kl_penalty(
-    logp_BxT: Array, ref_logp_BxT: Array, estimator: KLEstimator = "k3",
-    clamp: float = 10.0) -> Array:
+    logp_BxT: Array,
+    ref_logp_BxT: Array,
+    estimator: KLEstimator = "k3",
+    clamp: float = 10.0,
+) -> Array:
   r"""Per-token estimate of :math:`KL(\pi_\theta \| \pi_{ref})` from sampled tokens.
 
   With the log-ratio :math:`\delta = \log \pi_{ref}(y) - \log \pi_\theta(y)` clamped to
@@ -191,9 +203,14 @@ def kl_penalty(
     J. Schulman, Approximating KL Divergence, 2020 (joschu.net/blog/kl-approx.html).
   """
   if estimator not in KL_ESTIMATORS:
-    raise ValueError(f"unknown KL estimator {estimator!r}; valid: {list(KL_ESTIMATORS)}.")
+    raise ValueError(
+        f"unknown KL estimator {estimator!r}; valid: {list(KL_ESTIMATORS)}."
+    )
   delta_BxT = jnp.clip(
-      ref_logp_BxT.astype(jnp.float32) - logp_BxT.astype(jnp.float32), -clamp, clamp)
+      ref_logp_BxT.astype(jnp.float32) - logp_BxT.astype(jnp.float32),
+      -clamp,
+      clamp,
+  )
   if estimator == "k1":
     return -delta_BxT
   if estimator == "k2":
@@ -204,7 +221,6 @@ def kl_penalty(
 # ------------------------------------------------------------------------------------------
 # The clipped policy-gradient loss.
 # ------------------------------------------------------------------------------------------
-
 
 
 def loss_terms(
@@ -263,20 +279,30 @@ def loss_terms(
   Raises:
     ValueError: when ``config.beta > 0`` and ``ref_logp_BxT`` is None, or shapes disagree.
   """
-  if logp_BxT.ndim != 2 or mask_BxT.shape != logp_BxT.shape or adv_B.shape != logp_BxT.shape[:1]:
+  if (
+      logp_BxT.ndim != 2
+      or mask_BxT.shape != logp_BxT.shape
+      or adv_B.shape != logp_BxT.shape[:1]
+  ):
     raise ValueError(
         f"expected logp [B, T], mask [B, T], adv [B]; got logp {logp_BxT.shape}, mask "
-        f"{mask_BxT.shape}, adv {adv_B.shape}.")
+        f"{mask_BxT.shape}, adv {adv_B.shape}."
+    )
   if config.beta > 0 and ref_logp_BxT is None:
     raise ValueError(
         f"beta={config.beta} > 0 needs ref_logp_BxT (reference log-probabilities); pass them "
-        "or set beta=0.")
+        "or set beta=0."
+    )
   # Padding may hold anything (-inf, NaN): zero it before any arithmetic, so neither the
   # sums nor the gradients see it.
   valid_BxT = mask_BxT.astype(bool)
   clean = lambda x_BxT: jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
   logp_BxT = clean(logp_BxT)
-  old_logp_BxT = jax.lax.stop_gradient(logp_BxT) if old_logp_BxT is None else clean(old_logp_BxT)
+  old_logp_BxT = (
+      jax.lax.stop_gradient(logp_BxT)
+      if old_logp_BxT is None
+      else clean(old_logp_BxT)
+  )
   mask_BxT = valid_BxT.astype(jnp.float32)
   adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
 
@@ -286,7 +312,9 @@ def loss_terms(
   loss_BxT = pg_loss_BxT
   kl_BxT = None
   if ref_logp_BxT is not None:
-    kl_BxT = kl_penalty(logp_BxT, clean(ref_logp_BxT), config.kl_estimator, config.kl_clamp)
+    kl_BxT = kl_penalty(
+        logp_BxT, clean(ref_logp_BxT), config.kl_estimator, config.kl_clamp
+    )
     if config.beta > 0:
       loss_BxT = loss_BxT + config.beta * kl_BxT
 
@@ -351,7 +379,9 @@ def finalize_metrics(metrics: Metrics) -> dict[str, Array]:
     >>> finalize_metrics({"clip_fraction": (jnp.float32(1.), jnp.float32(4.))})
     {'clip_fraction': Array(0.25, dtype=float32)}
   """
-  return {name: finalize(total, count) for name, (total, count) in metrics.items()}
+  return {
+      name: finalize(total, count) for name, (total, count) in metrics.items()
+  }
 
 
 # ------------------------------------------------------------------------------------------
@@ -411,6 +441,8 @@ class RolloutBatch:
     if num_micro_batches < 1 or self.batch_size % num_micro_batches:
       raise ValueError(
           f"num_micro_batches={num_micro_batches} must be >= 1 and divide the batch size "
-          f"{self.batch_size}.")
+          f"{self.batch_size}."
+      )
     return jax.tree.map(
-        lambda x: x.reshape((num_micro_batches, -1) + x.shape[1:]), self)
+        lambda x: x.reshape((num_micro_batches, -1) + x.shape[1:]), self
+    )

@@ -29,8 +29,9 @@ from logra_jax.optim.transforms import find_states
 from logra_jax.rl import algo
 
 
-def make_optimizer(config: OptimizerConfig,
-                   params: nnx.State) -> optax.GradientTransformation:
+def make_optimizer(
+    config: OptimizerConfig, params: nnx.State
+) -> optax.GradientTransformation:
   """The policy optimizer named by ``config``, with global-norm clipping.
 
   Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
@@ -43,38 +44,64 @@ def make_optimizer(config: OptimizerConfig,
   wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
   gradient, predicted KL or result leaves params unchanged.
   """
-  schedule = (optax.linear_schedule(0.0, config.learning_rate,
-                                    config.warmup_steps)
-              if config.warmup_steps else config.learning_rate)
+  schedule = (
+      optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+      if config.warmup_steps
+      else config.learning_rate
+  )
   dims = models.matrix_dimension_numbers(
-      params, include_embeddings=config.project_embeddings)
+      params, include_embeddings=config.project_embeddings
+  )
   if config.name == "logra":
     core = logra.logra(
-        schedule, rank=config.rank, kind=config.kind,
-        refresh_every=config.refresh_every, b1=config.b1, b2=config.b2,
-        moment_policy=config.moment_policy, weight_decay=config.weight_decay,
-        dimension_numbers=dims, target_kl=config.target_kl,
-        kl_mode=config.kl_mode, factored=factored_policy(config))
+        schedule,
+        rank=config.rank,
+        kind=config.kind,
+        refresh_every=config.refresh_every,
+        b1=config.b1,
+        b2=config.b2,
+        moment_policy=config.moment_policy,
+        weight_decay=config.weight_decay,
+        dimension_numbers=dims,
+        target_kl=config.target_kl,
+        kl_mode=config.kl_mode,
+        factored=factored_policy(config),
+    )
   elif config.name == "adam":
-    core = optax.adamw(schedule, b1=config.b1, b2=config.b2,
-                       weight_decay=config.weight_decay)
+    core = optax.adamw(
+        schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay
+    )
   else:
+
     def galore_spec(d, param):
-      spec = None if d is None else optax.contrib.GaLoreDimensionNumbers(
-          reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
-          output_axis=d.output_axes)
+      spec = (
+          None
+          if d is None
+          else optax.contrib.GaLoreDimensionNumbers(
+              reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
+              output_axis=d.output_axes,
+          )
+      )
       return jax.tree.map(lambda _: spec, param)  # one entry per array
 
     galore_dims = jax.tree.map(
-        galore_spec, dims, params,
-        is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers))
+        galore_spec,
+        dims,
+        params,
+        is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers),
+    )
     core = optax.contrib.galore(
-        schedule, rank=config.rank, update_proj_gap=config.refresh_every,
+        schedule,
+        rank=config.rank,
+        update_proj_gap=config.refresh_every,
         base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2),
-        weight_decay=config.weight_decay, weight_dimension_numbers=galore_dims)
+        weight_decay=config.weight_decay,
+        weight_dimension_numbers=galore_dims,
+    )
   if config.target_kl is not None and config.name != "logra":
-    core = optax.chain(core, logra.scale_by_predicted_kl(
-        config.target_kl, mode=config.kl_mode))
+    core = optax.chain(
+        core, logra.scale_by_predicted_kl(config.target_kl, mode=config.kl_mode)
+    )
   if config.max_grad_norm:
     core = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
   return skip_non_finite(core)
@@ -86,19 +113,21 @@ def factored_policy(config: OptimizerConfig) -> bool:
   return config.name == "logra" and config.gradient_mode == "sketch"
 
 
-def init_weights(config: OptimizerConfig, params: Any,
-                 opt_state: optax.OptState) -> Any:
+def init_weights(
+    config: OptimizerConfig, params: Any, opt_state: optax.OptState
+) -> Any:
   """The learner's weights from dense ``params``: factored (base in
   ``config.base_dtype``) under :func:`factored_policy`, else ``params``."""
   if not factored_policy(config):
     return params
-  return factored_lib.factor(params, opt_state, config.base_dtype,
-                             decay=config.weight_decay > 0)
+  return factored_lib.factor(
+      params, opt_state, config.base_dtype, decay=config.weight_decay > 0
+  )
 
 
-def init_train_state(config: OptimizerConfig,
-                     tx: optax.GradientTransformation,
-                     params: Any) -> tuple[Any, optax.OptState]:
+def init_train_state(
+    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+) -> tuple[Any, optax.OptState]:
   """``(weights, opt_state)`` to start :func:`make_train_step` from dense
   ``params``: ``tx.init(params)`` and :func:`init_weights`.
 
@@ -116,15 +145,17 @@ def init_train_state(config: OptimizerConfig,
   return init_weights(config, params, opt_state), opt_state
 
 
-def abstract_weights(config: OptimizerConfig,
-                     tx: optax.GradientTransformation, params: Any) -> Any:
+def abstract_weights(
+    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+) -> Any:
   """The shapes and dtypes (``jax.ShapeDtypeStruct``) of
   :func:`init_weights` for ``params``, without computing anything."""
   return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
 
 
-def abstract_policy_state(config: OptimizerConfig, params: Any
-                          ) -> dict[str, Any]:
+def abstract_policy_state(
+    config: OptimizerConfig, params: Any
+) -> dict[str, Any]:
   """The shapes and dtypes of :func:`sync.policy_state` of the learner's
   state for dense ``params`` (what a rollout engine of this config holds),
   without computing anything."""
@@ -137,20 +168,29 @@ def abstract_policy_state(config: OptimizerConfig, params: Any
   return jax.eval_shape(state, params)
 
 
-def dense_weights(weights: Any, opt_state: optax.OptState,
-                  dtype: Any = None) -> Any:
+def dense_weights(
+    weights: Any, opt_state: optax.OptState, dtype: Any = None
+) -> Any:
   """The learner's weights materialized as dense arrays (``W = c B + P A``
   for factored ones, in the parameter's dtype or ``dtype``)."""
   if not _has_factored(weights):
-    return weights if dtype is None else jax.tree.map(
-        lambda p: p.astype(dtype), weights)
+    return (
+        weights
+        if dtype is None
+        else jax.tree.map(lambda p: p.astype(dtype), weights)
+    )
   return factored_lib.effective_weights(
-      weights, transforms.window_projectors(opt_state), dtype)
+      weights, transforms.window_projectors(opt_state), dtype
+  )
 
 
 def _has_factored(weights: Any) -> bool:
-  return any(map(factored_lib.is_factored, jax.tree.leaves(
-      weights, is_leaf=factored_lib.is_factored)))
+  return any(
+      map(
+          factored_lib.is_factored,
+          jax.tree.leaves(weights, is_leaf=factored_lib.is_factored),
+      )
+  )
 
 
 # What `SkipNonFiniteState.reason` bits stand for, lowest bit first.
@@ -184,8 +224,9 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def skip_non_finite(inner: optax.GradientTransformation
-                    ) -> optax.GradientTransformationExtraArgs:
+def skip_non_finite(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
   """Skips an update with a non-finite loss, gradient, predicted KL or result.
 
   The loss (the optional ``loss`` extra argument) and the gradients are
@@ -250,33 +291,43 @@ def skip_non_finite(inner: optax.GradientTransformation
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = lambda: jnp.zeros([], jnp.int32)   # distinct buffers (donation)
-    return SkipNonFiniteState(count=zero(), inner_state=inner.init(params),
-                              skipped_steps=zero(), consecutive_skips=zero(),
-                              reason=zero())
+    zero = lambda: jnp.zeros([], jnp.int32)  # distinct buffers (donation)
+    return SkipNonFiniteState(
+        count=zero(),
+        inner_state=inner.init(params),
+        skipped_steps=zero(),
+        consecutive_skips=zero(),
+        reason=zero(),
+    )
 
-  def update_fn(updates, state, params=None, *, loss=None, apply_fn=None,
-                **extra_args):
+  def update_fn(
+      updates, state, params=None, *, loss=None, apply_fn=None, **extra_args
+  ):
     apply_fn = (lambda u: u) if apply_fn is None else apply_fn
     loss_ok = jnp.asarray(True) if loss is None else _all_finite(loss)
     grads_ok = _all_finite(updates)
     inputs_ok = loss_ok & grads_ok
 
-    inner_update = lambda: inner.update(updates, state.inner_state, params,
-                                        **extra_args)
+    inner_update = lambda: inner.update(
+        updates, state.inner_state, params, **extra_args
+    )
 
     def run():
       new_updates, new_inner = inner_update()
       kl_ok = jnp.asarray(True)
-      kl_state = (logra.predicted_kl_state(new_inner)
-                  if extra_args.get("kl_predictor") is not None else None)
+      kl_state = (
+          logra.predicted_kl_state(new_inner)
+          if extra_args.get("kl_predictor") is not None
+          else None
+      )
       if kl_state is not None:
         kl_ok = jnp.isfinite(kl_state.predicted_kl)
       out = apply_fn(new_updates)
       update_ok = _all_finite(out)
       skipped_out = apply_fn(jax.tree.map(jnp.zeros_like, new_updates))
-      out = jax.tree.map(lambda new, old: jnp.where(update_ok, new, old), out,
-                         skipped_out)
+      out = jax.tree.map(
+          lambda new, old: jnp.where(update_ok, new, old), out, skipped_out
+      )
       return out, new_inner, kl_ok, update_ok
 
     def skip():
@@ -289,21 +340,24 @@ def skip_non_finite(inner: optax.GradientTransformation
     # second copy of the state alive: +15 GiB per device for Adam at 27B).
     out, new_inner, kl_ok, update_ok = jax.lax.cond(inputs_ok, run, skip)
     checks = (loss_ok, grads_ok, kl_ok, update_ok)
-    reason = sum(jnp.where(ok, 0, 1 << i).astype(jnp.int32)
-                 for i, ok in enumerate(checks))
+    reason = sum(
+        jnp.where(ok, 0, 1 << i).astype(jnp.int32)
+        for i, ok in enumerate(checks)
+    )
     ok = reason == 0
     skipped = (~ok).astype(jnp.int32)
     return out, SkipNonFiniteState(
-        count=optax.safe_increment(state.count), inner_state=new_inner,
+        count=optax.safe_increment(state.count),
+        inner_state=new_inner,
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=jnp.where(ok, 0, state.consecutive_skips + 1),
-        reason=jnp.where(ok, 0, state.reason | reason))
+        reason=jnp.where(ok, 0, state.reason | reason),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def non_finite_state(opt_state: optax.OptState
-                     ) -> SkipNonFiniteState | None:
+def non_finite_state(opt_state: optax.OptState) -> SkipNonFiniteState | None:
   """The :func:`skip_non_finite` state inside ``opt_state``, or None."""
   found = find_states(opt_state, SkipNonFiniteState)
   return found[0] if found else None
@@ -311,23 +365,27 @@ def non_finite_state(opt_state: optax.OptState
 
 def non_finite_reasons(reason: int) -> list[str]:
   """The names of the bits set in :attr:`SkipNonFiniteState.reason`."""
-  return [name for i, name in enumerate(NON_FINITE_REASONS)
-          if int(reason) >> i & 1]
+  return [
+      name for i, name in enumerate(NON_FINITE_REASONS) if int(reason) >> i & 1
+  ]
 
 
 def dense_adam_state_bytes(params: Any) -> int:
   """Bytes dense Adam would hold for ``params``: float32 first and second
   moments of every parameter (plus its step count)."""
-  f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32),
-                     params)
+  f32 = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params
+  )
   return logra.optimizer_state_bytes(jax.eval_shape(optax.adam(1.0).init, f32))
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    config: TrainConfig,
-                    shardings: tuple[Any, Any, Any] | None = None,
-                    activation_rules: dict[str, Any] | None = None
-                    ) -> Callable:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    config: TrainConfig,
+    shardings: tuple[Any, Any, Any] | None = None,
+    activation_rules: dict[str, Any] | None = None,
+) -> Callable:
   """Builds the jitted update ``(params, opt_state, batch) -> (params,
   opt_state, metrics)``.
 
@@ -368,103 +426,168 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def logprobs(params, batch, with_entropy=False):
     return models.token_logprobs(
-        graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
-        batch.completion_tokens_BxT, batch.completion_mask_BxT,
-        temperature=temperature, return_entropy=with_entropy)
+        graphdef,
+        params,
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT,
+        batch.completion_mask_BxT,
+        temperature=temperature,
+        return_entropy=with_entropy,
+    )
 
-  def kl_predictor(params, batch: algo.RolloutBatch,
-                   view: Callable = lambda params: params):
+  def kl_predictor(
+      params, batch: algo.RolloutBatch, view: Callable = lambda params: params
+  ):
     """The predictor of updates of ``params``; ``view`` maps them to what the
     model takes (the factored view, whose coordinates the updates move)."""
     scale = completion_logits_scale(temperature)
 
     def features(params, batch):
       hidden_BxTxD, w_DxV = models.completion_hidden_states(
-          graphdef, view(params), batch.prompt_tokens_BxP,
+          graphdef,
+          view(params),
+          batch.prompt_tokens_BxP,
           batch.prompt_mask_BxP,
-          batch.completion_tokens_BxT, batch.completion_mask_BxT)
+          batch.completion_tokens_BxT,
+          batch.completion_mask_BxT,
+      )
       return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
 
     return logra.make_kl_predictor(
-        features, params, batch, token_mask=batch.completion_mask_BxT,
-        subsample=config.optimizer.kl_subsample)
+        features,
+        params,
+        batch,
+        token_mask=batch.completion_mask_BxT,
+        subsample=config.optimizer.kl_subsample,
+    )
 
   def micro_loss(params, micro):
     logp_BxT, entropy_BxT = logprobs(params, micro, with_entropy=True)
     num, den, metrics = algo.loss_terms(
-        logp_BxT, micro.completion_mask_BxT, micro.advantages_B,
-        micro.old_logp_BxT, micro.ref_logp_BxT, config.loss)
+        logp_BxT,
+        micro.completion_mask_BxT,
+        micro.advantages_B,
+        micro.old_logp_BxT,
+        micro.ref_logp_BxT,
+        config.loss,
+    )
     mask_BxT = micro.completion_mask_BxT.astype(jnp.float32)
-    metrics["entropy"] = (jnp.sum(jax.lax.stop_gradient(entropy_BxT)
-                                  * mask_BxT), mask_BxT.sum())
+    metrics["entropy"] = (
+        jnp.sum(jax.lax.stop_gradient(entropy_BxT) * mask_BxT),
+        mask_BxT.sum(),
+    )
     return num, (den, metrics, jax.lax.stop_gradient(logp_BxT))
 
   def train_step(params, opt_state, batch: algo.RolloutBatch):
     if not isinstance(opt_state, SkipNonFiniteState):
-      raise TypeError("make_train_step needs an optimizer wrapped in "
-                      "skip_non_finite (make_optimizer wraps it), got a state "
-                      f"of type {type(opt_state).__name__}")
+      raise TypeError(
+          "make_train_step needs an optimizer wrapped in "
+          "skip_non_finite (make_optimizer wraps it), got a state "
+          f"of type {type(opt_state).__name__}"
+      )
     micro = batch.micro_batches(config.micro_batches)
     low_rank = sketch_grad.project_state(opt_state) is not None
     factored = sketch_mode and low_rank
     if factored != _has_factored(params):
       raise ValueError(
-          "make_train_step: " + (
+          "make_train_step: "
+          + (
               "LoGRA with sketch-direct gradients keeps projected weights "
               "factored; start from learner.init_train_state(...)"
-              if factored else "the weights are factored but this optimizer "
-              "and gradient mode do not keep them factored"))
+              if factored
+              else "the weights are factored but this optimizer "
+              "and gradient mode do not keep them factored"
+          )
+      )
     if factored:
       return factored_train_step(params, opt_state, batch, micro)
     extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
     loss, grads, metrics, logp_before = totals(
-        *sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(params,
-                                                                  micro))
+        *sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(params, micro)
+    )
     if low_rank:
       # LoGRA's updates P N are expanded and applied inside the guard, leaf by
       # leaf, so that they need not all exist at once (7B, fsdp=8: -0.7 GiB
       # per device, `logra memory`). A dense optimizer's update is cheaper
       # returned: applied inside, it cost Adam +0.3 GiB at 7B, +4.3 at 27B.
       (new_params, update_norm), opt_state = tx.update(
-          grads, opt_state, params, loss=loss,
-          apply_fn=lambda u: (optax.apply_updates(params, u),
-                              optax.global_norm(u)), **extra)
+          grads,
+          opt_state,
+          params,
+          loss=loss,
+          apply_fn=lambda u: (
+              optax.apply_updates(params, u),
+              optax.global_norm(u),
+          ),
+          **extra,
+      )
     else:
-      updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
-                                     **extra)
+      updates, opt_state = tx.update(
+          grads, opt_state, params, loss=loss, **extra
+      )
       new_params = optax.apply_updates(params, updates)
       update_norm = optax.global_norm(updates)
 
-    return new_params, opt_state, step_metrics(
-        batch, opt_state, loss, grads, update_norm, metrics, logp_before,
-        logprobs(new_params, batch), low_rank)
+    return (
+        new_params,
+        opt_state,
+        step_metrics(
+            batch,
+            opt_state,
+            loss,
+            grads,
+            update_norm,
+            metrics,
+            logp_before,
+            logprobs(new_params, batch),
+            low_rank,
+        ),
+    )
 
   def factored_train_step(params, opt_state, batch, micro):
     """The step on factored weights: the window merged at a refresh, the
     sketches taken at ``c B + P A``, and only ``A``, ``c`` and the dense
     leaves updated."""
-    params = factored_lib.merge_at_refresh(params, opt_state,
-                                           seed=config.seed)
+    params = factored_lib.merge_at_refresh(params, opt_state, seed=config.seed)
     value, grad_sum, projectors = sketch_grad.value_and_sketch_grad(
-        micro_loss, has_aux=True, micro_batched=True,
-        constrain=models.constrain)(params, opt_state, micro)
+        micro_loss, has_aux=True, micro_batched=True, constrain=models.constrain
+    )(params, opt_state, micro)
     loss, grads, metrics, logp_before = totals(value, grad_sum)
-    view = lambda weights: sketch_grad.factored_view(weights,
-                                                     projectors.projectors)
+    view = lambda weights: sketch_grad.factored_view(
+        weights, projectors.projectors
+    )
     extra = {"projectors": projectors}
     if kl_control:
       extra["kl_predictor"] = kl_predictor(params, batch, view)
     trainable = factored_lib.without_base(params)
     (new_trainable, update_norm), opt_state = tx.update(
-        grads, opt_state, params, loss=loss,
-        apply_fn=lambda u: (factored_lib.apply_updates(trainable, u),
-                            factored_lib.update_norm(u, params,
-                                                     projectors.projectors)),
-        **extra)
+        grads,
+        opt_state,
+        params,
+        loss=loss,
+        apply_fn=lambda u: (
+            factored_lib.apply_updates(trainable, u),
+            factored_lib.update_norm(u, params, projectors.projectors),
+        ),
+        **extra,
+    )
     new_params = factored_lib.with_base(new_trainable, params)
-    return new_params, opt_state, step_metrics(
-        batch, opt_state, loss, grads, update_norm, metrics, logp_before,
-        logprobs(view(new_params), batch), True)
+    return (
+        new_params,
+        opt_state,
+        step_metrics(
+            batch,
+            opt_state,
+            loss,
+            grads,
+            update_norm,
+            metrics,
+            logp_before,
+            logprobs(view(new_params), batch),
+            True,
+        ),
+    )
 
   def totals(value, grad_sum):
     """The loss, gradients, metric sums and log-probs of the micro-batches
@@ -472,33 +595,55 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     nums, (dens, metrics, logp_before) = value
     den = dens.sum()
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    return (algo.finalize(nums.sum(), den), grads,
-            jax.tree.map(lambda x: x.sum(axis=0), metrics), logp_before)
+    return (
+        algo.finalize(nums.sum(), den),
+        grads,
+        jax.tree.map(lambda x: x.sum(axis=0), metrics),
+        logp_before,
+    )
 
-  def step_metrics(batch, opt_state, loss, grads, update_norm, metrics,
-                   logp_before, logp_after_BxT, low_rank):
+  def step_metrics(
+      batch,
+      opt_state,
+      loss,
+      grads,
+      update_norm,
+      metrics,
+      logp_before,
+      logp_after_BxT,
+      low_rank,
+  ):
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
     logp_before_BxT = logp_before.reshape(mask_BxT.shape)
     tokens = jnp.maximum(mask_BxT.sum(), 1.0)
     log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
     out = algo.finalize_metrics(metrics)
-    out.update({
-        "loss": loss,
-        "grad_norm": optax.global_norm(grads),
-        "update_norm": update_norm,
-        "kl/realized": log_ratio_BxT.sum() / tokens,
-        "kl/realized_k3": jnp.sum((jnp.expm1(-log_ratio_BxT) + log_ratio_BxT)
-                                  * mask_BxT) / tokens,
-    })
+    out.update(
+        {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "update_norm": update_norm,
+            "kl/realized": log_ratio_BxT.sum() / tokens,
+            "kl/realized_k3": jnp.sum(
+                (jnp.expm1(-log_ratio_BxT) + log_ratio_BxT) * mask_BxT
+            )
+            / tokens,
+        }
+    )
     if low_rank:
       out["projector/non_finite"] = sketch_grad.project_state(
-          opt_state).non_finite
+          opt_state
+      ).non_finite
     if kl_control:
       kl_state = logra.predicted_kl_state(opt_state)
       applied = jnp.square(kl_state.scale) * kl_state.predicted_kl
-      out.update({"kl/predicted": jnp.where(kl_state.scale > 0, applied, 0.0),
-                  "kl/scale": kl_state.scale,
-                  "kl/skipped": kl_state.skipped_steps})
+      out.update(
+          {
+              "kl/predicted": jnp.where(kl_state.scale > 0, applied, 0.0),
+              "kl/scale": kl_state.scale,
+              "kl/skipped": kl_state.skipped_steps,
+          }
+      )
     return out
 
   if shardings is None:
@@ -511,6 +656,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     with models.activation_sharding(mesh, activation_rules):
       return train_step(params, opt_state, batch)
 
-  return jax.jit(sharded_train_step, donate_argnums=(0, 1),
-                 in_shardings=(params_sharding, state_sharding, batch_sharding),
-                 out_shardings=(params_sharding, state_sharding, replicated))
+  return jax.jit(
+      sharded_train_step,
+      donate_argnums=(0, 1),
+      in_shardings=(params_sharding, state_sharding, batch_sharding),
+      out_shardings=(params_sharding, state_sharding, replicated),
+  )

@@ -42,7 +42,8 @@ def reference_params(params: nnx.State, dtype: Any) -> nnx.State:
 
 
 def make_reference_logprobs(
-    graphdef: nnx.GraphDef, temperature: float,
+    graphdef: nnx.GraphDef,
+    temperature: float,
     shardings: tuple[Any, Any] | None = None,
     activation_rules: dict[str, Any] | None = None,
 ) -> Callable[[nnx.State, algo.RolloutBatch], algo.RolloutBatch]:
@@ -82,9 +83,14 @@ def make_reference_logprobs(
 
   def fill(ref_params, batch: algo.RolloutBatch) -> algo.RolloutBatch:
     logp_BxT = models.token_logprobs(
-        graphdef, ref_params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
-        batch.completion_tokens_BxT, batch.completion_mask_BxT,
-        temperature=temperature)
+        graphdef,
+        ref_params,
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT,
+        batch.completion_mask_BxT,
+        temperature=temperature,
+    )
     return batch.replace(ref_logp_BxT=logp_BxT.astype(jnp.float32))
 
   if shardings is None:
@@ -92,11 +98,15 @@ def make_reference_logprobs(
   params_sharding, batch_sharding = shardings
   mesh = jax.tree.leaves(params_sharding)[0].mesh
   out_sharding = batch_sharding.replace(
-      ref_logp_BxT=batch_sharding.completion_mask_BxT)
+      ref_logp_BxT=batch_sharding.completion_mask_BxT
+  )
 
   def sharded_fill(ref_params, batch):
     with models.activation_sharding(mesh, activation_rules):
       return fill(ref_params, batch)
 
-  return jax.jit(sharded_fill, in_shardings=(params_sharding, batch_sharding),
-                 out_shardings=out_sharding)
+  return jax.jit(
+      sharded_fill,
+      in_shardings=(params_sharding, batch_sharding),
+      out_shardings=out_sharding,
+  )

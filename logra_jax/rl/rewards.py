@@ -45,15 +45,20 @@ RewardFn = Callable[..., list[float]]
 ScoreAnswer = Callable[[str | None, Mapping[str, Any]], float]
 
 
-def _check_columns(name: str, completions: Sequence[str], **columns: Sequence[Any]) -> None:
+def _check_columns(
+    name: str, completions: Sequence[str], **columns: Sequence[Any]
+) -> None:
   """Raises when a needed column is missing or misaligned with the completions."""
   for column, values in columns.items():
     if values is None:
-      raise ValueError(f"reward {name} needs the {column!r} column; pass {column}=[...].")
+      raise ValueError(
+          f"reward {name} needs the {column!r} column; pass {column}=[...]."
+      )
     if len(values) != len(completions):
       raise ValueError(
           f"reward {name}: column {column!r} has {len(values)} values for "
-          f"{len(completions)} completions.")
+          f"{len(completions)} completions."
+      )
 
 
 @functools.cache
@@ -82,13 +87,19 @@ def reasoning_gym_reward(score_answer: ScoreAnswer | None = None) -> RewardFn:
   """
 
   def reasoning_gym_score(
-      prompts: Sequence[str], completions: Sequence[str], *,
-      entry: Sequence[Mapping[str, Any]] | None = None, **unused: Any) -> list[float]:
+      prompts: Sequence[str],
+      completions: Sequence[str],
+      *,
+      entry: Sequence[Mapping[str, Any]] | None = None,
+      **unused: Any,
+  ) -> list[float]:
     del prompts, unused
     _check_columns("reasoning_gym_score", completions, entry=entry)
     scores = []
     for completion, item in zip(completions, entry):
-      score_fn = score_answer or _reasoning_gym_scorer(item["metadata"]["source_dataset"])
+      score_fn = score_answer or _reasoning_gym_scorer(
+          item["metadata"]["source_dataset"]
+      )
       scores.append(float(score_fn(completion.strip(), item)))
     return scores
 
@@ -96,8 +107,12 @@ def reasoning_gym_reward(score_answer: ScoreAnswer | None = None) -> RewardFn:
 
 
 def math_verify_equivalence(
-    prompts: Sequence[str], completions: Sequence[str], *,
-    answer: Sequence[str] | None = None, **unused: Any) -> list[float]:
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    answer: Sequence[str] | None = None,
+    **unused: Any,
+) -> list[float]:
   r"""1.0 when math-verify finds the completion's answer equivalent to the reference.
 
   Both sides go through ``math_verify.parse`` (LaTeX and plain expressions, e.g.
@@ -127,9 +142,15 @@ def math_verify_equivalence(
   for completion, reference in zip(completions, answer):
     gold = math_verify.parse(str(reference), parsing_timeout=None)
     if not gold:
-      raise ValueError(f"math-verify cannot parse the reference answer {reference!r}.")
+      raise ValueError(
+          f"math-verify cannot parse the reference answer {reference!r}."
+      )
     pred = math_verify.parse(completion, parsing_timeout=None)
-    scores.append(float(bool(pred) and math_verify.verify(gold, pred, timeout_seconds=None)))
+    scores.append(
+        float(
+            bool(pred) and math_verify.verify(gold, pred, timeout_seconds=None)
+        )
+    )
   return scores
 
 
@@ -139,8 +160,12 @@ def _normalize(text: str) -> str:
 
 
 def exact_match(
-    prompts: Sequence[str], completions: Sequence[str], *,
-    answer: Sequence[str] | None = None, **unused: Any) -> list[float]:
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    answer: Sequence[str] | None = None,
+    **unused: Any,
+) -> list[float]:
   """1.0 when the completion equals the reference answer up to whitespace.
 
   Args:
@@ -158,10 +183,14 @@ def exact_match(
   """
   del prompts, unused
   _check_columns("exact_match", completions, answer=answer)
-  return [float(_normalize(c) == _normalize(a)) for c, a in zip(completions, answer)]
+  return [
+      float(_normalize(c) == _normalize(a)) for c, a in zip(completions, answer)
+  ]
 
 
-def format_reward(pattern: str, *, flags: int = re.DOTALL, name: str = "format") -> RewardFn:
+def format_reward(
+    pattern: str, *, flags: int = re.DOTALL, name: str = "format"
+) -> RewardFn:
   r"""Reward 1.0 for completions that fully match a regular expression, else 0.0.
 
   Args:
@@ -178,9 +207,13 @@ def format_reward(pattern: str, *, flags: int = re.DOTALL, name: str = "format")
   """
   compiled = re.compile(pattern, flags)
 
-  def reward(prompts: Sequence[str], completions: Sequence[str], **unused: Any) -> list[float]:
+  def reward(
+      prompts: Sequence[str], completions: Sequence[str], **unused: Any
+  ) -> list[float]:
     del prompts, unused
-    return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+    return [
+        float(compiled.fullmatch(c.strip()) is not None) for c in completions
+    ]
 
   reward.__name__ = name
   return reward
@@ -189,13 +222,19 @@ def format_reward(pattern: str, *, flags: int = re.DOTALL, name: str = "format")
 def _check_weights(weighted: Sequence[tuple[RewardFn, Any]]) -> None:
   """Raises a ValueError naming a reward whose weight is not a finite number."""
   for name, (_, weight) in zip(_names([fn for fn, _ in weighted]), weighted):
-    if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
-        or not math.isfinite(weight)):
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, numbers.Real)
+        or not math.isfinite(weight)
+    ):
       raise ValueError(
-          f"reward {name!r}: weight must be a finite number, got {weight!r}.")
+          f"reward {name!r}: weight must be a finite number, got {weight!r}."
+      )
 
 
-def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "combined") -> RewardFn:
+def combine_rewards(
+    weighted: Sequence[tuple[RewardFn, float]], name: str = "combined"
+) -> RewardFn:
   r"""One reward function: the weighted sum :math:`R = \sum_k w_k R_k`.
 
   To get per-function failure counts and metrics, pass the list to :func:`evaluate_rewards`
@@ -215,14 +254,19 @@ def combine_rewards(weighted: Sequence[tuple[RewardFn, float]], name: str = "com
     [1.1]
   """
   if not weighted:
-    raise ValueError("combine_rewards needs at least one (reward_fn, weight) pair.")
+    raise ValueError(
+        "combine_rewards needs at least one (reward_fn, weight) pair."
+    )
   _check_weights(weighted)
 
-  def reward(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
+  def reward(
+      prompts: Sequence[str], completions: Sequence[str], **columns: Any
+  ) -> list[float]:
     total = np.zeros(len(completions), np.float64)
     for fn, weight in weighted:
       total += weight * np.asarray(
-          fn(prompts=prompts, completions=completions, **columns), np.float64)
+          fn(prompts=prompts, completions=completions, **columns), np.float64
+      )
     return total.tolist()
 
   reward.__name__ = name
@@ -254,8 +298,10 @@ def load_reward_function(spec: str) -> RewardFn:
   """
   where, sep, name = spec.rpartition(":")
   if not sep or not where or not name:
-    raise ValueError(f"reward {spec!r} must look like package.module:function or "
-                     "path/to/file.py:function")
+    raise ValueError(
+        f"reward {spec!r} must look like package.module:function or "
+        "path/to/file.py:function"
+    )
   if where.endswith(".py"):
     if not os.path.isfile(where):
       raise FileNotFoundError(f"reward {spec!r}: file {where} not found")
@@ -267,13 +313,16 @@ def load_reward_function(spec: str) -> RewardFn:
   try:
     module = loader()
   except Exception as e:  # noqa: BLE001 -- any import failure of user code.
-    raise ValueError(f"reward {spec!r}: {where} does not import: "
-                     f"{type(e).__name__}: {e}") from e
+    raise ValueError(
+        f"reward {spec!r}: {where} does not import: " f"{type(e).__name__}: {e}"
+    ) from e
   fn = getattr(module, name, None)
   if fn is None:
     raise ValueError(f"reward {spec!r}: {where} has no attribute {name!r}")
   if not callable(fn):
-    raise ValueError(f"reward {spec!r}: {name} is a {type(fn).__name__}, not a function")
+    raise ValueError(
+        f"reward {spec!r}: {name} is a {type(fn).__name__}, not a function"
+    )
   return fn
 
 
@@ -283,9 +332,12 @@ def _exec_module(module_spec: importlib.machinery.ModuleSpec):
   return module
 
 
-def check_reward_functions(fns: Sequence[tuple[RewardFn, float]],
-                           examples: Sequence[Mapping[str, Any]], *,
-                           timeout_s: float = 30.0) -> None:
+def check_reward_functions(
+    fns: Sequence[tuple[RewardFn, float]],
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    timeout_s: float = 30.0,
+) -> None:
   """Tries each reward on the reference answers of ``examples``; raises on a bad one.
 
   Each function is called once on the whole list, as a run would call it, with
@@ -307,7 +359,7 @@ def check_reward_functions(fns: Sequence[tuple[RewardFn, float]],
     ...                        [{"prompt": "1+1=", "answer": "2"}] * 2)
     Traceback (most recent call last):
     ...
-    ValueError: reward <lambda> returned 1 values for 2 completions; it must return one float per completion.
+    ValueError: reward <lambda> returned 1 values for 2 completions; it must ...
   """
   _check_weights(fns)
   prompts = [e["prompt"] for e in examples]
@@ -318,32 +370,47 @@ def check_reward_functions(fns: Sequence[tuple[RewardFn, float]],
 
     def call(fn=fn, results=results):
       try:
-        results.put((True, fn(prompts=prompts, completions=completions, **columns)))
+        results.put(
+            (True, fn(prompts=prompts, completions=completions, **columns))
+        )
       except Exception as e:  # noqa: BLE001 -- reported below.
         results.put((False, e))
 
-    threading.Thread(target=call, name=f"reward-check-{name}", daemon=True).start()
+    threading.Thread(
+        target=call, name=f"reward-check-{name}", daemon=True
+    ).start()
     try:
       ok, out = results.get(timeout=timeout_s)
     except queue.Empty:
-      raise ValueError(f"reward {name} returned nothing within {timeout_s} s on "
-                       f"{len(prompts)} reference answers") from None
+      raise ValueError(
+          f"reward {name} returned nothing within {timeout_s} s on "
+          f"{len(prompts)} reference answers"
+      ) from None
     if not ok:
       signature = _signature(fn)
       raise ValueError(
           f"reward {name}{signature} failed on the task's reference answers: "
           f"{type(out).__name__}: {out}; a reward takes (prompts, completions, "
-          f"**columns) as keywords, the columns being {sorted(columns)}") from out
-    if isinstance(out, (str, bytes)) or not isinstance(out, (Sequence, np.ndarray)):
-      raise ValueError(f"reward {name} returned a {type(out).__name__}; it must return "
-                       "a list with one float per completion.")
+          f"**columns) as keywords, the columns being {sorted(columns)}"
+      ) from out
+    if isinstance(out, (str, bytes)) or not isinstance(
+        out, (Sequence, np.ndarray)
+    ):
+      raise ValueError(
+          f"reward {name} returned a {type(out).__name__}; it must return "
+          "a list with one float per completion."
+      )
     if len(out) != len(completions):
-      raise ValueError(f"reward {name} returned {len(out)} values for {len(completions)} "
-                       "completions; it must return one float per completion.")
+      raise ValueError(
+          f"reward {name} returned {len(out)} values for {len(completions)} "
+          "completions; it must return one float per completion."
+      )
     try:
       values = [float(v) for v in out]
     except (TypeError, ValueError):
-      raise ValueError(f"reward {name} returned {list(out)!r}, not numbers") from None
+      raise ValueError(
+          f"reward {name} returned {list(out)!r}, not numbers"
+      ) from None
     if not all(math.isfinite(v) for v in values):
       raise ValueError(f"reward {name} returned non-finite values {values}")
 
@@ -379,8 +446,10 @@ class RewardReport:
   def failure_fraction(self) -> dict[str, float]:
     """name -> fraction of the samples that failed or timed out (0 if none)."""
     n = max(len(self.rewards), 1)
-    return {name: (self.failures[name] + self.timeouts[name]) / n
-            for name in self.per_function}
+    return {
+        name: (self.failures[name] + self.timeouts[name]) / n
+        for name in self.per_function
+    }
 
   def metrics(self) -> dict[str, float]:
     """Flat metrics: ``reward/<name>`` means,
@@ -398,8 +467,14 @@ class RewardReport:
 
 def _one_score(out: Any) -> float:
   """The single finite float a reward returned for one sample, or a ValueError."""
-  if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != 1:
-    raise ValueError(f"expected a list of one float for one sample, got {out!r}")
+  if (
+      isinstance(out, (str, bytes))
+      or not isinstance(out, Sequence)
+      or len(out) != 1
+  ):
+    raise ValueError(
+        f"expected a list of one float for one sample, got {out!r}"
+    )
   value = float(out[0])
   if not math.isfinite(value):
     raise ValueError(f"non-finite reward {value}")
@@ -407,24 +482,35 @@ def _one_score(out: Any) -> float:
 
 
 def _score_samples(
-    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-    columns: Mapping[str, Sequence[Any]], start: int, results: queue.SimpleQueue,
-    cancelled: threading.Event) -> None:
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    start: int,
+    results: queue.SimpleQueue,
+    cancelled: threading.Event,
+) -> None:
   """Worker: scores samples ``start, start+1, ...`` one at a time until done or cancelled."""
   for i in range(start, len(completions)):
     if cancelled.is_set():
       return
     try:
-      out = fn(prompts=[prompts[i]], completions=[completions[i]],
-               **{k: [v[i]] for k, v in columns.items()})
+      out = fn(
+          prompts=[prompts[i]],
+          completions=[completions[i]],
+          **{k: [v[i]] for k, v in columns.items()},
+      )
       results.put((True, _one_score(out)))
     except Exception as e:  # noqa: BLE001 -- any failure of user code scores 0.
       results.put((False, f"{type(e).__name__}: {e}"))
 
 
 def _guarded_scores(
-    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-    columns: Mapping[str, Sequence[Any]], timeout_s: float,
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    timeout_s: float,
 ) -> tuple[np.ndarray, int, int, str | None]:
   """Scores every sample in a worker thread; a sample past the deadline abandons the worker.
 
@@ -440,15 +526,20 @@ def _guarded_scores(
     results: queue.SimpleQueue = queue.SimpleQueue()
     cancelled = threading.Event()
     threading.Thread(
-        target=_score_samples, args=(fn, prompts, completions, columns, i, results, cancelled),
-        name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+        target=_score_samples,
+        args=(fn, prompts, completions, columns, i, results, cancelled),
+        name=f"reward-{getattr(fn, '__name__', 'fn')}",
+        daemon=True,
+    ).start()
     while i < n:
       try:
         ok, value = results.get(timeout=timeout_s)
       except queue.Empty:
         cancelled.set()
         timeouts += 1
-        first_error = first_error or f"sample {i}: no result within {timeout_s} s"
+        first_error = (
+            first_error or f"sample {i}: no result within {timeout_s} s"
+        )
         i += 1
         break
       if ok:
@@ -510,28 +601,43 @@ def evaluate_rewards(
     (array([1.], dtype=float32), {'exact_match': 0})
   """
   if not fns:
-    raise ValueError("evaluate_rewards needs at least one (reward_fn, weight) pair.")
+    raise ValueError(
+        "evaluate_rewards needs at least one (reward_fn, weight) pair."
+    )
   _check_weights(fns)
   if timeout_s <= 0:
     raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
   columns = dict(columns or {})
   if len(prompts) != len(completions):
-    raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions.")
+    raise ValueError(
+        f"got {len(prompts)} prompts but {len(completions)} completions."
+    )
   for column, values in columns.items():
     if len(values) != len(completions):
       raise ValueError(
-          f"column {column!r} has {len(values)} values for {len(completions)} completions.")
+          f"column {column!r} has {len(values)} values for {len(completions)} completions."
+      )
   total = np.zeros(len(completions), np.float32)
   per_function, failures, timeouts, first_errors = {}, {}, {}, {}
   for name, (fn, weight) in zip(_names([fn for fn, _ in fns]), fns):
     scores, failed, timed_out, error = _guarded_scores(
-        fn, prompts, completions, columns, timeout_s)
-    per_function[name], failures[name], timeouts[name] = scores, failed, timed_out
+        fn, prompts, completions, columns, timeout_s
+    )
+    per_function[name], failures[name], timeouts[name] = (
+        scores,
+        failed,
+        timed_out,
+    )
     if error is not None:
       first_errors[name] = error
     total += np.float32(weight) * scores
-  return RewardReport(rewards=total, per_function=per_function, failures=failures,
-                      timeouts=timeouts, first_errors=first_errors)
+  return RewardReport(
+      rewards=total,
+      per_function=per_function,
+      failures=failures,
+      timeouts=timeouts,
+      first_errors=first_errors,
+  )
 
 
 class RewardFailureWarnings:
@@ -557,16 +663,21 @@ class RewardFailureWarnings:
     warning: reward math_verify_equivalence failed on 1 of 1 samples (100%) ...
   """
 
-  def __init__(self, log: Callable[[str], None] = print, *,
-               threshold: float = 0.5, every: int = 50):
+  def __init__(
+      self,
+      log: Callable[[str], None] = print,
+      *,
+      threshold: float = 0.5,
+      every: int = 50,
+  ):
     if not 0 <= threshold < 1:
       raise ValueError(f"threshold must be in [0, 1), got {threshold}.")
     if every < 1:
       raise ValueError(f"every must be >= 1, got {every}.")
     self._log, self._threshold, self._every = log, threshold, every
     self._batches = 0
-    self._last: dict[str, int] = {}     # name -> batch of its last warning
-    self._held: dict[str, int] = {}     # name -> bad batches not warned since
+    self._last: dict[str, int] = {}  # name -> batch of its last warning
+    self._held: dict[str, int] = {}  # name -> bad batches not warned since
 
   def __call__(self, report: RewardReport) -> None:
     """Logs the functions of ``report`` that failed on too much of the batch."""
@@ -580,15 +691,21 @@ class RewardFailureWarnings:
         self._held[name] = self._held.get(name, 0) + 1
         continue
       failed = report.failures[name] + report.timeouts[name]
-      line = (f"warning: reward {name} failed on {failed} of {n} samples "
-              f"({fraction:.0%}) of a batch; first: "
-              f"{report.first_errors[name].rstrip('.')}.")
+      line = (
+          f"warning: reward {name} failed on {failed} of {n} samples "
+          f"({fraction:.0%}) of a batch; first: "
+          f"{report.first_errors[name].rstrip('.')}."
+      )
       if last is None:
-        line += (" Check the reward and the task's answers; this warning "
-                 f"repeats at most every {self._every} batches.")
+        line += (
+            " Check the reward and the task's answers; this warning "
+            f"repeats at most every {self._every} batches."
+        )
       else:
         held = self._held.pop(name, 0)
-        line += (f" Since the last warning: {held} more batch"
-                 f"{'es' if held != 1 else ''} over {self._threshold:.0%}.")
+        line += (
+            f" Since the last warning: {held} more batch"
+            f"{'es' if held != 1 else ''} over {self._threshold:.0%}."
+        )
       self._last[name] = self._batches
       self._log(line)

@@ -25,8 +25,10 @@ import rich.table
 from logra_jax.rollout import engine as engine_lib
 
 # tracker -> (the module it needs, what installs it)
-_LIBRARIES = {"tensorboard": ("tensorboardX", "tensorboardX"),
-              "wandb": ("wandb", "'logra-jax[wandb]'")}
+_LIBRARIES = {
+    "tensorboard": ("tensorboardX", "tensorboardX"),
+    "wandb": ("wandb", "'logra-jax[wandb]'"),
+}
 
 
 def check_trackers(names: Sequence[str]) -> None:
@@ -37,7 +39,8 @@ def check_trackers(names: Sequence[str]) -> None:
     if importlib.util.find_spec(module) is None:
       raise ValueError(
           f"logging.trackers includes {name!r}, but {module} is not "
-          f"installed: pip install {requirement}")
+          f"installed: pip install {requirement}"
+      )
 
 
 class Trackers:
@@ -57,21 +60,28 @@ class Trackers:
     ...     trackers.log({"reward/total": 0.5}, step=1)
   """
 
-  def __init__(self, names: Sequence[str], out: pathlib.Path,
-               config: Mapping[str, Any]):
+  def __init__(
+      self, names: Sequence[str], out: pathlib.Path, config: Mapping[str, Any]
+  ):
     check_trackers(names)
     self._tensorboard = self._wandb = None
     if "tensorboard" in names:
       import tensorboardX
+
       self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
     if "wandb" in names:
       import wandb
+
       id_file = out / "wandb-run-id"
       if not id_file.exists():
         id_file.write_text(uuid.uuid4().hex[:16])
-      self._wandb = wandb.init(dir=str(out), name=out.name,
-                               id=id_file.read_text().strip(),
-                               resume="allow", config=dict(config))
+      self._wandb = wandb.init(
+          dir=str(out),
+          name=out.name,
+          id=id_file.read_text().strip(),
+          resume="allow",
+          config=dict(config),
+      )
 
   def log(self, metrics: Mapping[str, float], step: int) -> None:
     """Records one step's metrics."""
@@ -106,8 +116,9 @@ def samples_due(step: int, every: int) -> bool:
   return bool(every) and (step == 1 or step % every == 0)
 
 
-def sample_rows(samples: engine_lib.RolloutSamples, num_generations: int,
-                shown: int) -> list[dict[str, Any]]:
+def sample_rows(
+    samples: engine_lib.RolloutSamples, num_generations: int, shown: int
+) -> list[dict[str, Any]]:
   """The first completion of each of the first ``shown`` prompts: its
   prompt, completion, reference answer (when the task has one), total
   reward and each reward function's score.
@@ -133,20 +144,29 @@ def sample_rows(samples: engine_lib.RolloutSamples, num_generations: int,
   return rows
 
 
-def sample_table(rows: Sequence[Mapping[str, Any]], step: int,
-                 width: int = 100) -> str:
+def sample_table(
+    rows: Sequence[Mapping[str, Any]], step: int, width: int = 100
+) -> str:
   """``rows`` (:func:`sample_rows`) as a text table titled with the step."""
   table = rich.table.Table(title=f"samples at step {step}", show_lines=True)
-  columns = [c for c in ("prompt", "completion", "answer", "reward")
-             if rows and c in rows[0]]
+  columns = [
+      c
+      for c in ("prompt", "completion", "answer", "reward")
+      if rows and c in rows[0]
+  ]
   for column in columns:
-    table.add_column(column, overflow="fold",
-                     justify="right" if column == "reward" else "left")
+    table.add_column(
+        column,
+        overflow="fold",
+        justify="right" if column == "reward" else "left",
+    )
   for row in rows:
-    table.add_row(*(f"{row[c]:.3f}" if c == "reward" else str(row[c])
-                    for c in columns))
-  console = rich.console.Console(file=io.StringIO(), width=width,
-                                 color_system=None)
+    table.add_row(
+        *(f"{row[c]:.3f}" if c == "reward" else str(row[c]) for c in columns)
+    )
+  console = rich.console.Console(
+      file=io.StringIO(), width=width, color_system=None
+  )
   console.print(table)
   return console.file.getvalue().rstrip("\n")
 
@@ -171,8 +191,11 @@ class SampleLog:
   def __init__(self, path: pathlib.Path, resumed_step: int | None = None):
     kept = []
     if resumed_step is not None and path.exists():
-      kept = [line for line in path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= resumed_step]
+      kept = [
+          line
+          for line in path.read_text().splitlines()
+          if line.strip() and json.loads(line)["step"] <= resumed_step
+      ]
     self._file = open(path, "w", encoding="utf-8")
     self._file.writelines(line + "\n" for line in kept)
     self._file.flush()

@@ -20,8 +20,13 @@ import logra_jax as logra
 from logra_jax import checkpoint
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import (RewardConfig, TrainConfig, load_config,
-                                     to_dict, to_yaml)
+from logra_jax.configs.train import (
+    RewardConfig,
+    TrainConfig,
+    load_config,
+    to_dict,
+    to_yaml,
+)
 from logra_jax.data import tasks as tasks_lib
 from logra_jax.rl import algo
 from logra_jax.rl import learner as learner_lib
@@ -40,22 +45,37 @@ def load_task(config: TrainConfig) -> tasks_lib.Task:
   task = config.task
   if task.name == "tiny" or task.name == tasks_lib.TINY_TASK:
     return tasks_lib.tiny_arithmetic_task(
-        size=task.size, seed=task.seed, template=task.template,
-        **{"min_terms": task.terms, "max_terms": task.terms,
-           "max_digits": task.max_digits, **task.options})
+        size=task.size,
+        seed=task.seed,
+        template=task.template,
+        **{
+            "min_terms": task.terms,
+            "max_terms": task.terms,
+            "max_digits": task.max_digits,
+            **task.options,
+        },
+    )
   if task.name.lower().endswith(tuple(tasks_lib.FILE_BUILDERS)):
     if task.options:
       raise ValueError(
           f"task.options={dict(task.options)} configure a reasoning-gym "
           f"generator; {task.name} is a data file (see task.prompt_column, "
-          "task.answer_column, task.template, task.answer_after)")
+          "task.answer_column, task.template, task.answer_after)"
+      )
     return tasks_lib.file_task(
-        task.name, prompt_column=task.prompt_column,
-        answer_column=task.answer_column, template=task.template,
-        answer_after=task.answer_after)
-  return tasks_lib.reasoning_gym_task(task.name, size=task.size,
-                                      seed=task.seed, config=task.options,
-                                      template=task.template)
+        task.name,
+        prompt_column=task.prompt_column,
+        answer_column=task.answer_column,
+        template=task.template,
+        answer_after=task.answer_after,
+    )
+  return tasks_lib.reasoning_gym_task(
+      task.name,
+      size=task.size,
+      seed=task.seed,
+      config=task.options,
+      template=task.template,
+  )
 
 
 def task_verifier(task: tasks_lib.Task) -> Callable:
@@ -66,29 +86,40 @@ def task_verifier(task: tasks_lib.Task) -> Callable:
   return rewards_lib.math_verify_equivalence
 
 
-def run_rewards(config: TrainConfig, task: tasks_lib.Task
-                ) -> list[tuple[Callable, float]]:
+def run_rewards(
+    config: TrainConfig, task: tasks_lib.Task
+) -> list[tuple[Callable, float]]:
   """The run's ``(reward_fn, weight)`` pairs (``config.rewards``; none: the
   task's verifier), each tried on a few of the task's reference answers
   (:func:`rewards_lib.check_reward_functions`), so that a bad one fails
   before anything compiles."""
   specs = config.rewards or [RewardConfig()]
-  rewards = [(task_verifier(task) if spec.function == "task" else
-              rewards_lib.load_reward_function(spec.function), spec.weight)
-             for spec in specs]
+  rewards = [
+      (
+          task_verifier(task)
+          if spec.function == "task"
+          else rewards_lib.load_reward_function(spec.function),
+          spec.weight,
+      )
+      for spec in specs
+  ]
   rewards_lib.check_reward_functions(rewards, task.examples[:4])
   return rewards
 
 
-def policy_folder(config: TrainConfig, train_examples: Sequence[dict],
-                  log: Log = print) -> pathlib.Path:
+def policy_folder(
+    config: TrainConfig, train_examples: Sequence[dict], log: Log = print
+) -> pathlib.Path:
   """The HF folder RL starts from: ``policy.path``, or the (cached)
   warm-started policy trained on ``train_examples``' worked answers."""
   if config.policy.path:
     return pathlib.Path(config.policy.path)
-  return warm_start(config.policy,
-                    train_examples[:config.policy.warm_start_examples],
-                    seed=config.task.seed, log=log)
+  return warm_start(
+      config.policy,
+      train_examples[: config.policy.warm_start_examples],
+      seed=config.task.seed,
+      log=log,
+  )
 
 
 class PromptStream:
@@ -104,8 +135,13 @@ class PromptStream:
     True
   """
 
-  def __init__(self, examples: Sequence[dict], batch_size: int, seed: int,
-               position: int = 0):
+  def __init__(
+      self,
+      examples: Sequence[dict],
+      batch_size: int,
+      seed: int,
+      position: int = 0,
+  ):
     self._batches = tasks_lib.prompt_batches(examples, batch_size, seed=seed)
     for _ in range(position):
       next(self._batches)
@@ -135,30 +171,38 @@ def _locked_run_folder(out: pathlib.Path) -> Iterator[None]:
   except filelock.Timeout:
     raise RunFolderInUseError(
         f"{out} is in use by another run (it holds {out / '.lock'}); wait "
-        "for it to end or choose another output folder") from None
+        "for it to end or choose another output folder"
+    ) from None
   try:
     yield
   finally:
     lock.release()
 
 
-def _check_inputs(config: TrainConfig, out: pathlib.Path,
-                  mesh: parallel.MeshConfig | None, resume: bool
-                  ) -> tuple[tasks_lib.Task, list[tuple[Callable, float]],
-                             jax.sharding.Mesh | None]:
+def _check_inputs(
+    config: TrainConfig,
+    out: pathlib.Path,
+    mesh: parallel.MeshConfig | None,
+    resume: bool,
+) -> tuple[
+    tasks_lib.Task, list[tuple[Callable, float]], jax.sharding.Mesh | None
+]:
   """Checks what a run needs before anything is written to ``out``: the
   policy folder, the checkpoint folder of a resumed run, the mesh, the task
   and the rewards. Returns the task, the rewards and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
   if mesh is not None and config.rollout.engine == "process":
-    raise ValueError("rollout.engine=process runs the engine unsharded on "
-                     "the devices of its own process; it cannot be combined "
-                     "with a mesh yet (use rollout.engine=colocated)")
+    raise ValueError(
+        "rollout.engine=process runs the engine unsharded on "
+        "the devices of its own process; it cannot be combined "
+        "with a mesh yet (use rollout.engine=colocated)"
+    )
   tracking.check_trackers(config.logging.trackers)
   if resume and not (out / "checkpoints").is_dir():
     raise checkpoint.CheckpointError(
-        f"nothing to resume in {out}: no folder {out / 'checkpoints'}")
+        f"nothing to resume in {out}: no folder {out / 'checkpoints'}"
+    )
   device_mesh = None
   if mesh is not None:
     device_mesh = parallel.make_mesh(mesh)
@@ -166,7 +210,8 @@ def _check_inputs(config: TrainConfig, out: pathlib.Path,
     if rows % (mesh.dp * mesh.fsdp):
       raise ValueError(
           f"the rollout batch of {rows} completions is not divisible by the "
-          f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})")
+          f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})"
+      )
   task = load_task(config)
   return task, run_rewards(config, task), device_mesh
 
@@ -175,31 +220,50 @@ class OutOfMemoryError(MemoryError):
   """The rollout or the train step does not fit in device memory."""
 
 
-def memory_command(config: TrainConfig, mesh: parallel.MeshConfig | None,
-                   folder: pathlib.Path, seq_len: int) -> str:
+def memory_command(
+    config: TrainConfig,
+    mesh: parallel.MeshConfig | None,
+    folder: pathlib.Path,
+    seq_len: int,
+) -> str:
   """The ``logra memory`` command that plans a run's train step per device.
 
   Example:
     >>> from logra_jax.configs.train import get_preset
-    >>> memory_command(get_preset("smoke"), None, pathlib.Path("p"), 20)
-    'logra memory --model p/config.json --mesh dp=1,fsdp=1,tp=1 --optimizer logra --rank 4 --seq 20 --micro-batch 16 --rollout-seqs 16 --rollout-tokens 20'
+    >>> print(memory_command(get_preset("smoke"), None, pathlib.Path("p"), 20)
+    ...       .replace(" --", "\\n--"))
+    logra memory
+    --model p/config.json
+    --mesh dp=1,fsdp=1,tp=1
+    --optimizer logra
+    --rank 4
+    --seq 20
+    --micro-batch 16
+    --rollout-seqs 16
+    --rollout-tokens 20
   """
   mesh = mesh or parallel.MeshConfig()
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   per_device = max(1, rows // config.micro_batches // (mesh.dp * mesh.fsdp))
   optimizer = "adam" if config.optimizer.name == "adam" else "logra"
-  flags = (f" --reference-dtype {config.policy.reference_dtype}"
-           if config.loss.beta > 0 else "")
+  flags = (
+      f" --reference-dtype {config.policy.reference_dtype}"
+      if config.loss.beta > 0
+      else ""
+  )
   if config.optimizer.base_dtype != "float32":
     flags += f" --base-dtype {config.optimizer.base_dtype}"
-  return (f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
-          f"--optimizer {optimizer} --rank {config.optimizer.rank} "
-          f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
-          f"--rollout-tokens {seq_len}{flags}")
+  return (
+      f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
+      f"--optimizer {optimizer} --rank {config.optimizer.rank} "
+      f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
+      f"--rollout-tokens {seq_len}{flags}"
+  )
 
 
-def out_of_memory_error(error: BaseException, step: int, command: str
-                        ) -> Optional[OutOfMemoryError]:
+def out_of_memory_error(
+    error: BaseException, step: int, command: str
+) -> Optional[OutOfMemoryError]:
   """An :class:`OutOfMemoryError` explaining ``error`` if it is XLA's
   out-of-memory (``RESOURCE_EXHAUSTED``), else None.
 
@@ -217,7 +281,8 @@ def out_of_memory_error(error: BaseException, step: int, command: str
       f"train step ({first}). See what this config needs per device with: "
       f"{command} ; then raise micro_batches, lower "
       f"rollout.prompts_per_step or optimizer.rank, or shard over more "
-      f"devices (--mesh)")
+      f"devices (--mesh)"
+  )
 
 
 @contextlib.contextmanager
@@ -254,18 +319,25 @@ class _StopSignals:
     if self.received is not None:
       raise KeyboardInterrupt
     self.received = signal.Signals(signum).name
-    self._log(f"{self.received}: stopping after the current step and saving "
-              "a checkpoint (send it again to stop at once, without saving)")
+    self._log(
+        f"{self.received}: stopping after the current step and saving "
+        "a checkpoint (send it again to stop at once, without saving)"
+    )
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
 
 
-def train(config: TrainConfig, out_dir: str | pathlib.Path,
-          progress: bool = True, log: Log = print,
-          mesh: parallel.MeshConfig | None = None, resume: bool = False,
-          allow_reshard: bool = False) -> dict[str, Any]:
+def train(
+    config: TrainConfig,
+    out_dir: str | pathlib.Path,
+    progress: bool = True,
+    log: Log = print,
+    mesh: parallel.MeshConfig | None = None,
+    resume: bool = False,
+    allow_reshard: bool = False,
+) -> dict[str, Any]:
   """Runs RL as configured; writes metrics, checkpoints, a plot and
   ``summary.json``.
 
@@ -321,16 +393,32 @@ def train(config: TrainConfig, out_dir: str | pathlib.Path,
   out = pathlib.Path(out_dir)
   task, rewards, device_mesh = _check_inputs(config, out, mesh, resume)
   with _locked_run_folder(out), contextlib.ExitStack() as closing:
-    checkpointer = checkpoint.Checkpointer(out / "checkpoints",
-                                           config.checkpoint)
+    checkpointer = checkpoint.Checkpointer(
+        out / "checkpoints", config.checkpoint
+    )
     closing.callback(checkpointer.close)
-    return _train(config, out, checkpointer, task, rewards, progress, log,
-                  mesh, device_mesh, resume, allow_reshard, start_time,
-                  closing)
+    return _train(
+        config,
+        out,
+        checkpointer,
+        task,
+        rewards,
+        progress,
+        log,
+        mesh,
+        device_mesh,
+        resume,
+        allow_reshard,
+        start_time,
+        closing,
+    )
 
 
-def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
-                  mesh: jax.sharding.Mesh | None):
+def _learner_step(
+    config: TrainConfig,
+    policy: engine_lib.Policy,
+    mesh: jax.sharding.Mesh | None,
+):
   """The optimizer and the jitted train step of a run, with the policy's
   params placed for it, the shardings of the optimizer state and of the
   learner's weights (:func:`learner_lib.init_weights`), a function that
@@ -343,74 +431,127 @@ def _learner_step(config: TrainConfig, policy: engine_lib.Policy,
     # Every input committed to the one device, like restored state and the
     # step's outputs: the first step compiles the program all others run.
     state_sharding = jax.sharding.SingleDeviceSharding(
-        jax.tree.leaves(params)[0].sharding.device_set.pop())
+        jax.tree.leaves(params)[0].sharding.device_set.pop()
+    )
     params = jax.device_put(params, state_sharding)
     place_batch = lambda batch: jax.device_put(batch, state_sharding)
     train_step = learner_lib.make_train_step(policy.graphdef, tx, config)
-    fill_reference = (reference_lib.make_reference_logprobs(
-        policy.graphdef, config.rollout.temperature) if with_reference
-                      else None)
-    return (params, tx, state_sharding, state_sharding, place_batch,
-            train_step, fill_reference,
-            state_sharding)
+    fill_reference = (
+        reference_lib.make_reference_logprobs(
+            policy.graphdef, config.rollout.temperature
+        )
+        if with_reference
+        else None
+    )
+    return (
+        params,
+        tx,
+        state_sharding,
+        state_sharding,
+        place_batch,
+        train_step,
+        fill_reference,
+        state_sharding,
+    )
   params_sharding = parallel.param_shardings(params, mesh)
   state_sharding = parallel.optimizer_state_shardings(
-      tx, params, params_sharding, mesh)
+      tx, params, params_sharding, mesh
+  )
   weights_sharding = parallel.weight_shardings(
       learner_lib.abstract_weights(config.optimizer, tx, params),
-      params_sharding, mesh)
+      params_sharding,
+      mesh,
+  )
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
   rollout_sharding = algo.RolloutBatch(
-      prompt_tokens_BxP=row(2), prompt_mask_BxP=row(2),
-      completion_tokens_BxT=row(2), completion_mask_BxT=row(2),
-      old_logp_BxT=row(2), advantages_B=row(1),
-      num_generations=config.rollout.num_generations)
+      prompt_tokens_BxP=row(2),
+      prompt_mask_BxP=row(2),
+      completion_tokens_BxT=row(2),
+      completion_mask_BxT=row(2),
+      old_logp_BxT=row(2),
+      advantages_B=row(1),
+      num_generations=config.rollout.num_generations,
+  )
   place_batch = lambda batch: jax.device_put(batch, rollout_sharding)
-  batch_sharding = (rollout_sharding.replace(ref_logp_BxT=row(2))
-                    if with_reference else rollout_sharding)
+  batch_sharding = (
+      rollout_sharding.replace(ref_logp_BxT=row(2))
+      if with_reference
+      else rollout_sharding
+  )
   train_step = learner_lib.make_train_step(
-      policy.graphdef, tx, config,
+      policy.graphdef,
+      tx,
+      config,
       shardings=(weights_sharding, state_sharding, batch_sharding),
-      activation_rules=parallel.PARTITION_RULES)
-  fill_reference = (reference_lib.make_reference_logprobs(
-      policy.graphdef, config.rollout.temperature,
-      shardings=(params_sharding, rollout_sharding),
-      activation_rules=parallel.PARTITION_RULES) if with_reference else None)
-  return (params, tx, state_sharding, weights_sharding, place_batch,
-          train_step, fill_reference,
-          params_sharding)
+      activation_rules=parallel.PARTITION_RULES,
+  )
+  fill_reference = (
+      reference_lib.make_reference_logprobs(
+          policy.graphdef,
+          config.rollout.temperature,
+          shardings=(params_sharding, rollout_sharding),
+          activation_rules=parallel.PARTITION_RULES,
+      )
+      if with_reference
+      else None
+  )
+  return (
+      params,
+      tx,
+      state_sharding,
+      weights_sharding,
+      place_batch,
+      train_step,
+      fill_reference,
+      params_sharding,
+  )
 
 
-def _start_engine(config: TrainConfig, policy: engine_lib.Policy,
-                  folder: pathlib.Path, out: pathlib.Path, params: Any,
-                  opt_state: Any, params_sharding: Any,
-                  closing: contextlib.ExitStack
-                  ) -> tuple[sync.PolicySender, engine_lib.Engine]:
+def _start_engine(
+    config: TrainConfig,
+    policy: engine_lib.Policy,
+    folder: pathlib.Path,
+    out: pathlib.Path,
+    params: Any,
+    opt_state: Any,
+    params_sharding: Any,
+    closing: contextlib.ExitStack,
+) -> tuple[sync.PolicySender, engine_lib.Engine]:
   """The learner's sync sender and the rollout engine of
   ``config.rollout.engine`` (closed by ``closing``), synced to the learner's
   weights by a full message."""
   sync_fields = engine_lib.sync_fields(config, folder)
-  sender = sync.PolicySender(params, opt_state, seed=config.seed,
-                             **sync_fields)
+  sender = sync.PolicySender(params, opt_state, seed=config.seed, **sync_fields)
   if config.rollout.engine == "process":
-    engine = transport.ProcessEngine(policy, config, folder,
-                                     log_path=out / "rollout_engine.log")
+    engine = transport.ProcessEngine(
+        policy, config, folder, log_path=out / "rollout_engine.log"
+    )
   else:
     engine = engine_lib.RolloutEngine(
-        policy, sync.policy_state(params, opt_state), seed=config.seed,
+        policy,
+        sync.policy_state(params, opt_state),
+        seed=config.seed,
         shardings=params_sharding,
-        dtype=engine_lib.sampling_dtype(config.rollout.dtype), **sync_fields)
+        dtype=engine_lib.sampling_dtype(config.rollout.dtype),
+        **sync_fields,
+    )
   closing.callback(engine.close)
   if engine.signature != sender.signature:
     raise ValueError(
         "the rollout engine was built for another policy than the learner's "
-        "(model, shapes, dtypes, seed or optimizer settings differ)")
+        "(model, shapes, dtypes, seed or optimizer settings differ)"
+    )
   engine.sync(sender.message(params, opt_state, full=True))
   return sender, engine
 
 
-def _update(train_step: Callable, params: Any, opt_state: Any,
-            batch: algo.RolloutBatch, num_iterations: int):
+def _update(
+    train_step: Callable,
+    params: Any,
+    opt_state: Any,
+    batch: algo.RolloutBatch,
+    num_iterations: int,
+):
   """``num_iterations`` learner updates on one rollout batch: the new
   ``(params, opt_state)``, the last update's metrics, the non-finite guard's
   state and the quantities it skipped an update for."""
@@ -422,115 +563,171 @@ def _update(train_step: Callable, params: Any, opt_state: Any,
   return params, opt_state, metrics, guard, skipped
 
 
-def _sync_metrics(stats: engine_lib.SyncStats, resyncs: int
-                  ) -> dict[str, float]:
+def _sync_metrics(
+    stats: engine_lib.SyncStats, resyncs: int
+) -> dict[str, float]:
   """A step's sync figures: bytes of the message, of a full bfloat16
   broadcast and of a sparse delta of the changed bfloat16 values, seconds,
   and the resyncs so far."""
-  return {"sync/bytes": float(stats.message_bytes),
-          "sync/full_bf16_bytes": float(stats.full_bfloat16_bytes),
-          "sync/sparse_delta_bytes": float(stats.sparse_delta_bytes),
-          "time/sync_s": stats.seconds,
-          "sync/resyncs": float(resyncs)}
+  return {
+      "sync/bytes": float(stats.message_bytes),
+      "sync/full_bf16_bytes": float(stats.full_bfloat16_bytes),
+      "sync/sparse_delta_bytes": float(stats.sparse_delta_bytes),
+      "time/sync_s": stats.seconds,
+      "sync/resyncs": float(resyncs),
+  }
 
 
-def _check_finite(step: int, skipped: set[str],
-                  guard: learner_lib.SkipNonFiniteState, limit: int,
-                  latest: Optional[int], log: Log) -> None:
+def _check_finite(
+    step: int,
+    skipped: set[str],
+    guard: learner_lib.SkipNonFiniteState,
+    limit: int,
+    latest: Optional[int],
+    log: Log,
+) -> None:
   """Logs a skipped step (the optimizer's guard sees the loss too, so a
   non-finite loss is always skipped); raises after ``limit`` in a row."""
   if skipped:
     run = int(guard.consecutive_skips)
     what = ", ".join(sorted(skipped))
-    log(f"step {step}: skipped, non-finite {what} ({run} in a row, "
-        f"{int(guard.skipped_steps)} in all)")
+    log(
+        f"step {step}: skipped, non-finite {what} ({run} in a row, "
+        f"{int(guard.skipped_steps)} in all)"
+    )
     if run >= limit:
       raise FloatingPointError(
           f"step {step}: {run} consecutive steps skipped for non-finite "
           f"{what} (max_consecutive_skips={limit}); the weights are those "
-          f"after step {step - run}; latest checkpoint: step {latest}")
+          f"after step {step - run}; latest checkpoint: step {latest}"
+      )
 
 
-def _train(config: TrainConfig, out: pathlib.Path,
-           checkpointer: checkpoint.Checkpointer, task: tasks_lib.Task,
-           rewards: list[tuple[Callable, float]],
-           progress: bool, log: Log, mesh: parallel.MeshConfig | None,
-           device_mesh: jax.sharding.Mesh | None, resume: bool,
-           allow_reshard: bool, start_time: float,
-           closing: contextlib.ExitStack) -> dict[str, Any]:
+def _train(
+    config: TrainConfig,
+    out: pathlib.Path,
+    checkpointer: checkpoint.Checkpointer,
+    task: tasks_lib.Task,
+    rewards: list[tuple[Callable, float]],
+    progress: bool,
+    log: Log,
+    mesh: parallel.MeshConfig | None,
+    device_mesh: jax.sharding.Mesh | None,
+    resume: bool,
+    allow_reshard: bool,
+    start_time: float,
+    closing: contextlib.ExitStack,
+) -> dict[str, Any]:
   """:func:`train` with its inputs checked and its folder locked; what it
   opens (the rollout engine) is closed by ``closing``."""
   if resume and checkpointer.latest_step() is None:
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no finished checkpoint in "
-        f"{checkpointer.directory}")
+        f"{checkpointer.directory}"
+    )
   if not resume and checkpointer.latest_step() is not None:
     raise checkpoint.CheckpointError(
         f"{out} holds checkpoints of an earlier run (steps "
         f"{checkpointer.all_steps()}); resume it (logra train --resume) or "
-        f"choose another output folder")
-  train_examples, eval_examples = task.split(config.task.eval_size,
-                                             seed=config.task.seed)
+        f"choose another output folder"
+    )
+  train_examples, eval_examples = task.split(
+      config.task.eval_size, seed=config.task.seed
+  )
   folder = policy_folder(config, train_examples, log)
   policy = engine_lib.Policy.load(
-      folder, dtype=jnp.dtype(config.policy.dtype), mesh=device_mesh,
+      folder,
+      dtype=jnp.dtype(config.policy.dtype),
+      mesh=device_mesh,
       chat_template=config.task.chat_template,
-      system_prompt=config.task.system_prompt)
+      system_prompt=config.task.system_prompt,
+  )
   reward_warnings = rewards_lib.RewardFailureWarnings(log)
   max_new = config.rollout.max_new_tokens
 
   meta = checkpoint.run_meta(
-      config, json.loads((folder / "config.json").read_text()),
-      policy.tokenizer, mesh)
-  if resume:   # fail before compiling anything; restoring checks it again
+      config,
+      json.loads((folder / "config.json").read_text()),
+      policy.tokenizer,
+      mesh,
+  )
+  if resume:  # fail before compiling anything; restoring checks it again
     try:
       saved = checkpointer.read_meta()
     except checkpoint.CorruptCheckpointError:
-      saved = None   # restore_latest falls back to an older checkpoint
+      saved = None  # restore_latest falls back to an older checkpoint
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
-  (params, tx, state_sharding, weights_sharding, place_batch, train_step,
-   fill_reference, params_sharding) = _learner_step(config, policy,
-                                                    device_mesh)
+  (
+      params,
+      tx,
+      state_sharding,
+      weights_sharding,
+      place_batch,
+      train_step,
+      fill_reference,
+      params_sharding,
+  ) = _learner_step(config, policy, device_mesh)
   # The frozen reference policy (loss.beta > 0): the initial weights, in
   # policy.reference_dtype, laid out like the params.
-  ref_params = (None if fill_reference is None else
-                reference_lib.reference_params(
-                    params, jnp.dtype(config.policy.reference_dtype)))
+  ref_params = (
+      None
+      if fill_reference is None
+      else reference_lib.reference_params(
+          params, jnp.dtype(config.policy.reference_dtype)
+      )
+  )
   num_params = int(sum(x.size for x in jax.tree.leaves(params)))
   dense_adam_bytes = learner_lib.dense_adam_state_bytes(params)
   if resume:
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(
             learner_lib.abstract_weights(config.optimizer, tx, params),
-            weights_sharding),
-        opt_state=checkpoint.abstract_state(jax.eval_shape(tx.init, params),
-                                            state_sharding),
-        ref_params=(None if ref_params is None
-                    else checkpoint.abstract_state(ref_params)),
-        expected_meta=meta, allow_reshard=allow_reshard, log=log)
+            weights_sharding,
+        ),
+        opt_state=checkpoint.abstract_state(
+            jax.eval_shape(tx.init, params), state_sharding
+        ),
+        ref_params=(
+            None
+            if ref_params is None
+            else checkpoint.abstract_state(ref_params)
+        ),
+        expected_meta=meta,
+        allow_reshard=allow_reshard,
+        log=log,
+    )
     if restored.step > config.steps:
       raise checkpoint.CheckpointError(
           f"cannot resume: the latest checkpoint in {checkpointer.directory} "
-          f"is at step {restored.step}, beyond steps={config.steps}")
-    params, opt_state, loop = (restored.params, restored.opt_state,
-                               restored.loop)
+          f"is at step {restored.step}, beyond steps={config.steps}"
+      )
+    params, opt_state, loop = (
+        restored.params,
+        restored.opt_state,
+        restored.loop,
+    )
     ref_params = restored.ref_params
-    log(f"resuming from step {restored.step} "
-        f"({checkpointer.directory / str(restored.step)})")
+    log(
+        f"resuming from step {restored.step} "
+        f"({checkpointer.directory / str(restored.step)})"
+    )
   else:
     opt_state = jax.device_put(tx.init(params), state_sharding)
     params = jax.device_put(
         learner_lib.init_weights(config.optimizer, params, opt_state),
-        weights_sharding)
-    loop = checkpoint.LoopState(step=0, key=jax.random.key(config.seed),
-                                data_position=0)
+        weights_sharding,
+    )
+    loop = checkpoint.LoopState(
+        step=0, key=jax.random.key(config.seed), data_position=0
+    )
   # From here on the learner's weights are the policy (a bfloat16 base would
   # otherwise sit next to the float32 weights it was made from), and the
   # rollout engine's copy follows them through sync messages.
   policy.params = None
-  sender, engine = _start_engine(config, policy, folder, out, params,
-                                 opt_state, params_sharding, closing)
+  sender, engine = _start_engine(
+      config, policy, folder, out, params, opt_state, params_sharding, closing
+  )
   (out / "config.yaml").write_text(to_yaml(config))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
@@ -539,6 +736,7 @@ def _train(config: TrainConfig, out: pathlib.Path,
       "num_params": num_params,
       "reference_bytes": sum(x.nbytes for x in jax.tree.leaves(ref_params)),
   }
+
   def memory_hint(examples):
     seq = max(map(len, policy.encode([e["prompt"] for e in examples])))
     return lambda: memory_command(config, mesh, folder, seq + max_new)
@@ -548,30 +746,56 @@ def _train(config: TrainConfig, out: pathlib.Path,
     with _explain_out_of_memory(0, memory_hint(eval_examples)):
       before = engine.evaluate(eval_examples, rewards, max_new)
   summary["eval_accuracy_before"] = before["accuracy"]
-  log(f"held-out accuracy before RL: {before['accuracy']:.3f} "
-      f"({len(eval_examples)} prompts)")
+  log(
+      f"held-out accuracy before RL: {before['accuracy']:.3f} "
+      f"({len(eval_examples)} prompts)"
+  )
 
-  batches = PromptStream(train_examples, config.rollout.prompts_per_step,
-                         seed=config.seed, position=loop.data_position)
+  batches = PromptStream(
+      train_examples,
+      config.rollout.prompts_per_step,
+      seed=config.seed,
+      position=loop.data_position,
+  )
   key, history, first_step = loop.key, loop.history, loop.step
   wall_before = loop.extras.get("wall_seconds", 0.0)
 
-  def save(step: int, eval_accuracy: Optional[float] = None,
-           wait: bool = False) -> None:
+  def save(
+      step: int, eval_accuracy: Optional[float] = None, wait: bool = False
+  ) -> None:
     state = checkpoint.LoopState(
-        step=step, key=key, data_position=batches.position, history=history,
-        extras={"eval_before": before, "wall_seconds": wall_before
-                + time.perf_counter() - start_time})
-    checkpointer.save(step, params=params, opt_state=opt_state, loop=state,
-                      meta=meta, ref_params=ref_params,
-                      eval_accuracy=eval_accuracy, wait=wait)
+        step=step,
+        key=key,
+        data_position=batches.position,
+        history=history,
+        extras={
+            "eval_before": before,
+            "wall_seconds": wall_before + time.perf_counter() - start_time,
+        },
+    )
+    checkpointer.save(
+        step,
+        params=params,
+        opt_state=opt_state,
+        loop=state,
+        meta=meta,
+        ref_params=ref_params,
+        eval_accuracy=eval_accuracy,
+        wait=wait,
+    )
 
-  bar = tqdm.tqdm(range(first_step, config.steps), desc="RL",
-                  disable=not progress, dynamic_ncols=True,
-                  initial=first_step, total=config.steps)
+  bar = tqdm.tqdm(
+      range(first_step, config.steps),
+      desc="RL",
+      disable=not progress,
+      dynamic_ncols=True,
+      initial=first_step,
+      total=config.steps,
+  )
   trackers = tracking.Trackers(config.logging.trackers, out, to_dict(config))
-  sample_log = tracking.SampleLog(out / "samples.jsonl",
-                                  first_step if resume else None)
+  sample_log = tracking.SampleLog(
+      out / "samples.jsonl", first_step if resume else None
+  )
   observed: dict[str, engine_lib.RolloutSamples] = {}
 
   def observe(samples: engine_lib.RolloutSamples) -> None:
@@ -579,9 +803,13 @@ def _train(config: TrainConfig, out: pathlib.Path,
     observed["latest"] = samples
 
   stop = _StopSignals(log)
-  with stop, trackers, sample_log, open(out / "metrics.jsonl",
-                                        "w") as metrics_file:
-    for metrics in history:   # the steps before the checkpoint, if resumed
+  with (
+      stop,
+      trackers,
+      sample_log,
+      open(out / "metrics.jsonl", "w") as metrics_file,
+  ):
+    for metrics in history:  # the steps before the checkpoint, if resumed
       metrics_file.write(json.dumps(metrics) + "\n")
     for step in bar:
       done = step + 1
@@ -589,19 +817,23 @@ def _train(config: TrainConfig, out: pathlib.Path,
       examples = next(batches)
       key, rollout_key = jax.random.split(key)
       with _explain_out_of_memory(done, memory_hint(examples)):
-        batch, metrics = engine.rollout(examples, config, rewards,
-                                        rollout_key, observe=observe)
+        batch, metrics = engine.rollout(
+            examples, config, rewards, rollout_key, observe=observe
+        )
         batch = place_batch(batch)
         if fill_reference is not None:
           batch = fill_reference(ref_params, batch)
         rollout_seconds = time.perf_counter() - step_start
         params, opt_state, step_metrics, guard, skipped = _update(
-            train_step, params, opt_state, batch, config.num_iterations)
-        full = bool(config.sync.resync_every
-                    and done % config.sync.resync_every == 0)
+            train_step, params, opt_state, batch, config.num_iterations
+        )
+        full = bool(
+            config.sync.resync_every and done % config.sync.resync_every == 0
+        )
         synced = engine.sync(
             sender.message(params, opt_state, full=full),
-            resync=lambda: sender.message(params, opt_state, full=True))
+            resync=lambda: sender.message(params, opt_state, full=True),
+        )
       metrics.update({k: float(v) for k, v in step_metrics.items()})
       metrics["step"] = done
       metrics["skipped"] = float(bool(skipped))
@@ -609,65 +841,84 @@ def _train(config: TrainConfig, out: pathlib.Path,
       metrics.update(_sync_metrics(synced, engine.resyncs))
       metrics["time/rollout_s"] = rollout_seconds
       metrics["time/step_s"] = time.perf_counter() - step_start
-      metrics["time/train_s"] = (metrics["time/step_s"] - rollout_seconds
-                                 - synced.seconds)
-      evaluated = bool(config.eval_every and done % config.eval_every == 0
-                       and done < config.steps)
+      metrics["time/train_s"] = (
+          metrics["time/step_s"] - rollout_seconds - synced.seconds
+      )
+      evaluated = bool(
+          config.eval_every
+          and done % config.eval_every == 0
+          and done < config.steps
+      )
       if evaluated:
         metrics["accuracy/eval"] = engine.evaluate(
-            eval_examples, rewards, max_new)["accuracy"]
+            eval_examples, rewards, max_new
+        )["accuracy"]
       history.append(metrics)
       metrics_file.write(json.dumps(metrics) + "\n")
       metrics_file.flush()
       trackers.log(metrics, done)
       if tracking.samples_due(done, config.logging.samples_every):
-        rows = tracking.sample_rows(observed["latest"],
-                                    config.rollout.num_generations,
-                                    config.logging.samples_shown)
+        rows = tracking.sample_rows(
+            observed["latest"],
+            config.rollout.num_generations,
+            config.logging.samples_shown,
+        )
         sample_log.write(done, rows)
         log(tracking.sample_table(rows, done))
-      _check_finite(done, skipped, guard,
-                    config.max_consecutive_skips,
-                    checkpointer.latest_step(), log)
+      _check_finite(
+          done,
+          skipped,
+          guard,
+          config.max_consecutive_skips,
+          checkpointer.latest_step(),
+          log,
+      )
       if stop.received:
         save(done, wait=True)
-        log(f"stopped by {stop.received} after step {done}; checkpoint "
-            f"{checkpointer.directory / str(done)}")
+        log(
+            f"stopped by {stop.received} after step {done}; checkpoint "
+            f"{checkpointer.directory / str(done)}"
+        )
         break
       if done < config.steps and checkpointer.due(done, evaluated):
         save(done, metrics.get("accuracy/eval"))
-      postfix = {"reward": f"{metrics['reward/total']:.3f}",
-                 "acc": f"{metrics['accuracy/train']:.2f}",
-                 "kl": f"{metrics['kl/realized']:.1e}"}
+      postfix = {
+          "reward": f"{metrics['reward/total']:.3f}",
+          "acc": f"{metrics['accuracy/train']:.2f}",
+          "kl": f"{metrics['kl/realized']:.1e}",
+      }
       if "kl/predicted" in metrics:
         postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
       bar.set_postfix(postfix)
     after = engine.evaluate(eval_examples, rewards, max_new)
     if checkpointer.latest_step() != len(history):
       save(len(history), after["accuracy"], wait=True)
-  summary.update({
-      "eval_accuracy_after": after["accuracy"],
-      "eval_score_before": before["score"],
-      "eval_score_after": after["score"],
-      "steps": len(history),
-      "interrupted": len(history) < config.steps,
-      "stopped_by": stop.received,
-      "resumed_from_step": first_step if resume else None,
-      "skipped_steps": int(sum(h.get("skipped", 0.0) for h in history)),
-      "checkpoint_steps": checkpointer.all_steps(),
-      "wall_seconds": wall_before + time.perf_counter() - start_time,
-      "policy_folder": str(folder),
-  })
+  summary.update(
+      {
+          "eval_accuracy_after": after["accuracy"],
+          "eval_score_before": before["score"],
+          "eval_score_after": after["score"],
+          "steps": len(history),
+          "interrupted": len(history) < config.steps,
+          "stopped_by": stop.received,
+          "resumed_from_step": first_step if resume else None,
+          "skipped_steps": int(sum(h.get("skipped", 0.0) for h in history)),
+          "checkpoint_steps": checkpointer.all_steps(),
+          "wall_seconds": wall_before + time.perf_counter() - start_time,
+          "policy_folder": str(folder),
+      }
+  )
   if history:
     final = dict(history[-1], **{"accuracy/eval": after["accuracy"]})
-    plot_curves(history[:-1] + [final], out / "curves.png",
-                before["accuracy"])
+    plot_curves(history[:-1] + [final], out / "curves.png", before["accuracy"])
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
-  log(f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+  log(
+      f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
       f"in {len(history)} steps, {summary['wall_seconds']:.0f}s; optimizer "
       f"state {summary['optimizer_state_bytes'] / 2**20:.2f} MiB "
       f"({config.optimizer.name}) vs dense Adam "
-      f"{summary['dense_adam_state_bytes'] / 2**20:.2f} MiB")
+      f"{summary['dense_adam_state_bytes'] / 2**20:.2f} MiB"
+  )
   return summary
 
 
@@ -680,8 +931,9 @@ def _saved_config(out: pathlib.Path) -> Optional[TrainConfig]:
     return None
 
 
-def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
-                   rerun: bool = False) -> dict[str, Any]:
+def train_or_reuse(
+    config: TrainConfig, out_dir: str | pathlib.Path, rerun: bool = False
+) -> dict[str, Any]:
   """:func:`train` quietly, unless ``out_dir`` already holds a finished run
   of the same config; returns its summary. An unfinished run of the same
   config resumes from its checkpoint; checkpoints of another config (or all
@@ -693,36 +945,49 @@ def train_or_reuse(config: TrainConfig, out_dir: str | pathlib.Path,
   resume = False
   if (out / "checkpoints").exists():
     if same and not rerun:
-      with checkpoint.Checkpointer(out / "checkpoints",
-                                   config.checkpoint) as ckpt:
+      with checkpoint.Checkpointer(
+          out / "checkpoints", config.checkpoint
+      ) as ckpt:
         resume = ckpt.latest_step() is not None
     if not resume:
       shutil.rmtree(out / "checkpoints")
   return train(config, out, progress=False, log=lambda s: None, resume=resume)
 
 
-def plot_curves(history: list[dict[str, float]], path: pathlib.Path,
-                accuracy_before: float) -> None:
+def plot_curves(
+    history: list[dict[str, float]], path: pathlib.Path, accuracy_before: float
+) -> None:
   """Reward/accuracy, realized KL and step time against the step."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   steps = [h["step"] for h in history]
   fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
   axes[0].plot(steps, [h["reward/total"] for h in history], label="reward")
-  axes[0].plot(steps, [h["accuracy/train"] for h in history],
-               label="train accuracy", alpha=0.7)
-  evals = [(0, accuracy_before)] + [(h["step"], h["accuracy/eval"])
-                                    for h in history if "accuracy/eval" in h]
+  axes[0].plot(
+      steps,
+      [h["accuracy/train"] for h in history],
+      label="train accuracy",
+      alpha=0.7,
+  )
+  evals = [(0, accuracy_before)] + [
+      (h["step"], h["accuracy/eval"]) for h in history if "accuracy/eval" in h
+  ]
   axes[0].plot(*zip(*evals), "o-", label="held-out accuracy")
   axes[0].set_title("reward and accuracy")
   axes[0].legend()
-  axes[1].plot(steps, [h["kl/realized_k3"] for h in history],
-               label="realized (k3)")
+  axes[1].plot(
+      steps, [h["kl/realized_k3"] for h in history], label="realized (k3)"
+  )
   if "kl/predicted" in history[0]:
-    axes[1].plot(steps, [h["kl/predicted"] for h in history],
-                 label="predicted", alpha=0.7)
+    axes[1].plot(
+        steps,
+        [h["kl/predicted"] for h in history],
+        label="predicted",
+        alpha=0.7,
+    )
     axes[1].legend()
   axes[1].set_yscale("log")
   axes[1].set_title("KL per step")

@@ -39,29 +39,41 @@ from logra_jax.data.tokenizer import char_tokenizer
 _FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def tiny_decoder_config(policy: PolicyConfig, tokenizer,
-                        max_length: int) -> models.DecoderConfig:
+def tiny_decoder_config(
+    policy: PolicyConfig, tokenizer, max_length: int
+) -> models.DecoderConfig:
   """The decoder of the tiny default for a tokenizer and context length."""
   return models.DecoderConfig(
-      vocab_size=len(tokenizer), hidden_size=policy.hidden_size,
+      vocab_size=len(tokenizer),
+      hidden_size=policy.hidden_size,
       intermediate_size=policy.intermediate_size,
-      num_layers=policy.num_layers, num_heads=policy.num_heads,
+      num_layers=policy.num_layers,
+      num_heads=policy.num_heads,
       num_kv_heads=policy.num_kv_heads,
       head_dim=policy.hidden_size // policy.num_heads,
-      max_position_embeddings=max_length, initializer_range=0.05,
+      max_position_embeddings=max_length,
+      initializer_range=0.05,
       bos_token_id=tokenizer.bos_token_id,
       eos_token_ids=(tokenizer.eos_token_id,),
-      pad_token_id=tokenizer.pad_token_id, param_dtype=policy.dtype)
+      pad_token_id=tokenizer.pad_token_id,
+      param_dtype=policy.dtype,
+  )
 
 
-def cache_folder(policy: PolicyConfig, examples: Sequence[dict],
-                 seed: int) -> pathlib.Path:
+def cache_folder(
+    policy: PolicyConfig, examples: Sequence[dict], seed: int
+) -> pathlib.Path:
   """The cache folder of a warm start: a hash of everything it depends on."""
   fields = dataclasses.asdict(policy)
   fields.pop("cache_dir")
-  blob = json.dumps({"policy": fields, "seed": seed,
-                     "data": [e["prompt"] + e["answer"] for e in examples]},
-                    sort_keys=True)
+  blob = json.dumps(
+      {
+          "policy": fields,
+          "seed": seed,
+          "data": [e["prompt"] + e["answer"] for e in examples],
+      },
+      sort_keys=True,
+  )
   digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
   return pathlib.Path(os.path.expanduser(policy.cache_dir)) / digest
 
@@ -82,8 +94,9 @@ def entry_problem(folder: pathlib.Path) -> str | None:
     except (OSError, ValueError) as e:
       return f"{name} is not readable JSON ({e})"
   try:
-    with safetensors.safe_open(str(folder / "model.safetensors"),
-                               framework="np") as f:
+    with safetensors.safe_open(
+        str(folder / "model.safetensors"), framework="np"
+    ) as f:
       f.keys()
   except Exception as e:  # noqa: BLE001 -- safetensors has its own error type.
     return f"model.safetensors: {e}"
@@ -93,18 +106,18 @@ def entry_problem(folder: pathlib.Path) -> str | None:
 def _set_aside(folder: pathlib.Path) -> None:
   """Removes a cache entry by renaming it away first, so that no run ever
   sees it half deleted."""
-  trash = tempfile.mkdtemp(prefix=f".{folder.name}.invalid-",
-                           dir=folder.parent)
+  trash = tempfile.mkdtemp(prefix=f".{folder.name}.invalid-", dir=folder.parent)
   try:
     os.rename(folder, pathlib.Path(trash) / folder.name)
   except FileNotFoundError:
-    pass   # another run set it aside first
+    pass  # another run set it aside first
   finally:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _publish(staged: pathlib.Path, folder: pathlib.Path,
-             log: Callable[[str], None]) -> None:
+def _publish(
+    staged: pathlib.Path, folder: pathlib.Path, log: Callable[[str], None]
+) -> None:
   """Renames the complete entry ``staged`` to ``folder``, unless another run
   published a valid one first (then that one is kept)."""
   try:
@@ -117,14 +130,21 @@ def _publish(staged: pathlib.Path, folder: pathlib.Path,
   if problem is None:
     log(f"warm start: another run published {folder} first; using it")
     return
-  log(f"warm start: replacing the invalid {folder} another run published "
-      f"({problem})")
+  log(
+      f"warm start: replacing the invalid {folder} another run published "
+      f"({problem})"
+  )
   _set_aside(folder)
   os.rename(staged, folder)
 
 
-def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
-               max_length: int = 64, log=print) -> pathlib.Path:
+def warm_start(
+    policy: PolicyConfig,
+    examples: Sequence[dict],
+    seed: int = 0,
+    max_length: int = 64,
+    log=print,
+) -> pathlib.Path:
   """Trains (or reuses) the tiny policy on worked answers; returns its folder.
 
   Args:
@@ -156,9 +176,15 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
   tokens_NxT = jnp.asarray(batch.tokens_BxT)
   loss_mask_NxT = jnp.asarray(batch.loss_mask_BxT, jnp.float32)
   warmup = max(1, policy.warm_start_steps // 10)
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, policy.warm_start_lr, warmup,
-      max(warmup + 1, policy.warm_start_steps)), weight_decay=0.01)
+  tx = optax.adamw(
+      optax.warmup_cosine_decay_schedule(
+          0.0,
+          policy.warm_start_lr,
+          warmup,
+          max(warmup + 1, policy.warm_start_steps),
+      ),
+      weight_decay=0.01,
+  )
   opt_state = tx.init(params)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -169,10 +195,12 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
       logits_BxTxV = models.logits_fn(graphdef, params, tokens_BxT[:, :-1])
       logp_BxTxV = jax.nn.log_softmax(logits_BxTxV)
       target_logp_BxT = jnp.take_along_axis(
-          logp_BxTxV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+          logp_BxTxV, tokens_BxT[:, 1:, None], axis=-1
+      )[..., 0]
       mask_BxT = target_mask_BxT[:, 1:]
       return -jnp.sum(target_logp_BxT * mask_BxT) / jnp.maximum(
-          mask_BxT.sum(), 1.0)
+          mask_BxT.sum(), 1.0
+      )
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -184,11 +212,14 @@ def warm_start(policy: PolicyConfig, examples: Sequence[dict], seed: int = 0,
     index = rng.integers(0, len(texts), policy.warm_start_batch)
     params, opt_state, loss = sft_step(params, opt_state, jnp.asarray(index))
     if (step + 1) % max(1, policy.warm_start_steps // 4) == 0:
-      log(f"warm start: step {step + 1}/{policy.warm_start_steps} "
-          f"loss {float(loss):.4f}")
+      log(
+          f"warm start: step {step + 1}/{policy.warm_start_steps} "
+          f"loss {float(loss):.4f}"
+      )
   folder.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-",
-                                          dir=folder.parent))
+  partial = pathlib.Path(
+      tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent)
+  )
   try:
     staged = partial / folder.name
     models.save_pretrained(nnx.merge(graphdef, params), staged)

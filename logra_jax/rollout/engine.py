@@ -36,7 +36,6 @@ def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
   return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
 
 
-
 def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
   """``folder`` as a path if it is a Hugging Face model folder (it holds
   ``config.json``), else a one-line error naming it: FileNotFoundError or
@@ -46,16 +45,20 @@ def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
   if not folder.exists():
     raise FileNotFoundError(f"policy folder {folder} does not exist")
   if not folder.is_dir():
-    raise NotADirectoryError(f"policy folder {folder} is a file, not a "
-                             "folder")
+    raise NotADirectoryError(
+        f"policy folder {folder} is a file, not a " "folder"
+    )
   if (folder / "checkpoints").is_dir():
     raise ValueError(
         f"{folder} is the folder of a training run, not a policy: write its "
         f"policy as a Hugging Face folder with `logra export --checkpoint "
-        f"{folder} --out <folder>` and use that")
+        f"{folder} --out <folder>` and use that"
+    )
   if not (folder / "config.json").is_file():
-    raise FileNotFoundError(f"policy folder {folder} holds no config.json: "
-                            "it is not a Hugging Face model folder")
+    raise FileNotFoundError(
+        f"policy folder {folder} holds no config.json: "
+        "it is not a Hugging Face model folder"
+    )
   return folder
 
 
@@ -78,10 +81,15 @@ class Policy:
   system_prompt: Optional[str] = None
 
   @classmethod
-  def load(cls, folder: pathlib.Path | str, dtype=jnp.float32,
-           mesh: jax.sharding.Mesh | None = None, *,
-           chat_template: str = "auto",
-           system_prompt: Optional[str] = None) -> "Policy":
+  def load(
+      cls,
+      folder: pathlib.Path | str,
+      dtype=jnp.float32,
+      mesh: jax.sharding.Mesh | None = None,
+      *,
+      chat_template: str = "auto",
+      system_prompt: Optional[str] = None,
+  ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.
 
@@ -95,10 +103,17 @@ class Policy:
     if mesh is not None:
       params = jax.device_put(params, parallel.param_shardings(params, mesh))
     chat = chat_template == "auto" and bool(tokenizer.chat_template)
-    return cls(graphdef, params, tokenizer,
-               models.Sampler(model, pad_id=tokenizer.pad_token_id or 0,
-                              mesh=mesh, rules=rules),
-               folder, chat=chat, system_prompt=system_prompt)
+    return cls(
+        graphdef,
+        params,
+        tokenizer,
+        models.Sampler(
+            model, pad_id=tokenizer.pad_token_id or 0, mesh=mesh, rules=rules
+        ),
+        folder,
+        chat=chat,
+        system_prompt=system_prompt,
+    )
 
   def prompt_text(self, prompt: str) -> str:
     """The text the policy is shown for ``prompt``: the prompt itself, or
@@ -111,18 +126,25 @@ class Policy:
     if self.system_prompt is not None:
       messages.insert(0, {"role": "system", "content": self.system_prompt})
     return self.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
   def encode(self, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt's :meth:`prompt_text` (a chat template
     writes its own special tokens, so none are added to it)."""
-    return [self.tokenizer(self.prompt_text(p),
-                           add_special_tokens=not self.chat)["input_ids"]
-            for p in prompts]
+    return [
+        self.tokenizer(self.prompt_text(p), add_special_tokens=not self.chat)[
+            "input_ids"
+        ]
+        for p in prompts
+    ]
 
   def decode(self, tokens) -> list[str]:
-    return decode_completions(self.tokenizer, np.asarray(tokens),
-                              stop_ids=[self.tokenizer.eos_token_id])
+    return decode_completions(
+        self.tokenizer,
+        np.asarray(tokens),
+        stop_ids=[self.tokenizer.eos_token_id],
+    )
 
 
 # sample(prompt_ids, key, **settings) -> models.SampleOutput: the sampler
@@ -130,31 +152,53 @@ class Policy:
 SampleFn = Callable[..., models.SampleOutput]
 
 
-def evaluate(policy: Policy, params, examples: Sequence[dict],
-             rewards: list[tuple[Callable, float]], max_new_tokens: int,
-             batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+    policy: Policy,
+    params,
+    examples: Sequence[dict],
+    rewards: list[tuple[Callable, float]],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> dict[str, float]:
   """Greedy held-out accuracy (fraction of completions the verifier scores
   1.0) and mean score."""
-  return _evaluate(policy, functools.partial(policy.sampler.sample, params),
-                   examples, rewards, max_new_tokens, batch_size)
+  return _evaluate(
+      policy,
+      functools.partial(policy.sampler.sample, params),
+      examples,
+      rewards,
+      max_new_tokens,
+      batch_size,
+  )
 
 
-def _evaluate(policy: Policy, sample: SampleFn, examples: Sequence[dict],
-              rewards: list[tuple[Callable, float]], max_new_tokens: int,
-              batch_size: int = 256) -> dict[str, float]:
+def _evaluate(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    rewards: list[tuple[Callable, float]],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> dict[str, float]:
   scores = []
   for start in range(0, len(examples), batch_size):
-    chunk = list(examples[start:start + batch_size])
+    chunk = list(examples[start : start + batch_size])
     prompts = [e["prompt"] for e in chunk]
-    out = sample(policy.encode(prompts), jax.random.key(0),
-                 max_new_tokens=max_new_tokens, temperature=0.0)
-    report = rewards_lib.evaluate_rewards(rewards, prompts,
-                                          policy.decode(out.tokens),
-                                          _columns(chunk, 1))
+    out = sample(
+        policy.encode(prompts),
+        jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+    )
+    report = rewards_lib.evaluate_rewards(
+        rewards, prompts, policy.decode(out.tokens), _columns(chunk, 1)
+    )
     scores.append(report.rewards)
   scores = np.concatenate(scores)
-  return {"accuracy": float(np.mean(scores >= 1.0)),
-          "score": float(np.mean(scores))}
+  return {
+      "accuracy": float(np.mean(scores >= 1.0)),
+      "score": float(np.mean(scores)),
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,42 +219,63 @@ class RolloutSamples:
   report: rewards_lib.RewardReport
 
 
-def rollout(policy: Policy, params, examples: Sequence[dict],
-            config: TrainConfig, rewards: list[tuple[Callable, float]],
-            key: jax.Array,
-            observe: Optional[Callable[[RolloutSamples], None]] = None,
-            ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+def rollout(
+    policy: Policy,
+    params,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+    observe: Optional[Callable[[RolloutSamples], None]] = None,
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
   """Samples ``num_generations`` completions per prompt, scores them and
   computes group advantages; ``observe`` (e.g. a sample log) sees each
   batch's :class:`RolloutSamples`."""
-  return _rollout(policy, functools.partial(policy.sampler.sample, params),
-                  examples, config, rewards, key, observe)
+  return _rollout(
+      policy,
+      functools.partial(policy.sampler.sample, params),
+      examples,
+      config,
+      rewards,
+      key,
+      observe,
+  )
 
 
-def _rollout(policy: Policy, sample: SampleFn, examples: Sequence[dict],
-             config: TrainConfig, rewards: list[tuple[Callable, float]],
-             key: jax.Array,
-             observe: Optional[Callable[[RolloutSamples], None]] = None,
-             ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+def _rollout(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+    observe: Optional[Callable[[RolloutSamples], None]] = None,
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
-  out = sample(policy.encode(prompts), key,
-               max_new_tokens=config.rollout.max_new_tokens,
-               temperature=config.rollout.temperature,
-               top_p=config.rollout.top_p, top_k=config.rollout.top_k)
+  out = sample(
+      policy.encode(prompts),
+      key,
+      max_new_tokens=config.rollout.max_new_tokens,
+      temperature=config.rollout.temperature,
+      top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k,
+  )
   completions = policy.decode(out.tokens)
   columns = _columns(examples, group)
-  report = rewards_lib.evaluate_rewards(rewards, prompts, completions,
-                                        columns)
+  report = rewards_lib.evaluate_rewards(rewards, prompts, completions, columns)
   if observe is not None:
     observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   batch = algo.RolloutBatch(
-      prompt_tokens_BxP=out.prompt_ids, prompt_mask_BxP=out.prompt_mask,
-      completion_tokens_BxT=out.tokens, completion_mask_BxT=out.mask,
+      prompt_tokens_BxP=out.prompt_ids,
+      prompt_mask_BxP=out.prompt_mask,
+      completion_tokens_BxT=out.tokens,
+      completion_mask_BxT=out.mask,
       old_logp_BxT=out.logprobs,
       advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
-      num_generations=group)
+      num_generations=group,
+  )
   metrics = report.metrics()
   metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
   metrics["completion_length"] = float(np.mean(np.asarray(out.lengths)))
@@ -227,8 +292,10 @@ def changed_bfloat16_values(old: Any, new: Any) -> jax.Array:
   """How many values of ``new`` differ from ``old`` once both are rounded
   to bfloat16: what a sparse delta of bfloat16 weights would send."""
   bf16 = lambda x: x.astype(jnp.bfloat16)
-  return sum(jnp.sum(bf16(a) != bf16(b), dtype=jnp.int32)
-             for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+  return sum(
+      jnp.sum(bf16(a) != bf16(b), dtype=jnp.int32)
+      for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +318,9 @@ class SyncStats:
   sparse_delta_bytes: int
 
 
-def sync_fields(config: TrainConfig, folder: pathlib.Path | str
-                ) -> dict[str, Any]:
+def sync_fields(
+    config: TrainConfig, folder: pathlib.Path | str
+) -> dict[str, Any]:
   """What the learner's :class:`sync.PolicySender` and an engine put in the
   sync signature besides the layout and the seed: the policy's HF config
   (the model) and the optimizer section (rank, projector kind, base dtype,
@@ -279,9 +347,11 @@ class Engine:
   resyncs: int = 0
   signature: str
 
-  def sync(self, message: sync.SyncMessage,
-           resync: Optional[Callable[[], sync.SyncMessage]] = None
-           ) -> SyncStats:
+  def sync(
+      self,
+      message: sync.SyncMessage,
+      resync: Optional[Callable[[], sync.SyncMessage]] = None,
+  ) -> SyncStats:
     """Applies ``message``; when it is refused (:class:`sync.SyncError`),
     applies ``resync()`` (a full message) instead and counts a resync, or
     raises without ``resync``. The engine's weights change only to a
@@ -296,32 +366,43 @@ class Engine:
       stats = self._apply(resync())
       self.resyncs += 1
       resynced = True
-    return dataclasses.replace(stats, resynced=resynced,
-                               seconds=time.perf_counter() - start)
+    return dataclasses.replace(
+        stats, resynced=resynced, seconds=time.perf_counter() - start
+    )
 
   def _apply(self, message: sync.SyncMessage) -> SyncStats:
     """Applies one message (raises :class:`sync.SyncError` if refused)."""
     raise NotImplementedError
 
-  def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
-             **settings: Any) -> models.SampleOutput:
+  def sample(
+      self, prompt_ids: Sequence[Sequence[int]], key: jax.Array, **settings: Any
+  ) -> models.SampleOutput:
     """``Sampler.sample`` with the engine's weights."""
     raise NotImplementedError
 
-  def rollout(self, examples: Sequence[dict], config: TrainConfig,
-              rewards: list[tuple[Callable, float]], key: jax.Array,
-              observe: Optional[Callable[[RolloutSamples], None]] = None
-              ) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  def rollout(
+      self,
+      examples: Sequence[dict],
+      config: TrainConfig,
+      rewards: list[tuple[Callable, float]],
+      key: jax.Array,
+      observe: Optional[Callable[[RolloutSamples], None]] = None,
+  ) -> tuple[algo.RolloutBatch, dict[str, float]]:
     """:func:`rollout` with the engine's weights."""
-    return _rollout(self.policy, self.sample, examples, config, rewards, key,
-                    observe)
+    return _rollout(
+        self.policy, self.sample, examples, config, rewards, key, observe
+    )
 
-  def evaluate(self, examples: Sequence[dict],
-               rewards: list[tuple[Callable, float]], max_new_tokens: int
-               ) -> dict[str, float]:
+  def evaluate(
+      self,
+      examples: Sequence[dict],
+      rewards: list[tuple[Callable, float]],
+      max_new_tokens: int,
+  ) -> dict[str, float]:
     """:func:`evaluate` with the engine's weights."""
-    return _evaluate(self.policy, self.sample, examples, rewards,
-                     max_new_tokens)
+    return _evaluate(
+        self.policy, self.sample, examples, rewards, max_new_tokens
+    )
 
   def close(self) -> None:
     """Releases the engine's resources (a process engine's process)."""
@@ -344,8 +425,9 @@ def sampling_dtype(name: str) -> jnp.dtype:
 def _sampling_weights(state: dict[str, Any], dtype: Any) -> Any:
   """The dense weights of ``state`` (``c B + P A``), floating ones in
   ``dtype``."""
-  cast = lambda x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                    else x)
+  cast = lambda x: (
+      x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  )
   return jax.tree.map(cast, sync.materialize(state, dtype))
 
 
@@ -365,15 +447,23 @@ class RolloutEngine(Engine):
       uses (:func:`sync_fields`).
   """
 
-  def __init__(self, policy: Policy, template: dict[str, Any], *, seed: int,
-               shardings: Any = None, dtype: Any = jnp.float32,
-               **fields: Any):
+  def __init__(
+      self,
+      policy: Policy,
+      template: dict[str, Any],
+      *,
+      seed: int,
+      shardings: Any = None,
+      dtype: Any = jnp.float32,
+      **fields: Any,
+  ):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
     self.signature = self.receiver.signature
     self._materialize = jax.jit(
         functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
-        out_shardings=shardings)
+        out_shardings=shardings,
+    )
     self._params = None
 
   @property
@@ -381,24 +471,30 @@ class RolloutEngine(Engine):
     """The weights the sampler uses, ``c B + P A`` in the engine's dtype
     (materialized once per message)."""
     if self._params is None:
-      raise RuntimeError("the rollout engine has no policy yet: sync a full "
-                         "message first")
+      raise RuntimeError(
+          "the rollout engine has no policy yet: sync a full " "message first"
+      )
     return self._params
 
   def _apply(self, message: sync.SyncMessage) -> SyncStats:
     self.receiver.apply(message)
-    old, self._params = self._params, None   # none until these are made
-    self._params = jax.block_until_ready(
-        self._materialize(self.receiver.state))
+    old, self._params = self._params, None  # none until these are made
+    self._params = jax.block_until_ready(self._materialize(self.receiver.state))
     num_params = sum(x.size for x in jax.tree.leaves(self._params))
-    changed = (num_params if old is None
-               else int(changed_bfloat16_values(old, self._params)))
+    changed = (
+        num_params
+        if old is None
+        else int(changed_bfloat16_values(old, self._params))
+    )
     return SyncStats(
-        message_bytes=message.nbytes, seconds=0.0, resynced=False,
+        message_bytes=message.nbytes,
+        seconds=0.0,
+        resynced=False,
         full_bfloat16_bytes=2 * num_params,
-        sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed)
+        sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed,
+    )
 
-  def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
-             **settings: Any) -> models.SampleOutput:
-    return self.policy.sampler.sample(self.params, prompt_ids, key,
-                                      **settings)
+  def sample(
+      self, prompt_ids: Sequence[Sequence[int]], key: jax.Array, **settings: Any
+  ) -> models.SampleOutput:
+    return self.policy.sampler.sample(self.params, prompt_ids, key, **settings)

@@ -52,12 +52,23 @@ _INIT, _SYNC, _SAMPLE, _CLOSE = 1, 2, 3, 4
 # Replies.
 _OK, _REFUSED, _ERROR = 16, 17, 18
 _REPLIES = (_OK, _REFUSED, _ERROR)
-_KINDS = {_INIT: "init", _SYNC: "sync", _SAMPLE: "sample", _CLOSE: "close",
-          _OK: "ok", _REFUSED: "refused", _ERROR: "error"}
+_KINDS = {
+    _INIT: "init",
+    _SYNC: "sync",
+    _SAMPLE: "sample",
+    _CLOSE: "close",
+    _OK: "ok",
+    _REFUSED: "refused",
+    _ERROR: "error",
+}
 # jax.config settings the engine process takes from the learner's, so that
 # both compute alike (e.g. the tests' matmul precision).
-_JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64",
-                 "jax_default_prng_impl", "jax_threefry_partitionable")
+_JAX_SETTINGS = (
+    "jax_default_matmul_precision",
+    "jax_enable_x64",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+)
 
 
 class TransportError(RuntimeError):
@@ -75,8 +86,12 @@ def _header(kind: int, request: int, length: int, crc: int) -> bytes:
   return fields + struct.pack("<I", zlib.crc32(fields))
 
 
-def send_frame(sock: socket.socket, kind: int,
-               payload: bytes | Sequence[bytes], request: int = 0) -> None:
+def send_frame(
+    sock: socket.socket,
+    kind: int,
+    payload: bytes | Sequence[bytes],
+    request: int = 0,
+) -> None:
   """Sends one frame: its header, then ``payload`` (bytes, or parts sent one
   after the other: nothing is joined)."""
   parts = (payload,) if isinstance(payload, (bytes, bytearray)) else payload
@@ -98,12 +113,14 @@ def _read_exactly(sock: socket.socket, size: int, what: str) -> bytearray:
     try:
       count = sock.recv_into(view[got:], min(size - got, 1 << 26))
     except socket.timeout:
-      raise TransportError(f"no reply within {sock.gettimeout():.0f} s "
-                           f"({got} of the {size} bytes of {what})") from None
+      raise TransportError(
+          f"no reply within {sock.gettimeout():.0f} s "
+          f"({got} of the {size} bytes of {what})"
+      ) from None
     if not count:
-      raise (_Closed if got == 0 and what == _HEADER_WHAT else
-             TransportError)(f"the connection closed after {got} of the "
-                             f"{size} bytes of {what}")
+      raise (_Closed if got == 0 and what == _HEADER_WHAT else TransportError)(
+          f"the connection closed after {got} of the " f"{size} bytes of {what}"
+      )
     got += count
   return buffer
 
@@ -121,12 +138,14 @@ def recv_frame(sock: socket.socket) -> tuple[int, int, bytearray]:
   if magic != _MAGIC:
     raise TransportError("not a rollout engine frame (bad magic bytes)")
   if zlib.crc32(header[:-4]) != header_crc or kind not in _KINDS:
-    raise TransportError("frame header corrupted (its CRC-32 differs or "
-                         "its kind is unknown)")
+    raise TransportError(
+        "frame header corrupted (its CRC-32 differs or " "its kind is unknown)"
+    )
   payload = _read_exactly(sock, length, f"a {_KINDS[kind]} frame's payload")
   if zlib.crc32(payload) != crc:
-    raise TransportError(f"{_KINDS[kind]} frame corrupted: CRC-32 of its "
-                         "payload differs")
+    raise TransportError(
+        f"{_KINDS[kind]} frame corrupted: CRC-32 of its " "payload differs"
+    )
   return kind, request, payload
 
 
@@ -151,35 +170,42 @@ class _Server:
         jax.config.update(name, value)
       config = from_dict(json.loads(request["config"]))
       folder = pathlib.Path(request["folder"])
-      policy = engine_lib.Policy.load(folder,
-                                      dtype=jnp.dtype(config.policy.dtype))
+      policy = engine_lib.Policy.load(
+          folder, dtype=jnp.dtype(config.policy.dtype)
+      )
       # The learner's layout, from the config alone (lazily: rl/ builds on
       # rollout/, not the other way; only this child needs the learner).
-      from logra_jax.rl import learner   # noqa: PLC0415
-      template = learner.abstract_policy_state(config.optimizer,
-                                               policy.params)
+      from logra_jax.rl import learner  # noqa: PLC0415
+
+      template = learner.abstract_policy_state(config.optimizer, policy.params)
       policy.params = None
       self.engine = engine_lib.RolloutEngine(
-          policy, template, seed=config.seed,
+          policy,
+          template,
+          seed=config.seed,
           dtype=engine_lib.sampling_dtype(config.rollout.dtype),
-          **engine_lib.sync_fields(config, folder))
+          **engine_lib.sync_fields(config, folder),
+      )
       return _OK, _pack({"signature": self.engine.receiver.signature})
     if self.engine is None:
       raise TransportError(f"a {_KINDS[kind]} request before init")
     if kind == _SYNC:
       try:
-        stats = self.engine.sync(sync.decode(payload))   # no copy
+        stats = self.engine.sync(sync.decode(payload))  # no copy
       except sync.SyncError as e:
         return _REFUSED, str(e).encode()
       return _OK, _pack(dataclasses.asdict(stats))
     if kind == _SAMPLE:
       request = _unpack(payload)
       ends = np.cumsum(request["prompt_lengths"])
-      key = jax.random.wrap_key_data(np.asarray(request["key"]),
-                                     impl=request["key_impl"])
+      key = jax.random.wrap_key_data(
+          np.asarray(request["key"]), impl=request["key_impl"]
+      )
       out = self.engine.sample(
           [p.tolist() for p in np.split(request["prompt_ids"], ends[:-1])],
-          key, **request["settings"])
+          key,
+          **request["settings"],
+      )
       return _OK, _pack({k: np.asarray(v) for k, v in out._asdict().items()})
     raise TransportError(f"unexpected {_KINDS[kind]} frame")
 
@@ -194,7 +220,7 @@ def serve(sock: socket.socket) -> None:
     try:
       kind, request, payload = recv_frame(sock)
     except _Closed:
-      return   # the learner went away
+      return  # the learner went away
     except TransportError as e:
       print(f"rollout engine: {e}; exiting", file=sys.stderr, flush=True)
       return
@@ -203,7 +229,7 @@ def serve(sock: socket.socket) -> None:
       return
     try:
       reply = server.handle(kind, payload)
-    except Exception:   # noqa: BLE001 (reported to the learner)
+    except Exception:  # noqa: BLE001 (reported to the learner)
       reply = _ERROR, traceback.format_exc().encode()
     send_frame(sock, *reply, request)
 
@@ -244,33 +270,49 @@ class ProcessEngine(engine_lib.Engine):
       batch, metrics = engine.rollout(examples, config, rewards, key)
   """
 
-  def __init__(self, policy: engine_lib.Policy, config: TrainConfig,
-               folder: pathlib.Path | str, *,
-               log_path: Optional[pathlib.Path | str] = None,
-               timeout: float = 3600.0,
-               env: Optional[dict[str, str]] = None):
+  def __init__(
+      self,
+      policy: engine_lib.Policy,
+      config: TrainConfig,
+      folder: pathlib.Path | str,
+      *,
+      log_path: Optional[pathlib.Path | str] = None,
+      timeout: float = 3600.0,
+      env: Optional[dict[str, str]] = None,
+  ):
     self.policy = policy
     self._requests = 0
     self._sock = self._process = self._log = None
     self._log_path = None if log_path is None else pathlib.Path(log_path)
-    init = _pack({"config": json.dumps(to_dict(config)),
-                  "folder": str(folder),
-                  "jax": {name: getattr(jax.config, name)
-                          for name in _JAX_SETTINGS}})
+    init = _pack(
+        {
+            "config": json.dumps(to_dict(config)),
+            "folder": str(folder),
+            "jax": {name: getattr(jax.config, name) for name in _JAX_SETTINGS},
+        }
+    )
     try:
       if log_path is not None:
         self._log = open(log_path, "ab")
       self._sock, theirs = socket.socketpair()
       with theirs:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "logra_jax.rollout.transport",
-             "--fd", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "logra_jax.rollout.transport",
+                "--fd",
+                str(theirs.fileno()),
+            ],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
             # Without a log: its stderr is this process's (file descriptor
             # 2, which also works under notebooks' replaced sys.stderr).
-            stdout=self._log or subprocess.DEVNULL, stderr=self._log,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=self._log,
             env=env,
-            start_new_session=True)
+            start_new_session=True,
+        )
       self._sock.settimeout(timeout)
       self.signature = _unpack(self._request(_INIT, init))["signature"]
     except BaseException:
@@ -284,8 +326,9 @@ class ProcessEngine(engine_lib.Engine):
       raise sync.SyncError(bytes(reply).decode())
     return reply
 
-  def _exchange(self, kind: int, payload: bytes | Sequence[bytes]
-                ) -> tuple[int, bytearray]:
+  def _exchange(
+      self, kind: int, payload: bytes | Sequence[bytes]
+  ) -> tuple[int, bytearray]:
     if self._sock is None:
       raise TransportError("the rollout engine process is closed")
     self._requests += 1
@@ -295,16 +338,19 @@ class ProcessEngine(engine_lib.Engine):
       if request != self._requests or reply_kind not in _REPLIES:
         raise TransportError(
             f"reply {request} ({_KINDS[reply_kind]}) to request "
-            f"{self._requests} ({_KINDS[kind]})")
+            f"{self._requests} ({_KINDS[kind]})"
+        )
     except BaseException as e:
-      note = self._stop(grace=5.0)   # a dead child is reaped at once
+      note = self._stop(grace=5.0)  # a dead child is reaped at once
       if isinstance(e, (TransportError, OSError)):
         raise TransportError(f"rollout engine process: {e}{note}") from e
       raise
     if reply_kind == _ERROR:
-      raise TransportError(f"the rollout engine process failed on a "
-                           f"{_KINDS[kind]} request:\n"
-                           f"{bytes(reply).decode()}")
+      raise TransportError(
+          f"the rollout engine process failed on a "
+          f"{_KINDS[kind]} request:\n"
+          f"{bytes(reply).decode()}"
+      )
     return reply_kind, reply
 
   def _stop(self, grace: float = 0.0) -> str:
@@ -334,22 +380,37 @@ class ProcessEngine(engine_lib.Engine):
 
   def _apply(self, message: sync.SyncMessage) -> engine_lib.SyncStats:
     return engine_lib.SyncStats(
-        **_unpack(self._request(_SYNC, sync.encode_parts(message))))
+        **_unpack(self._request(_SYNC, sync.encode_parts(message)))
+    )
 
-  def sample(self, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
-             **settings: Any) -> models.SampleOutput:
+  def sample(
+      self, prompt_ids: Sequence[Sequence[int]], key: jax.Array, **settings: Any
+  ) -> models.SampleOutput:
     if not prompt_ids:
       raise ValueError("sample needs at least one prompt")
-    reply = self._request(_SAMPLE, _pack({
-        "prompt_ids": np.concatenate(
-            [np.asarray(p, np.int32) for p in prompt_ids]),
-        "prompt_lengths": np.array([len(p) for p in prompt_ids], np.int64),
-        "key": np.asarray(jax.random.key_data(key)),
-        "key_impl": str(jax.random.key_impl(key)),
-        "settings": settings}))
+    reply = self._request(
+        _SAMPLE,
+        _pack(
+            {
+                "prompt_ids": np.concatenate(
+                    [np.asarray(p, np.int32) for p in prompt_ids]
+                ),
+                "prompt_lengths": np.array(
+                    [len(p) for p in prompt_ids], np.int64
+                ),
+                "key": np.asarray(jax.random.key_data(key)),
+                "key_impl": str(jax.random.key_impl(key)),
+                "settings": settings,
+            }
+        ),
+    )
     arrays = _unpack(reply)
-    return models.SampleOutput(**{name: jnp.asarray(arrays[name])
-                                  for name in models.SampleOutput._fields})
+    return models.SampleOutput(
+        **{
+            name: jnp.asarray(arrays[name])
+            for name in models.SampleOutput._fields
+        }
+    )
 
   def close(self) -> None:
     """Asks the process to exit and waits for it (killing it after 30 s)."""
@@ -361,14 +422,18 @@ class ProcessEngine(engine_lib.Engine):
       send_frame(self._sock, _CLOSE, b"", self._requests + 1)
       recv_frame(self._sock)
     except (TransportError, OSError):
-      pass   # already gone, or it will be stopped
+      pass  # already gone, or it will be stopped
     self._stop(grace=30.0)
 
 
 def _main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--fd", type=int, required=True,
-                      help="the file descriptor of this end of the socket")
+  parser.add_argument(
+      "--fd",
+      type=int,
+      required=True,
+      help="the file descriptor of this end of the socket",
+  )
   args = parser.parse_args()
   with socket.socket(fileno=args.fd) as sock:
     serve(sock)

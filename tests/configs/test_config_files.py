@@ -40,22 +40,35 @@ def _write(tmp_path, text, name="run.yaml"):
 
 
 def test_yaml_with_nested_and_list_values_equals_the_config_built_in_python(
-    tmp_path):
+    tmp_path,
+):
   path = _write(tmp_path, RUN_YAML)
   loaded = train_config.load_config(
-      "smoke", [path], ["task.options.max_digits=3", "optimizer.rank=8",
-                        "logging.trackers=[tensorboard]"])
+      "smoke",
+      [path],
+      [
+          "task.options.max_digits=3",
+          "optimizer.rank=8",
+          "logging.trackers=[tensorboard]",
+      ],
+  )
   built = dataclasses.replace(
       SMOKE,
       task=dataclasses.replace(
-          SMOKE.task, name="chain_sum", template="Q: {prompt} A:",
-          options={"min_terms": 2, "max_terms": 4, "max_digits": 3}),
+          SMOKE.task,
+          name="chain_sum",
+          template="Q: {prompt} A:",
+          options={"min_terms": 2, "max_terms": 4, "max_digits": 3},
+      ),
       policy=dataclasses.replace(SMOKE.policy, hidden_size=64),
       optimizer=dataclasses.replace(SMOKE.optimizer, rank=8),
-      rewards=[train_config.RewardConfig("task"),
-               train_config.RewardConfig("my_rewards.py:brevity", -0.1)],
+      rewards=[
+          train_config.RewardConfig("task"),
+          train_config.RewardConfig("my_rewards.py:brevity", -0.1),
+      ],
       logging=train_config.LoggingConfig(trackers=["tensorboard"]),
-      steps=7)
+      steps=7,
+  )
   assert loaded == built
   assert isinstance(loaded.rewards[1], train_config.RewardConfig)
 
@@ -66,22 +79,37 @@ def test_preset_then_file_then_overrides(tmp_path):
   # The override beats the file, the file beats the preset, and the
   # preset's other fields stay.
   assert (config.steps, config.seed, config.rollout.prompts_per_step) == (
-      9, 5, SMOKE.rollout.prompts_per_step)
+      9,
+      5,
+      SMOKE.rollout.prompts_per_step,
+  )
   # Maps merge key by key; lists are replaced.
-  second = _write(tmp_path, "task: {options: {max_terms: 5}}\n"
-                  "logging: {trackers: [wandb]}\n", "second.yaml")
+  second = _write(
+      tmp_path,
+      "task: {options: {max_terms: 5}}\n" "logging: {trackers: [wandb]}\n",
+      "second.yaml",
+  )
   config = train_config.load_config(
-      "smoke", [_write(tmp_path, RUN_YAML), second])
+      "smoke", [_write(tmp_path, RUN_YAML), second]
+  )
   assert config.task.options == {"min_terms": 2, "max_terms": 5}
   assert config.logging.trackers == ["wandb"]
 
 
 def test_the_cli_composes_preset_config_files_set_and_positional_overrides(
-    tmp_path):
+    tmp_path,
+):
   path = _write(tmp_path, "steps: 7\nseed: 5\noptimizer: {rank: 2}\n")
   args = cli.build_parser().parse_args(
-      ["train", "--preset=smoke", f"--config={path}", "--set=seed=6",
-       "optimizer.rank=3", "task.options={max_terms: 4}"])
+      [
+          "train",
+          "--preset=smoke",
+          f"--config={path}",
+          "--set=seed=6",
+          "optimizer.rank=3",
+          "task.options={max_terms: 4}",
+      ]
+  )
   config = cli._config(args)
   assert (config.steps, config.seed, config.optimizer.rank) == (7, 6, 3)
   assert config.task.options == {"max_terms": 4}
@@ -89,9 +117,14 @@ def test_the_cli_composes_preset_config_files_set_and_positional_overrides(
 
 def test_a_saved_config_reads_back_equal():
   config = train_config.apply_overrides(
-      SMOKE, ["rewards=[{function: task}, {function: 'a.b:c', weight: 2}]",
-              "task.options={max_terms: 4, min_terms: 2}",
-              "optimizer.target_kl=0.001", "task.system_prompt=null"])
+      SMOKE,
+      [
+          "rewards=[{function: task}, {function: 'a.b:c', weight: 2}]",
+          "task.options={max_terms: 4, min_terms: 2}",
+          "optimizer.target_kl=0.001",
+          "task.system_prompt=null",
+      ],
+  )
   assert train_config.from_dict(train_config.to_dict(config)) == config
 
 
@@ -100,38 +133,79 @@ def test_presets_are_the_package_yaml_files():
   assert train_config.get_preset("tiny") == train_config.TrainConfig()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("optimizer.rnk=3", "override 'optimizer.rnk=3': unknown config key "
-     "optimizer.rnk; valid keys there: ['b1', 'b2', 'base_dtype'"),
-    ("bogus=1", "unknown config key bogus; valid keys there: ['advantage', "
-     "'checkpoint'"),
-    ("rewards=[{function: task, wt: 2}]", "unknown config key rewards.wt; "
-     "valid keys there: ['function', 'weight']"),
-    ("logging.colour=1", "unknown config key logging.colour; valid keys "
-     "there: ['samples_every', 'samples_shown', 'trackers']"),
-    ("optimizer.rank=abc", "optimizer.rank: Value 'abc' of type 'str' could "
-     "not be converted to Integer"),
-    ("steps=[1, 2]", "steps: Value '[1, 2]' of type 'ListConfig' could not "
-     "be converted to Integer"),
-    ("optimizer.target_kl=none", "optimizer.target_kl: Value 'none' of type "
-     "'str' could not be converted to Float (write null to clear"),
-    ("task.options=[1]", "override 'task.options=[1]': Cannot merge"),
-    ("optimizer=3", "override 'optimizer=3': "),
-    ("optimizer.rank", "override 'optimizer.rank' must look like "
-     "section.field=value"),
-    ("logging.trackers=[mlflow]", "logging.trackers must be one of "
-     "('tensorboard', 'wandb'), got 'mlflow'"),
-    ("logging.trackers=[wandb, wandb]", "logging.trackers lists a tracker "
-     "twice"),
-    ("task.chat_template=jinja", "task.chat_template must be one of ('auto', "
-     "'none'), got 'jinja'"),
-    ("rewards=[{function: nocolon}]", "rewards.function='nocolon' must be "
-     "'task', 'package.module:function' or 'path/to/file.py:function'"),
-    ("rewards=[{function: task, weight: .nan}]", "rewards.weight must be a "
-     "finite number"),
-    ("loss.aggregation=mean", "loss.aggregation must be one of "
-     "('token-mean'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "optimizer.rnk=3",
+            "override 'optimizer.rnk=3': unknown config key "
+            "optimizer.rnk; valid keys there: ['b1', 'b2', 'base_dtype'",
+        ),
+        (
+            "bogus=1",
+            "unknown config key bogus; valid keys there: ['advantage', "
+            "'checkpoint'",
+        ),
+        (
+            "rewards=[{function: task, wt: 2}]",
+            "unknown config key rewards.wt; "
+            "valid keys there: ['function', 'weight']",
+        ),
+        (
+            "logging.colour=1",
+            "unknown config key logging.colour; valid keys "
+            "there: ['samples_every', 'samples_shown', 'trackers']",
+        ),
+        (
+            "optimizer.rank=abc",
+            "optimizer.rank: Value 'abc' of type 'str' could "
+            "not be converted to Integer",
+        ),
+        (
+            "steps=[1, 2]",
+            "steps: Value '[1, 2]' of type 'ListConfig' could not "
+            "be converted to Integer",
+        ),
+        (
+            "optimizer.target_kl=none",
+            "optimizer.target_kl: Value 'none' of type "
+            "'str' could not be converted to Float (write null to clear",
+        ),
+        ("task.options=[1]", "override 'task.options=[1]': Cannot merge"),
+        ("optimizer=3", "override 'optimizer=3': "),
+        (
+            "optimizer.rank",
+            "override 'optimizer.rank' must look like " "section.field=value",
+        ),
+        (
+            "logging.trackers=[mlflow]",
+            "logging.trackers must be one of "
+            "('tensorboard', 'wandb'), got 'mlflow'",
+        ),
+        (
+            "logging.trackers=[wandb, wandb]",
+            "logging.trackers lists a tracker " "twice",
+        ),
+        (
+            "task.chat_template=jinja",
+            "task.chat_template must be one of ('auto', "
+            "'none'), got 'jinja'",
+        ),
+        (
+            "rewards=[{function: nocolon}]",
+            "rewards.function='nocolon' must be "
+            "'task', 'package.module:function' or 'path/to/file.py:function'",
+        ),
+        (
+            "rewards=[{function: task, weight: .nan}]",
+            "rewards.weight must be a " "finite number",
+        ),
+        (
+            "loss.aggregation=mean",
+            "loss.aggregation must be one of " "('token-mean'",
+        ),
+    ],
+)
 def test_bad_keys_and_values_are_refused_naming_them(override, message):
   with pytest.raises(ValueError) as info:
     train_config.load_config("smoke", overrides=[override])
@@ -139,17 +213,26 @@ def test_bad_keys_and_values_are_refused_naming_them(override, message):
   assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("steps: [7\n", "is not valid YAML: while parsing a flow sequence"),
-    ("- steps: 7\n", "must be a map of config sections and fields, got list"),
-    ("just a string\n", "must be a map of config sections and fields, got "
-     "str"),
-    ("optimizer:\n  rank: 2\n  rnak: 3\n", "unknown config key "
-     "optimizer.rnak"),
-    ("optimizer: 3\n", "config file"),
-])
-def test_bad_config_files_are_refused_naming_the_file(tmp_path, text,
-                                                      message):
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("steps: [7\n", "is not valid YAML: while parsing a flow sequence"),
+        (
+            "- steps: 7\n",
+            "must be a map of config sections and fields, got list",
+        ),
+        (
+            "just a string\n",
+            "must be a map of config sections and fields, got " "str",
+        ),
+        (
+            "optimizer:\n  rank: 2\n  rnak: 3\n",
+            "unknown config key " "optimizer.rnak",
+        ),
+        ("optimizer: 3\n", "config file"),
+    ],
+)
+def test_bad_config_files_are_refused_naming_the_file(tmp_path, text, message):
   path = _write(tmp_path, text)
   with pytest.raises(ValueError) as info:
     train_config.load_config("smoke", [path])
@@ -161,8 +244,10 @@ def test_bad_config_files_are_refused_naming_the_file(tmp_path, text,
 def test_a_missing_config_file_or_preset_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="missing.yaml: no such file"):
     train_config.load_config("smoke", [tmp_path / "missing.yaml"])
-  with pytest.raises(ValueError, match="unknown preset 'huge'; valid "
-                     r"presets: \['smoke', 'tiny'\]"):
+  with pytest.raises(
+      ValueError,
+      match="unknown preset 'huge'; valid " r"presets: \['smoke', 'tiny'\]",
+  ):
     train_config.load_config("huge")
 
 
@@ -171,9 +256,12 @@ def test_an_empty_config_file_changes_nothing(tmp_path):
 
 
 def test_configs_import_nothing_of_the_rl_code():
-  code = ("import sys, logra_jax.configs; "
-          "print(sorted(m for m in sys.modules "
-          "if m.startswith(('logra_jax.rl', 'logra_jax.rollout'))))")
-  out = subprocess.run([sys.executable, "-c", code], check=True,
-                       capture_output=True, text=True).stdout
+  code = (
+      "import sys, logra_jax.configs; "
+      "print(sorted(m for m in sys.modules "
+      "if m.startswith(('logra_jax.rl', 'logra_jax.rollout'))))"
+  )
+  out = subprocess.run(
+      [sys.executable, "-c", code], check=True, capture_output=True, text=True
+  ).stdout
   assert out.strip() == "[]"

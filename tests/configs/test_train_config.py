@@ -21,8 +21,9 @@ def _numeric_keys(config, prefix=""):
     if dataclasses.is_dataclass(value):
       yield from _numeric_keys(value, f"{prefix}{field.name}.")
       continue
-    types = [t for t in typing.get_args(hints[field.name])
-             if t is not type(None)] or [hints[field.name]]
+    types = [
+        t for t in typing.get_args(hints[field.name]) if t is not type(None)
+    ] or [hints[field.name]]
     if types[0] in (int, float):
       yield f"{prefix}{field.name}", types[0]
 
@@ -41,11 +42,23 @@ def _refused(overrides, key):
 
 def test_every_section_has_float_and_int_fields_to_check():
   # The walk finds the fields of every section, the loss included.
-  assert {"optimizer.learning_rate", "optimizer.b1", "rollout.temperature",
-          "policy.warm_start_lr", "loss.beta", "loss.eps_high",
-          "checkpoint.every_seconds", "optimizer.target_kl"} <= set(FLOAT_KEYS)
-  assert {"seed", "task.seed", "rollout.top_k", "loss.max_len",
-          "optimizer.kl_subsample"} <= set(INT_KEYS)
+  assert {
+      "optimizer.learning_rate",
+      "optimizer.b1",
+      "rollout.temperature",
+      "policy.warm_start_lr",
+      "loss.beta",
+      "loss.eps_high",
+      "checkpoint.every_seconds",
+      "optimizer.target_kl",
+  } <= set(FLOAT_KEYS)
+  assert {
+      "seed",
+      "task.seed",
+      "rollout.top_k",
+      "loss.max_len",
+      "optimizer.kl_subsample",
+  } <= set(INT_KEYS)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
@@ -61,46 +74,81 @@ def test_negative_ints_are_refused_naming_the_field(key):
   assert _refused([f"{key}=-1"], key).endswith("got -1")
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("optimizer.b1=5", "optimizer.b1 must be in [0, 1), got 5.0"),
-    ("optimizer.b1=1", "optimizer.b1 must be in [0, 1), got 1.0"),
-    ("optimizer.b2=1", "optimizer.b2 must be in [0, 1), got 1.0"),
-    ("optimizer.learning_rate=0",
-     "optimizer.learning_rate must be > 0, got 0.0"),
-    ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
-    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
-    ("rollout.top_k=-5", "rollout.top_k must be >= 0, got -5"),
-    ("loss.eps_low=1", "loss.eps_low must be in [0, 1), got 1.0"),
-    ("loss.kl_clamp=0", "loss.kl_clamp must be > 0, got 0.0"),
-    ("seed=-1", "seed must be >= 0, got -1"),
-    ("rollout.num_generations=1", "rollout.num_generations must be >= 2, "
-     "got 1"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optimizer.b1=5", "optimizer.b1 must be in [0, 1), got 5.0"),
+        ("optimizer.b1=1", "optimizer.b1 must be in [0, 1), got 1.0"),
+        ("optimizer.b2=1", "optimizer.b2 must be in [0, 1), got 1.0"),
+        (
+            "optimizer.learning_rate=0",
+            "optimizer.learning_rate must be > 0, got 0.0",
+        ),
+        ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
+        ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
+        ("rollout.top_k=-5", "rollout.top_k must be >= 0, got -5"),
+        ("loss.eps_low=1", "loss.eps_low must be in [0, 1), got 1.0"),
+        ("loss.kl_clamp=0", "loss.kl_clamp must be > 0, got 0.0"),
+        ("seed=-1", "seed must be >= 0, got -1"),
+        (
+            "rollout.num_generations=1",
+            "rollout.num_generations must be >= 2, " "got 1",
+        ),
+    ],
+)
 def test_out_of_range_values_are_refused_with_the_range(override, expected):
   assert _refused([override], override.split("=")[0]) == expected
 
 
 def test_boundary_values_are_accepted():
-  config = train_config.apply_overrides(SMOKE, [
-      "optimizer.b1=0", "optimizer.b2=0", "optimizer.max_grad_norm=0",
-      "optimizer.weight_decay=0", "rollout.top_p=1", "rollout.top_k=0",
-      "loss.beta=0", "loss.eps_low=0", "loss.eps_high=0", "seed=0",
-      "checkpoint.every_seconds=0", "optimizer.target_kl=1e-9"])
+  config = train_config.apply_overrides(
+      SMOKE,
+      [
+          "optimizer.b1=0",
+          "optimizer.b2=0",
+          "optimizer.max_grad_norm=0",
+          "optimizer.weight_decay=0",
+          "rollout.top_p=1",
+          "rollout.top_k=0",
+          "loss.beta=0",
+          "loss.eps_low=0",
+          "loss.eps_high=0",
+          "seed=0",
+          "checkpoint.every_seconds=0",
+          "optimizer.target_kl=1e-9",
+      ],
+  )
   assert config.optimizer.b1 == 0.0 and config.rollout.top_p == 1.0
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("optimizer.kind=bogus", "optimizer.kind must be one of ('range', "
-     "'random', 'svd'), got 'bogus'"),
-    ("optimizer.moment_policy=bogus", "optimizer.moment_policy must be one "
-     "of ('transfer', 'keep', 'reset'), got 'bogus'"),
-    ("policy.num_heads=3", "policy.num_heads=3 must divide "
-     "policy.hidden_size=32"),
-    ("policy.num_kv_heads=3", "policy.num_kv_heads=3 must divide "
-     "policy.num_heads=2"),
-    ("policy.num_heads=32", "policy.hidden_size=32 / policy.num_heads=32 = 1 "
-     "must be even (the head size, for rotary embeddings)"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "optimizer.kind=bogus",
+            "optimizer.kind must be one of ('range', "
+            "'random', 'svd'), got 'bogus'",
+        ),
+        (
+            "optimizer.moment_policy=bogus",
+            "optimizer.moment_policy must be one "
+            "of ('transfer', 'keep', 'reset'), got 'bogus'",
+        ),
+        (
+            "policy.num_heads=3",
+            "policy.num_heads=3 must divide " "policy.hidden_size=32",
+        ),
+        (
+            "policy.num_kv_heads=3",
+            "policy.num_kv_heads=3 must divide " "policy.num_heads=2",
+        ),
+        (
+            "policy.num_heads=32",
+            "policy.hidden_size=32 / policy.num_heads=32 = 1 "
+            "must be even (the head size, for rotary embeddings)",
+        ),
+    ],
+)
 def test_choices_and_head_counts_are_checked_at_once(override, expected):
   with pytest.raises(ValueError) as info:
     train_config.apply_overrides(SMOKE, [override])

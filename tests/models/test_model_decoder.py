@@ -1,6 +1,5 @@
 """Decoder parity with PyTorch `transformers`, cache, masks, pure functions."""
 
-
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,9 @@ _step = nnx.jit(lambda m, x, a, c: m(x, attention_mask=a, cache=c))
 def forward(model, ids, **kwargs):
   """Jitted logits of `model` (eager NNX calls re-trace the layer scan)."""
   graphdef, params = models.split_model(model)
-  return np.asarray(_logits(graphdef, params, jnp.asarray(ids, jnp.int32),
-                            **kwargs))
+  return np.asarray(
+      _logits(graphdef, params, jnp.asarray(ids, jnp.int32), **kwargs)
+  )
 
 
 def _ids(batch, length, seed=0):
@@ -51,12 +51,17 @@ def test_cached_decode_matches_hf(family, checkpoints, loaded):
   logits, cache = _step(model, jnp.asarray(ids[:, :8], jnp.int32), ones, cache)
   chunks = [logits]
   for t in range(8, 12):
-    logits, cache = _step(model, jnp.asarray(ids[:, t:t + 1], jnp.int32),
-                          ones[:, :1], cache)
+    logits, cache = _step(
+        model, jnp.asarray(ids[:, t : t + 1], jnp.int32), ones[:, :1], cache
+    )
     chunks.append(logits)
   assert int(cache.index) == 12 and bool(cache.mask[:, :12].all())
-  np.testing.assert_allclose(np.concatenate(chunks, 1),
-                             checkpoints[name].logits(ids), atol=ATOL, rtol=0)
+  np.testing.assert_allclose(
+      np.concatenate(chunks, 1),
+      checkpoints[name].logits(ids),
+      atol=ATOL,
+      rtol=0,
+  )
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -67,13 +72,14 @@ def test_padded_batch_matches_hf(side, checkpoints, loaded):
   mask = np.zeros((3, T), np.int64)
   for row, n in enumerate(lengths):
     if side == "left":
-      mask[row, T - n:] = 1
+      mask[row, T - n :] = 1
     else:
       mask[row, :n] = 1
   positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
   ours = forward(loaded[name], ids, attention_mask=jnp.asarray(mask))
-  ref = checkpoints[name].logits(ids, attention_mask=mask,
-                                 position_ids=positions)
+  ref = checkpoints[name].logits(
+      ids, attention_mask=mask, position_ids=positions
+  )
   valid = mask.astype(bool)
   assert np.isfinite(ours).all()
   np.testing.assert_allclose(ours[valid], ref[valid], atol=ATOL, rtol=0)
@@ -88,8 +94,9 @@ def test_left_padded_cached_decode_matches_unpadded(checkpoints, loaded):
   cache = models.init_cache(model.config, batch_size=2, max_length=12)
   _, cache = _step(model, jnp.asarray(ids), jnp.asarray(mask), cache)
   nxt = np.array([[5], [9]])
-  logits, cache = _step(model, jnp.asarray(nxt, jnp.int32),
-                        jnp.ones((2, 1), jnp.int32), cache)
+  logits, cache = _step(
+      model, jnp.asarray(nxt, jnp.int32), jnp.ones((2, 1), jnp.int32), cache
+  )
   assert cache.mask.sum(1).tolist() == [7, 4]
   for row, prompt in enumerate(prompts):
     alone = checkpoints[name].logits([list(prompt) + [int(nxt[row, 0])]])
@@ -98,7 +105,8 @@ def test_left_padded_cached_decode_matches_unpadded(checkpoints, loaded):
 
 def test_config_from_hf_fields(checkpoints):
   cfg = lambda n: models.DecoderConfig.from_hf(  # noqa: E731
-      transformers.AutoConfig.from_pretrained(checkpoints[n].path))
+      transformers.AutoConfig.from_pretrained(checkpoints[n].path)
+  )
   llama3 = cfg("llama_gqa_llama3")
   assert llama3.rope_scaling == models.RopeScaling("llama3", 4.0, 1.0, 4.0, 32)
   assert (llama3.num_heads, llama3.num_kv_heads) == (4, 2)
@@ -126,30 +134,36 @@ def test_unsupported_architectures_name_the_supported_ones():
   mistral_named = transformers.LlamaConfig(architectures=["MistralForCausalLM"])
   with pytest.raises(ValueError, match="MistralForCausalLM"):
     models.DecoderConfig.from_hf(mistral_named)
-  yarn = transformers.LlamaConfig(rope_parameters={
-      "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+  yarn = transformers.LlamaConfig(
+      rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+  )
   with pytest.raises(ValueError, match="rope type 'yarn'"):
     models.DecoderConfig.from_hf(yarn)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(num_kv_heads=3), "multiple of num_kv_heads"),
-    (dict(head_dim=15), "even"),
-    (dict(remat="full"), "remat"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(family="gpt2"), "family"),
-    (dict(hidden_size=0), "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(head_dim=15), "even"),
+        (dict(remat="full"), "remat"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(family="gpt2"), "family"),
+        (dict(hidden_size=0), "hidden_size"),
+    ],
+)
 def test_config_validation(changes, match):
   with pytest.raises(ValueError, match=match):
     models.DecoderConfig.tiny().replace(**changes)
 
 
 def test_param_layout_and_sharding_metadata():
-  cfg = models.DecoderConfig.tiny(vocab_size=50, family="qwen3", qk_norm=True,
-                                  head_dim=24)
+  cfg = models.DecoderConfig.tiny(
+      vocab_size=50, family="qwen3", qk_norm=True, head_dim=24
+  )
   _, params = models.split_model(
-      nnx.eval_shape(lambda: models.init_model(cfg, 0)))
+      nnx.eval_shape(lambda: models.init_model(cfg, 0))
+  )
   layers = params["layers"]
   L, D, F = 2, 64, 128
   assert layers["q_proj"].shape == (L, D, 4 * 24)
@@ -165,20 +179,34 @@ def test_param_layout_and_sharding_metadata():
     return axes
 
   axes = jax.tree_util.tree_map_with_path(
-      check, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      check, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
   assert axes["layers"]["q_proj"] == ("layers", "embed", "heads")
   assert axes["layers"]["down_proj"] == ("layers", "mlp", "embed")
   assert axes["embed"] == ("vocab", None)
 
 
 def test_matrix_dimension_numbers():
-  _, params = models.split_model(nnx.eval_shape(lambda: models.init_model(
-      models.DecoderConfig.tiny(attention_bias=True), 0)))
+  _, params = models.split_model(
+      nnx.eval_shape(
+          lambda: models.init_model(
+              models.DecoderConfig.tiny(attention_bias=True), 0
+          )
+      )
+  )
   dn = models.matrix_dimension_numbers(params)
-  stacked = DimensionNumbers(reduction_axes=(1,), output_axes=(2,),
-                             batch_axes=(0,))
-  for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj"):
+  stacked = DimensionNumbers(
+      reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
+  )
+  for name in (
+      "q_proj",
+      "k_proj",
+      "v_proj",
+      "o_proj",
+      "gate_proj",
+      "up_proj",
+      "down_proj",
+  ):
     assert dn["layers"][name] == stacked
   for name in ("attn_norm", "mlp_norm", "q_bias"):
     assert dn["layers"][name] is None
@@ -189,12 +217,18 @@ def test_matrix_dimension_numbers():
 
 def test_logits_fn_grad_jvp_and_remat_policies():
   """Under jit: gradients, a jvp, and identical gradients for every remat."""
-  cfg = models.DecoderConfig.tiny(vocab_size=40, attention_bias=True,
-                                  initializer_range=0.05)
+  cfg = models.DecoderConfig.tiny(
+      vocab_size=40, attention_bias=True, initializer_range=0.05
+  )
   ids = jnp.asarray(_ids(2, 6, seed=4) % 40, jnp.int32)
-  graphdefs = {remat: models.split_model(nnx.eval_shape(
-      lambda r=remat: models.init_model(cfg.replace(remat=r), 0)))[0]
-               for remat in ("none", "block", "dots_saveable")}
+  graphdefs = {
+      remat: models.split_model(
+          nnx.eval_shape(
+              lambda r=remat: models.init_model(cfg.replace(remat=r), 0)
+          )
+      )[0]
+      for remat in ("none", "block", "dots_saveable")
+  }
 
   def loss(graphdef, p):
     return jnp.mean(jax.nn.logsumexp(models.logits_fn(graphdef, p, ids), -1))
@@ -202,24 +236,28 @@ def test_logits_fn_grad_jvp_and_remat_policies():
   @jax.jit
   def run(p):
     grads = {r: jax.grad(loss, argnums=1)(g, p) for r, g in graphdefs.items()}
-    _, tangent = jax.jvp(lambda q: loss(graphdefs["none"], q), (p,),
-                         (grads["none"],))
+    _, tangent = jax.jvp(
+        lambda q: loss(graphdefs["none"], q), (p,), (grads["none"],)
+    )
     return grads, tangent
 
   _, params = models.split_model(models.init_model(cfg, 1))
   grads, tangent = run(params)
   ref = grads.pop("none")
   assert jax.tree.structure(ref) == jax.tree.structure(params)
-  assert all(np.isfinite(g).all() and np.abs(g).max() > 0
-             for g in jax.tree.leaves(ref))
+  assert all(
+      np.isfinite(g).all() and np.abs(g).max() > 0 for g in jax.tree.leaves(ref)
+  )
   # The jvp in the gradient direction equals <grad, grad>.
   expected = sum(jnp.vdot(g, g) for g in jax.tree.leaves(ref))
   np.testing.assert_allclose(tangent, expected, rtol=1e-4)
   # Rematerialization recomputes the same math, but the compiler may fuse
   # it otherwise: the bound of tests/tolerances.py for the forward and
   # backward chains, the logsumexp over V and the mean over the B * T tokens.
-  n = (2 * (decoder_reduction_length(cfg, ids.shape[1]) + cfg.vocab_size)
-       + ids.size)
+  n = (
+      2 * (decoder_reduction_length(cfg, ids.shape[1]) + cfg.vocab_size)
+      + ids.size
+  )
   tol = 2 * float_tolerance(np.float32, n)
   for remat_grads in grads.values():
     for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(ref)):
@@ -235,18 +273,22 @@ def test_bfloat16_params_and_compute(checkpoints, loaded):
   assert logits.dtype == np.float32
   ref = forward(loaded[name], ids)
   assert np.abs(logits - ref).max() < 0.1 * np.abs(ref).max()
-  mixed = models.load_pretrained(checkpoints[name].path, dtype=jnp.bfloat16,
-                                 compute_dtype=jnp.float32)
+  mixed = models.load_pretrained(
+      checkpoints[name].path, dtype=jnp.bfloat16, compute_dtype=jnp.float32
+  )
   assert mixed.config.dtype == "float32"
   assert mixed.config.param_dtype == "bfloat16"
 
 
 def test_load_on_mesh_places_with_logical_rules(checkpoints, loaded):
-  mesh = jax.make_mesh((4, 2), ("fsdp", "tp"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+      (4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   model = models.load_pretrained(
-      checkpoints["qwen2"].path, mesh=mesh,
-      sharding_rules={"embed": "fsdp", "mlp": "tp", "heads": "tp"})
+      checkpoints["qwen2"].path,
+      mesh=mesh,
+      sharding_rules={"embed": "fsdp", "mlp": "tp", "heads": "tp"},
+  )
   gate = model.layers["gate_proj"][...]
   assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
   norm = model.final_norm[...]
@@ -254,17 +296,20 @@ def test_load_on_mesh_places_with_logical_rules(checkpoints, loaded):
   ids = _ids(2, 8, seed=6)
   # Sharded contractions sum partial results in another order.
   ref = forward(loaded["qwen2"], ids)
-  tol = 2 * float_tolerance(np.float32,
-                            decoder_reduction_length(model.config, 8))
-  np.testing.assert_allclose(forward(model, ids), ref, rtol=0,
-                             atol=tol * np.abs(ref).max())
+  tol = 2 * float_tolerance(
+      np.float32, decoder_reduction_length(model.config, 8)
+  )
+  np.testing.assert_allclose(
+      forward(model, ids), ref, rtol=0, atol=tol * np.abs(ref).max()
+  )
   replicated = models.logical_to_mesh(("layers", "embed", "mlp"), mesh)
   assert replicated.spec == jax.sharding.PartitionSpec(None, None, None)
 
 
 def test_init_model_statistics():
-  cfg = models.DecoderConfig.tiny(vocab_size=40, attention_bias=True,
-                                  initializer_range=0.05)
+  cfg = models.DecoderConfig.tiny(
+      vocab_size=40, attention_bias=True, initializer_range=0.05
+  )
   model = models.init_model(cfg, nnx.Rngs(3))
   assert np.all(model.layers["attn_norm"][...] == 1)
   assert np.all(model.layers["q_bias"][...] == 0)
@@ -278,6 +323,7 @@ def test_query_chunked_attention_is_exact():
   logits and gradients equal the single-block attention's, with padding and
   a length that is not a multiple of the chunk."""
   import dataclasses
+
   config = models.DecoderConfig.tiny(vocab_size=VOCAB)
   chunked = dataclasses.replace(config, attention_chunk=8)
   batch, length = 2, 37
@@ -298,8 +344,9 @@ def test_query_chunked_attention_is_exact():
   # gradients add the backward chain and the sum over the B * T tokens.
   forward = decoder_reduction_length(config, length)
   tol = 2 * float_tolerance(np.float32, forward)
-  np.testing.assert_allclose(logits_a, logits_b, rtol=0,
-                             atol=tol * np.abs(logits_a).max())
+  np.testing.assert_allclose(
+      logits_a, logits_b, rtol=0, atol=tol * np.abs(logits_a).max()
+  )
   tol = 2 * float_tolerance(np.float32, 2 * forward + batch * length)
   for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
     np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(a).max())

@@ -32,23 +32,30 @@ def _hf_logits(path, dtype=torch.float32):
 @pytest.fixture
 def copy_of(checkpoints, tmp_path):
   """A writable copy of a conftest checkpoint."""
+
   def make(name):
     return shutil.copytree(checkpoints[name].path, tmp_path / name)
+
   return make
 
 
-def test_save_then_transformers_loads_identical_logits(family, checkpoints,
-                                                       loaded, tmp_path):
+def test_save_then_transformers_loads_identical_logits(
+    family, checkpoints, loaded, tmp_path
+):
   out = tmp_path / "export"
   models.save_pretrained(loaded[family], out)
-  assert sorted(p.name for p in out.iterdir()) == ["config.json",
-                                                   "model.safetensors"]
+  assert sorted(p.name for p in out.iterdir()) == [
+      "config.json",
+      "model.safetensors",
+  ]
   # The exported weights are the checkpoint's, bit for bit, so transformers
   # runs the same computation on them.
-  np.testing.assert_array_equal(_hf_logits(out),
-                                checkpoints[family].logits(IDS))
-  np.testing.assert_array_equal(_forward(models.load_pretrained(out)),
-                                _forward(loaded[family]))
+  np.testing.assert_array_equal(
+      _hf_logits(out), checkpoints[family].logits(IDS)
+  )
+  np.testing.assert_array_equal(
+      _forward(models.load_pretrained(out)), _forward(loaded[family])
+  )
 
 
 def test_sharded_save_round_trips(checkpoints, loaded, tmp_path):
@@ -66,10 +73,10 @@ def test_sharded_save_round_trips(checkpoints, loaded, tmp_path):
   assert sum(sizes.values()) == index["metadata"]["total_size"]
   embed_bytes = 101 * 64 * 4  # The only tensor allowed past the limit.
   assert all(s <= max(40_000, embed_bytes) for s in sizes.values())
-  np.testing.assert_array_equal(_hf_logits(out),
-                                checkpoints[name].logits(IDS))
-  np.testing.assert_array_equal(_forward(models.load_pretrained(out)),
-                                _forward(loaded[name]))
+  np.testing.assert_array_equal(_hf_logits(out), checkpoints[name].logits(IDS))
+  np.testing.assert_array_equal(
+      _forward(models.load_pretrained(out)), _forward(loaded[name])
+  )
 
 
 def test_bfloat16_round_trip(checkpoints, tmp_path):
@@ -79,17 +86,22 @@ def test_bfloat16_round_trip(checkpoints, tmp_path):
   models.save_pretrained(model, out)
   assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
   again = models.load_pretrained(out, dtype=jnp.bfloat16)
-  for a, b in zip(jax.tree.leaves(models.split_model(model)[1]),
-                  jax.tree.leaves(models.split_model(again)[1])):
+  for a, b in zip(
+      jax.tree.leaves(models.split_model(model)[1]),
+      jax.tree.leaves(models.split_model(again)[1]),
+  ):
     assert a.dtype == b.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(a, np.float32),
-                                  np.asarray(b, np.float32))
-  np.testing.assert_allclose(_hf_logits(out, torch.bfloat16),
-                             _forward(model), atol=0.1)
+    np.testing.assert_array_equal(
+        np.asarray(a, np.float32), np.asarray(b, np.float32)
+    )
+  np.testing.assert_allclose(
+      _hf_logits(out, torch.bfloat16), _forward(model), atol=0.1
+  )
 
 
-def test_save_refuses_existing_folder_and_overwrites_atomically(loaded,
-                                                                tmp_path):
+def test_save_refuses_existing_folder_and_overwrites_atomically(
+    loaded, tmp_path
+):
   out = tmp_path / "model"
   out.mkdir()
   (out / "stale.txt").write_text("old")
@@ -100,8 +112,9 @@ def test_save_refuses_existing_folder_and_overwrites_atomically(loaded,
   assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
-def test_interrupted_save_leaves_no_complete_looking_folder(loaded, tmp_path,
-                                                           monkeypatch):
+def test_interrupted_save_leaves_no_complete_looking_folder(
+    loaded, tmp_path, monkeypatch
+):
   def fail(*args, **kwargs):
     raise OSError("disk full")
 
@@ -115,10 +128,12 @@ def test_missing_tensor_is_named(copy_of):
   path = copy_of("qwen2")
   tensors = safetensors.numpy.load_file(path / "model.safetensors")
   del tensors["model.layers.1.self_attn.k_proj.bias"]
-  safetensors.numpy.save_file(tensors, path / "model.safetensors",
-                              metadata={"format": "pt"})
-  with pytest.raises(ValueError,
-                     match=r"'model\.layers\.1\.self_attn\.k_proj\.bias'"):
+  safetensors.numpy.save_file(
+      tensors, path / "model.safetensors", metadata={"format": "pt"}
+  )
+  with pytest.raises(
+      ValueError, match=r"'model\.layers\.1\.self_attn\.k_proj\.bias'"
+  ):
     models.load_pretrained(path)
 
 
@@ -160,9 +175,13 @@ def test_shape_mismatch_names_tensor_and_both_shapes(copy_of):
   config = json.loads((path / "config.json").read_text())
   config["intermediate_size"] = 80
   (path / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ValueError, match=(
-      r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape "
-      r"\((96, 64|64, 96)\) .* expects \((80, 64|64, 80)\)")):
+  with pytest.raises(
+      ValueError,
+      match=(
+          r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape "
+          r"\((96, 64|64, 96)\) .* expects \((80, 64|64, 80)\)"
+      ),
+  ):
     models.load_pretrained(path)
 
 
@@ -182,8 +201,8 @@ def test_load_tokenizer(tmp_path):
   backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "[UNK]"))
   backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend, pad_token="[PAD]",
-      unk_token="[UNK]").save_pretrained(tmp_path)
+      tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]"
+  ).save_pretrained(tmp_path)
   tok = models.load_tokenizer(tmp_path)
   assert tok("hello world there")["input_ids"] == [2, 3, 1]
 
@@ -192,17 +211,26 @@ def _edit_tensors(path, edit):
   """Rewrites `model.safetensors` of `path` through `edit(tensors)`."""
   tensors = safetensors.numpy.load_file(path / "model.safetensors")
   edit(tensors)
-  safetensors.numpy.save_file(tensors, path / "model.safetensors",
-                              metadata={"format": "pt"})
+  safetensors.numpy.save_file(
+      tensors, path / "model.safetensors", metadata={"format": "pt"}
+  )
 
 
 def test_unknown_tensors_are_named_in_a_warning(copy_of, loaded):
   path = copy_of("qwen2")
-  _edit_tensors(path, lambda t: t.update(
-      {f"model.extra_{i}.weight": np.zeros(3, np.float32) for i in range(7)}))
-  with pytest.warns(UserWarning, match=(
-      r"7 tensors in .*qwen2 are not used by the model and were ignored: "
-      r"\['model\.extra_0\.weight', .*'model\.extra_4\.weight'\] and 2 more")):
+  _edit_tensors(
+      path,
+      lambda t: t.update(
+          {f"model.extra_{i}.weight": np.zeros(3, np.float32) for i in range(7)}
+      ),
+  )
+  with pytest.warns(
+      UserWarning,
+      match=(
+          r"7 tensors in .*qwen2 are not used by the model and were ignored: "
+          r"\['model\.extra_0\.weight', .*'model\.extra_4\.weight'\] and 2 more"
+      ),
+  ):
     model = models.load_pretrained(path)
   np.testing.assert_array_equal(_forward(model), _forward(loaded["qwen2"]))
 
@@ -214,21 +242,27 @@ def test_non_finite_weights_are_refused_unless_allowed(copy_of, value):
 
   def poison(tensors):
     tensors[name][3, 5] = value
+
   _edit_tensors(path, poison)
-  with pytest.raises(ValueError, match=(
-      rf"'{re.escape(name)}' .* 1 non-finite value.*allow_non_finite=True")):
+  with pytest.raises(
+      ValueError,
+      match=(
+          rf"'{re.escape(name)}' .* 1 non-finite value.*allow_non_finite=True"
+      ),
+  ):
     models.load_pretrained(path)
   model = models.load_pretrained(path, allow_non_finite=True)
   up_LxDxF = np.asarray(model.weights()["layers"]["up_proj"])
   assert np.isnan(up_LxDxF).sum() + np.isinf(up_LxDxF).sum() == 1
-  assert not np.isfinite(up_LxDxF[1, 5, 3])   # HF [out, in] -> ours [in, out]
+  assert not np.isfinite(up_LxDxF[1, 5, 3])  # HF [out, in] -> ours [in, out]
 
 
 def test_overflow_in_the_load_dtype_is_refused(copy_of):
   path = copy_of("qwen2")
 
   def big(tensors):
-    tensors["model.norm.weight"][0] = 1e5   # finite in float32, inf in float16
+    tensors["model.norm.weight"][0] = 1e5  # finite in float32, inf in float16
+
   _edit_tensors(path, big)
   models.load_pretrained(path)
   with pytest.raises(ValueError, match=r"'model\.norm\.weight' .*float16"):
@@ -242,8 +276,10 @@ def test_missing_folder_or_config_is_named(tmp_path, copy_of):
       load(missing)
   with pytest.raises(FileNotFoundError, match=r"no config\.json in .*tmp"):
     models.load_pretrained(tmp_path)
-  with pytest.raises(FileNotFoundError,
-                     match=r"no tokenizer\.json or tokenizer_config\.json in"):
+  with pytest.raises(
+      FileNotFoundError,
+      match=r"no tokenizer\.json or tokenizer_config\.json in",
+  ):
     models.load_tokenizer(tmp_path)
   run = tmp_path / "run"
   run.mkdir()

@@ -11,8 +11,9 @@ from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
 PROMPTS = [[5, 17, 3, 44, 9, 61, 2], [8], [33, 12, 90]]
-token_logprobs = jax.jit(models.token_logprobs, static_argnums=0,
-                         static_argnames=("chunk_size",))
+token_logprobs = jax.jit(
+    models.token_logprobs, static_argnums=0, static_argnames=("chunk_size",)
+)
 
 
 N = 12  # Most tests share one compiled sampler per setting.
@@ -20,8 +21,10 @@ N = 12  # Most tests share one compiled sampler per setting.
 
 @pytest.fixture(scope="module")
 def samplers(loaded):
-  return {name: models.Sampler(model, bucket_size=8)
-          for name, model in loaded.items()}
+  return {
+      name: models.Sampler(model, bucket_size=8)
+      for name, model in loaded.items()
+  }
 
 
 @pytest.fixture(scope="module")
@@ -32,36 +35,64 @@ def qwen3(samplers, loaded):
 def test_greedy_matches_hf_generate(family, checkpoints, loaded, samplers):
   """Ragged batch == HF greedy generate, per prompt and left-padded batched."""
   _, params = models.split_model(loaded[family])
-  out = samplers[family].sample(params, PROMPTS, jax.random.key(0),
-                                max_new_tokens=N, temperature=0.0, stop_ids=())
+  out = samplers[family].sample(
+      params,
+      PROMPTS,
+      jax.random.key(0),
+      max_new_tokens=N,
+      temperature=0.0,
+      stop_ids=(),
+  )
   torch_model = checkpoints[family].torch_model
-  settings = dict(do_sample=False, max_new_tokens=N, min_new_tokens=N,
-                  pad_token_id=0)
+  settings = dict(
+      do_sample=False, max_new_tokens=N, min_new_tokens=N, pad_token_id=0
+  )
   for row, prompt in enumerate(PROMPTS):
     ref = torch_model.generate(
         torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **settings)
-    assert out.tokens[row].tolist() == ref[0, len(prompt):].tolist()
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        **settings,
+    )
+    assert out.tokens[row].tolist() == ref[0, len(prompt) :].tolist()
   ids, mask = models.pad_prompts(PROMPTS, 8)
   np.testing.assert_array_equal(out.prompt_ids, ids)
   np.testing.assert_array_equal(out.prompt_mask, mask)
-  batched = torch_model.generate(torch.tensor(ids, dtype=torch.long),
-                                 attention_mask=torch.tensor(mask), **settings)
+  batched = torch_model.generate(
+      torch.tensor(ids, dtype=torch.long),
+      attention_mask=torch.tensor(mask),
+      **settings,
+  )
   np.testing.assert_array_equal(out.tokens, batched[:, 8:].numpy())
   assert out.mask.tolist() == [[1] * N] * 3 and out.lengths.tolist() == [N] * 3
 
 
-@pytest.mark.parametrize("settings", [
-    dict(temperature=0.7, top_k=10, top_p=0.9),
-    dict(temperature=0.0),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7, top_k=10, top_p=0.9),
+        dict(temperature=0.0),
+    ],
+)
 def test_sampler_logprobs_equal_token_logprobs(qwen3, settings):
   sampler, graphdef, params = qwen3
-  out = sampler.sample(params, PROMPTS, jax.random.key(1), max_new_tokens=N,
-                       stop_ids=(7, 11, 13), **settings)
-  lp = token_logprobs(graphdef, params, out.prompt_ids, out.prompt_mask,
-                      out.tokens, out.mask, chunk_size=5,
-                      temperature=settings["temperature"])
+  out = sampler.sample(
+      params,
+      PROMPTS,
+      jax.random.key(1),
+      max_new_tokens=N,
+      stop_ids=(7, 11, 13),
+      **settings,
+  )
+  lp = token_logprobs(
+      graphdef,
+      params,
+      out.prompt_ids,
+      out.prompt_mask,
+      out.tokens,
+      out.mask,
+      chunk_size=5,
+      temperature=settings["temperature"],
+  )
   valid = np.asarray(out.mask) > 0
   assert (np.asarray(out.logprobs)[valid] < 0).all()
   assert (np.asarray(out.logprobs)[~valid] == 0).all()
@@ -69,25 +100,33 @@ def test_sampler_logprobs_equal_token_logprobs(qwen3, settings):
   # tests/tolerances.py for the forward chain and the softmax over V,
   # relative to the log-probs (>= log V here, above the tiny model's logits).
   n = sampler.config.vocab_size + decoder_reduction_length(
-      sampler.config, out.prompt_ids.shape[1] + N)
+      sampler.config, out.prompt_ids.shape[1] + N
+  )
   np.testing.assert_allclose(
-      lp, out.logprobs, rtol=0,
-      atol=2 * float_tolerance(np.float32, n) * np.abs(lp).max())
+      lp,
+      out.logprobs,
+      rtol=0,
+      atol=2 * float_tolerance(np.float32, n) * np.abs(lp).max(),
+  )
 
 
-@pytest.mark.parametrize("settings, allowed", [
-    (dict(temperature=0.5), 8),
-    (dict(temperature=0.5, top_k=3), 3),
-    (dict(temperature=2.0, top_p=0.6), None),
-    (dict(temperature=0.5, top_k=5, top_p=0.8), None),
-])
+@pytest.mark.parametrize(
+    "settings, allowed",
+    [
+        (dict(temperature=0.5), 8),
+        (dict(temperature=0.5, top_k=3), 3),
+        (dict(temperature=2.0, top_p=0.6), None),
+        (dict(temperature=0.5, top_k=5, top_p=0.8), None),
+    ],
+)
 def test_sample_token_frequencies_match_truncated_softmax(settings, allowed):
   """20k rows with the same logits: empirical frequencies vs the target."""
   logits_V = jnp.asarray([1.0, 3.0, -2.0, 2.5, 0.0, 2.9, -1.0, 1.5])
   rows = 20_000
   params = models.SamplingParams(max_new_tokens=1, **settings)
   tokens, logprobs = jax.jit(models.sample_token, static_argnums=2)(
-      jnp.broadcast_to(logits_V, (rows, 8)), jax.random.key(7), params)
+      jnp.broadcast_to(logits_V, (rows, 8)), jax.random.key(7), params
+  )
   scaled = np.asarray(logits_V, np.float64) / settings["temperature"]
   probs = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
   order = np.argsort(-probs)
@@ -102,28 +141,47 @@ def test_sample_token_frequencies_match_truncated_softmax(settings, allowed):
   np.testing.assert_allclose(freq, target, atol=0.012)
   assert (freq[~keep] == 0).all()
   # Log-probs are those of the untruncated tempered softmax.
-  np.testing.assert_allclose(logprobs, np.log(probs)[np.asarray(tokens)],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+      logprobs, np.log(probs)[np.asarray(tokens)], atol=1e-5
+  )
 
 
 def test_sample_token_greedy_uses_temperature_one_logprobs():
   logits_BxV = jnp.asarray([[0.0, 2.0, 1.0], [3.0, 3.0, -1.0]])
   tokens, logprobs = models.sample_token(
-      logits_BxV, jax.random.key(0), models.SamplingParams(1, temperature=0))
+      logits_BxV, jax.random.key(0), models.SamplingParams(1, temperature=0)
+  )
   assert tokens.tolist() == [1, 0]  # Ties go to the first index.
   np.testing.assert_allclose(
-      logprobs, [jax.nn.log_softmax(logits_BxV[0])[1],
-                 jax.nn.log_softmax(logits_BxV[1])[0]], atol=1e-6)
+      logprobs,
+      [
+          jax.nn.log_softmax(logits_BxV[0])[1],
+          jax.nn.log_softmax(logits_BxV[1])[0],
+      ],
+      atol=1e-6,
+  )
 
 
 def test_stop_ids_end_rows(qwen3):
   sampler, _, params = qwen3
-  free = sampler.sample(params, PROMPTS, jax.random.key(3), max_new_tokens=N,
-                        temperature=0.0, stop_ids=())
+  free = sampler.sample(
+      params,
+      PROMPTS,
+      jax.random.key(3),
+      max_new_tokens=N,
+      temperature=0.0,
+      stop_ids=(),
+  )
   stop = int(free.tokens[0, 2])
   traces = sampler.num_traces
-  out = sampler.sample(params, PROMPTS, jax.random.key(3), max_new_tokens=N,
-                       temperature=0.0, stop_ids=(stop, 1000))
+  out = sampler.sample(
+      params,
+      PROMPTS,
+      jax.random.key(3),
+      max_new_tokens=N,
+      temperature=0.0,
+      stop_ids=(stop, 1000),
+  )
   assert sampler.num_traces == traces  # Stop ids are not compiled in.
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   assert mask[0].tolist() == [1, 1, 1] + [0] * (N - 3)
@@ -140,15 +198,21 @@ def test_stop_ids_end_rows(qwen3):
 def test_deterministic_and_no_recompile(qwen3):
   sampler, _, params = qwen3
   # The settings of test_sampler_logprobs_equal_token_logprobs[settings0].
-  kwargs = dict(max_new_tokens=N, temperature=0.7, top_k=10, top_p=0.9,
-                stop_ids=(7, 11, 13))
+  kwargs = dict(
+      max_new_tokens=N,
+      temperature=0.7,
+      top_k=10,
+      top_p=0.9,
+      stop_ids=(7, 11, 13),
+  )
   a = sampler.sample(params, PROMPTS, jax.random.key(4), **kwargs)
   traces = sampler.num_traces
   assert traces >= 1
   b = sampler.sample(params, PROMPTS, jax.random.key(4), **kwargs)
   new_params = jax.tree.map(lambda x: x * 1.01, params)
-  c = sampler.sample(new_params, [[1, 2, 3, 4, 5], [3], [4]],
-                     jax.random.key(5), **kwargs)
+  c = sampler.sample(
+      new_params, [[1, 2, 3, 4, 5], [3], [4]], jax.random.key(5), **kwargs
+  )
   other = sampler.sample(params, PROMPTS, jax.random.key(6), **kwargs)
   assert sampler.num_traces == traces  # Same shapes: no new trace.
   # And jax's own cache holds one executable per compiled program.
@@ -168,24 +232,38 @@ def test_token_logprobs_chunked_equals_full_softmax_with_grads(qwen3):
   temperature = 0.8
 
   def chunked(p):
-    return models.token_logprobs(graphdef, p, prompt, prompt_mask, completion,
-                                 completion_mask, temperature=temperature,
-                                 chunk_size=4, return_entropy=True)
+    return models.token_logprobs(
+        graphdef,
+        p,
+        prompt,
+        prompt_mask,
+        completion,
+        completion_mask,
+        temperature=temperature,
+        chunk_size=4,
+        return_entropy=True,
+    )
 
   def full(p):
     ids = jnp.concatenate([prompt, completion], 1)
     mask = jnp.concatenate([prompt_mask, completion_mask], 1)
     logits = models.logits_fn(graphdef, p, ids, attention_mask=mask)[:, 4:-1]
     logp = jax.nn.log_softmax(logits / temperature)
-    lp = jnp.take_along_axis(logp, jnp.asarray(completion)[..., None], -1)[..., 0]
+    lp = jnp.take_along_axis(logp, jnp.asarray(completion)[..., None], -1)[
+        ..., 0
+    ]
     ent = -jnp.sum(jnp.exp(logp) * logp, -1)
     return lp * completion_mask, ent * completion_mask
 
   @jax.jit
   def both(p):
     loss = lambda f: lambda q: jnp.sum(f(q)[0] ** 2)  # noqa: E731
-    return (chunked(p), full(p), jax.grad(loss(chunked))(p),
-            jax.grad(loss(full))(p))
+    return (
+        chunked(p),
+        full(p),
+        jax.grad(loss(chunked))(p),
+        jax.grad(loss(full))(p),
+    )
 
   (lp, ent), (lp_ref, ent_ref), g, g_ref = both(params)
   # Chunks sum in another order: the bound of tests/tolerances.py for the
@@ -202,14 +280,17 @@ def test_token_logprobs_chunked_equals_full_softmax_with_grads(qwen3):
     np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(temperature=-0.1), "temperature must be >= 0"),
-    (dict(top_k=-1), "top_k must be >= 0"),
-    (dict(max_new_tokens=60), "does not fit the cache of 64"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(max_new_tokens=60), "does not fit the cache of 64"),
+    ],
+)
 def test_sampler_rejects_bad_settings(loaded, kwargs, match):
   sampler = models.Sampler(loaded["qwen2"], max_length=64)
   _, params = models.split_model(loaded["qwen2"])
@@ -226,6 +307,10 @@ def test_sampler_rejects_empty_and_too_long_prompts(loaded):
   with pytest.raises(ValueError, match="Prompt of 15 tokens"):
     sampler.sample(params, [[1] * 15], jax.random.key(0), max_new_tokens=2)
   with pytest.raises(ValueError, match="temperature must be >= 0"):
-    models.token_logprobs(*models.split_model(loaded["qwen2"]),
-                          jnp.ones((1, 2), jnp.int32), jnp.ones((1, 2)),
-                          jnp.ones((1, 2), jnp.int32), temperature=-1.0)
+    models.token_logprobs(
+        *models.split_model(loaded["qwen2"]),
+        jnp.ones((1, 2), jnp.int32),
+        jnp.ones((1, 2)),
+        jnp.ones((1, 2), jnp.int32),
+        temperature=-1.0,
+    )

@@ -36,9 +36,11 @@ def _normal(seed, shape, scale=1.0):
 
 
 def _params():
-  return {"w": _normal(0, (16, 8), 1 / 4),     # tall
-          "v": _normal(1, (6, 20), 1 / 3),     # wide
-          "b": jnp.zeros(8)}
+  return {
+      "w": _normal(0, (16, 8), 1 / 4),  # tall
+      "v": _normal(1, (6, 20), 1 / 3),  # wide
+      "b": jnp.zeros(8),
+  }
 
 
 def _logits(p, x_NxM):
@@ -63,8 +65,12 @@ def _run_both(kind, moment_policy, weight_decay=0.0):
   """Dense and factored LoGRA side by side for ``WINDOWS`` windows, in one
   jitted scan; returns the dense params and the factored arm's effective
   weights after every step (stacked)."""
-  kwargs = dict(kind=kind, refresh_every=REFRESH, moment_policy=moment_policy,
-                weight_decay=weight_decay)
+  kwargs = dict(
+      kind=kind,
+      refresh_every=REFRESH,
+      moment_policy=moment_policy,
+      weight_decay=weight_decay,
+  )
   tx = logra.logra(LR, RANK, **kwargs)
   tx_f = logra.logra(LR, RANK, factored=True, **kwargs)
   params, x = _params(), _inputs()
@@ -77,16 +83,20 @@ def _run_both(kind, moment_policy, weight_decay=0.0):
     params = optax.apply_updates(params, updates)
     weights = factored.merge_at_refresh(weights, state_f, seed=0)
     _, sketches, projectors = logra.value_and_sketch_grad(_loss)(
-        weights, state_f, x)
-    updates_f, state_f = tx_f.update(sketches, state_f, weights,
-                                     projectors=projectors)
+        weights, state_f, x
+    )
+    updates_f, state_f = tx_f.update(
+        sketches, state_f, weights, projectors=projectors
+    )
     weights = factored.apply_updates(weights, updates_f)
     effective = factored.effective_weights(
-        weights, transforms.window_projectors(state_f))
+        weights, transforms.window_projectors(state_f)
+    )
     return (params, state, weights, state_f), (params, effective)
 
-  run = jax.jit(lambda carry: jax.lax.scan(step, carry, None,
-                                           length=WINDOWS * REFRESH)[1])
+  run = jax.jit(
+      lambda carry: jax.lax.scan(step, carry, None, length=WINDOWS * REFRESH)[1]
+  )
   return run((params, state, weights, state_f))
 
 
@@ -104,8 +114,12 @@ def _assert_trajectories_close(dense, effective, weight_decay):
     atol += gamma * (magnitude + LR * (1 + weight_decay * magnitude))
     for name in dense_t:
       np.testing.assert_allclose(
-          effective[name][t], dense_t[name], rtol=0, atol=atol,
-          err_msg=f"leaf {name} after step {t}")
+          effective[name][t],
+          dense_t[name],
+          rtol=0,
+          atol=atol,
+          err_msg=f"leaf {name} after step {t}",
+      )
   return atol
 
 
@@ -137,24 +151,33 @@ def _window(base_dtype="float32", decay=True):
   projectors = {"b": None}
   for seed, name in enumerate(("w", "v")):
     w = weights[name]
-    q_BxLxR, _ = np.linalg.qr(np.asarray(_normal(
-        10 + seed, (w.plan.batch, w.plan.long, w.plan.rank))))
+    q_BxLxR, _ = np.linalg.qr(
+        np.asarray(_normal(10 + seed, (w.plan.batch, w.plan.long, w.plan.rank)))
+    )
     projectors[name] = jnp.asarray(q_BxLxR)
     weights[name] = dataclasses.replace(
-        w, coords=_normal(20 + seed, w.coords.shape, 0.1),
-        scale=jnp.full(w.scale.shape, 0.93, jnp.float32) if decay else None)
+        w,
+        coords=_normal(20 + seed, w.coords.shape, 0.1),
+        scale=jnp.full(w.scale.shape, 0.93, jnp.float32) if decay else None,
+    )
   return weights, projectors
 
 
 def _merge_atol(weights, before) -> float:
   """Two evaluations of c B + P A (rank + 1 terms) in different orders."""
-  return 2 * float_tolerance(np.float32, RANK + 1) * (
-      _max_abs(before) + _max_abs([w.coords for w in _factored(weights)]))
+  return (
+      2
+      * float_tolerance(np.float32, RANK + 1)
+      * (_max_abs(before) + _max_abs([w.coords for w in _factored(weights)]))
+  )
 
 
 def _factored(weights):
-  return [w for w in jax.tree.leaves(weights, is_leaf=factored.is_factored)
-          if factored.is_factored(w)]
+  return [
+      w
+      for w in jax.tree.leaves(weights, is_leaf=factored.is_factored)
+      if factored.is_factored(w)
+  ]
 
 
 @jax.jit
@@ -162,8 +185,11 @@ def _merged(weights, projectors, step):
   """W before, the merged weights, and W after."""
   before = factored.effective_weights(weights, projectors, jnp.float32)
   merged = factored.merge(weights, projectors, seed=0, step=step)
-  return before, merged, factored.effective_weights(merged, projectors,
-                                                    jnp.float32)
+  return (
+      before,
+      merged,
+      factored.effective_weights(merged, projectors, jnp.float32),
+  )
 
 
 def _assert_window_reset(merged, base_dtype):
@@ -181,8 +207,9 @@ def test_merge_float32_keeps_the_weights():
   _assert_window_reset(merged, jnp.float32)
   atol = _merge_atol(weights, before)
   for name in before:
-    np.testing.assert_allclose(after[name], before[name], rtol=0, atol=atol,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        after[name], before[name], rtol=0, atol=atol, err_msg=name
+    )
 
 
 def _bf16_ulp(x_f32: np.ndarray) -> np.ndarray:
@@ -209,7 +236,8 @@ def test_merge_bfloat16_within_one_ulp():
   _, other, _ = _merged(weights, projectors, 6)
   for name in ("w", "v"):
     np.testing.assert_array_equal(
-        again[name].base.view(jnp.uint16), merged[name].base.view(jnp.uint16))
+        again[name].base.view(jnp.uint16), merged[name].base.view(jnp.uint16)
+    )
     assert np.any(other[name].base != merged[name].base), name
 
 
@@ -218,14 +246,19 @@ def test_merge_rounds_each_matrix_with_its_own_bits():
   is folded with the matrix index), each within one bf16 ulp."""
   layer = np.asarray(_normal(40, (16, 8), 1 / 4))
   params = {"w": jnp.asarray(np.stack([layer] * 3))}
-  tx = logra.logra(LR, RANK, factored=True,
-                   dimension_numbers={"w": logra.DimensionNumbers(1, 2, 0)})
+  tx = logra.logra(
+      LR,
+      RANK,
+      factored=True,
+      dimension_numbers={"w": logra.DimensionNumbers(1, 2, 0)},
+  )
   w = factored.factor(params, tx.init(params), "bfloat16")["w"]
   q_LxR, _ = np.linalg.qr(np.asarray(_normal(41, (16, RANK))))
   projectors = {"w": jnp.asarray(np.stack([q_LxR] * 3))}
   coords = np.asarray(_normal(42, (RANK, 8), 0.1))
-  weights = {"w": dataclasses.replace(
-      w, coords=jnp.asarray(np.stack([coords] * 3)))}
+  weights = {
+      "w": dataclasses.replace(w, coords=jnp.asarray(np.stack([coords] * 3)))
+  }
   before, merged, _ = _merged(weights, projectors, 2)
   want = np.asarray(before["w"])
   np.testing.assert_array_equal(want[1:], want[:1].repeat(2, axis=0))
@@ -253,11 +286,15 @@ def test_stochastic_round_is_a_function_of_its_key():
   x = _between_bf16(3, 4096)
   ref = _round_bf16(x, 0, 5, "['w']")
   np.testing.assert_array_equal(
-      _round_bf16(x, 0, 5, "['w']").view(jnp.uint16), ref.view(jnp.uint16))
+      _round_bf16(x, 0, 5, "['w']").view(jnp.uint16), ref.view(jnp.uint16)
+  )
   for seed, step, path in ((1, 5, "['w']"), (0, 6, "['w']"), (0, 5, "['v']")):
     other = _round_bf16(x, seed, step, path)
     assert np.any(other.view(jnp.uint16) != ref.view(jnp.uint16)), (
-        seed, step, path)
+        seed,
+        step,
+        path,
+    )
   # Each result is within one bfloat16 ulp of x (one of its neighbours).
   err = np.abs(np.asarray(ref.astype(jnp.float32)) - np.asarray(x))
   assert np.all(err < _bf16_ulp(np.asarray(x)))
@@ -267,23 +304,40 @@ def test_stochastic_round_keeps_bfloat16_values_and_non_finites():
   """bf16-exact values (0, -0, subnormal, max) come back bit for bit; NaN
   stays NaN and inf stays inf."""
   finfo = jnp.finfo(jnp.bfloat16)
-  exact = jnp.concatenate([
-      _normal(4, (1024,)).astype(jnp.bfloat16),
-      jnp.array([0.0, -0.0, finfo.max, -finfo.max, finfo.tiny,
-                 finfo.smallest_subnormal, -finfo.smallest_subnormal],
-                jnp.bfloat16)])
+  exact = jnp.concatenate(
+      [
+          _normal(4, (1024,)).astype(jnp.bfloat16),
+          jnp.array(
+              [
+                  0.0,
+                  -0.0,
+                  finfo.max,
+                  -finfo.max,
+                  finfo.tiny,
+                  finfo.smallest_subnormal,
+                  -finfo.smallest_subnormal,
+              ],
+              jnp.bfloat16,
+          ),
+      ]
+  )
   special = jnp.array([jnp.nan, -jnp.nan, jnp.inf, -jnp.inf], jnp.float32)
   x = jnp.concatenate([exact.astype(jnp.float32), special])
   for step in range(3):
     y = _round_bf16(x, 0, step, "['w']")
     assert y.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(y[:exact.size].view(jnp.uint16),
-                                  exact.view(jnp.uint16))
-    tail = np.asarray(y[exact.size:].astype(jnp.float32))
+    np.testing.assert_array_equal(
+        y[: exact.size].view(jnp.uint16), exact.view(jnp.uint16)
+    )
+    tail = np.asarray(y[exact.size :].astype(jnp.float32))
     assert np.isnan(tail[:2]).all() and list(tail[2:]) == [np.inf, -np.inf]
   x = _between_bf16(5, 16)
-  np.testing.assert_array_equal(factored.stochastic_round(
-      x, jnp.float32, factored.rounding_key(0, 0, "['w']")), x)
+  np.testing.assert_array_equal(
+      factored.stochastic_round(
+          x, jnp.float32, factored.rounding_key(0, 0, "['w']")
+      ),
+      x,
+  )
 
 
 def test_stochastic_merges_are_unbiased():
@@ -294,7 +348,7 @@ def test_stochastic_merges_are_unbiased():
   params = {"w": jnp.asarray(np.ones((m, m)) * sign_M, jnp.float32)}
   tx = logra.logra(LR, 1, factored=True)
   weights = factored.factor(params, tx.init(params), "bfloat16")
-  ulp = 2.0**-7                       # of bfloat16 in [1, 2), >= in [.5, 1)
+  ulp = 2.0**-7  # of bfloat16 in [1, 2), >= in [.5, 1)
   delta = ulp / 16
   # P = 1 / 8 (a unit column), A = 8 delta: P A = delta exactly.
   projectors = {"w": jnp.full((1, m, 1), 1 / np.sqrt(m), jnp.float32)}
@@ -307,8 +361,9 @@ def test_stochastic_merges_are_unbiased():
     nearest = (nearest.astype(jnp.float32) + delta).astype(jnp.bfloat16)
     return w, nearest
 
-  w, nearest = jax.jit(lambda w: jax.lax.fori_loop(
-      0, steps, body, (w, w.base)))(weights["w"])
+  w, nearest = jax.jit(
+      lambda w: jax.lax.fori_loop(0, steps, body, (w, w.base))
+  )(weights["w"])
   # Each merge adds a rounding error of mean 0 given the past and variance
   # <= ulp^2 / 4 (a Bernoulli between neighbours at most ulp apart): the
   # sum over the steps has variance <= steps ulp^2 / 4 per element, and the
@@ -346,7 +401,9 @@ def _delta(weights, decay):
     if factored.is_factored(w):
       return FactoredDelta(
           _normal(next(seeds), w.coords.shape, LR),
-          None if decay is None else jnp.float32(decay), w.plan)
+          None if decay is None else jnp.float32(decay),
+          w.plan,
+      )
     return _normal(next(seeds), w.shape, LR)
 
   return jax.tree.map(leaf, weights, is_leaf=factored.is_factored)
@@ -365,11 +422,14 @@ def test_kl_predictor_on_factored_params_equals_dense():
     dense = factored.effective_weights(weights, projectors)
     predict_f = logra.make_kl_predictor(logits_f, weights, x_BxTxM)
     kappa_d = logra.make_kl_predictor(_logits, dense, x_BxTxM)(
-        _dense_update(updates, weights, projectors))
+        _dense_update(updates, weights, projectors)
+    )
     is_delta = lambda x: isinstance(x, FactoredDelta)
     undecayed = jax.tree.map(
         lambda u: dataclasses.replace(u, decay=None) if is_delta(u) else u,
-        updates, is_leaf=is_delta)
+        updates,
+        is_leaf=is_delta,
+    )
     return predict_f(updates), kappa_d, predict_f(undecayed)
 
   kappa_f, kappa_d, kappa_undecayed = both(weights, updates)
@@ -379,8 +439,9 @@ def test_kl_predictor_on_factored_params_equals_dense():
   # Forward chain (16, 6, rank + 1) and its jvp, three sums over the 20
   # logits, the mean over the 12 tokens; all terms of the mean are >= 0.
   n = 2 * (16 + 6 + RANK + 1) + 3 * 20 + 12
-  np.testing.assert_allclose(kappa_f, kappa_d,
-                             rtol=2 * float_tolerance(np.float32, n))
+  np.testing.assert_allclose(
+      kappa_f, kappa_d, rtol=2 * float_tolerance(np.float32, n)
+  )
 
 
 def test_bad_inputs_are_refused_with_the_leaf_named():
@@ -395,8 +456,7 @@ def test_bad_inputs_are_refused_with_the_leaf_named():
   mixed = dict(_delta(weights, None), w=jnp.zeros_like(params["w"]))
   with pytest.raises(TypeError, match=r"\['w'\].*FactoredDelta"):
     factored.apply_updates(weights, mixed)
-  decayed = dict(_delta(weights, None),
-                 w=_delta(weights, -1e-3)["w"])
+  decayed = dict(_delta(weights, None), w=_delta(weights, -1e-3)["w"])
   with pytest.raises(TypeError, match=r"\['w'\].*scale"):
     factored.apply_updates(weights, decayed)
   wrong_shape = dict(params, v=jnp.zeros((6, 21)))
@@ -417,11 +477,13 @@ def test_update_norm_is_the_frobenius_norm_of_the_step(decay):
   def norms(updates, weights):
     got = factored.update_norm(updates, weights, projectors)
     want = optax.global_norm(_dense_update(updates, weights, projectors))
-    steps = [u.coords if isinstance(u, FactoredDelta) else u
-             for u in jax.tree.leaves(
-                 updates, is_leaf=lambda x: isinstance(x, FactoredDelta))]
-    weight = optax.global_norm(
-        factored.effective_weights(weights, projectors))
+    steps = [
+        u.coords if isinstance(u, FactoredDelta) else u
+        for u in jax.tree.leaves(
+            updates, is_leaf=lambda x: isinstance(x, FactoredDelta)
+        )
+    ]
+    weight = optax.global_norm(factored.effective_weights(weights, projectors))
     return got, want, abs(decay or 0.0) * weight + optax.global_norm(steps)
 
   got, want, magnitude = map(float, norms(updates, weights))
@@ -430,5 +492,6 @@ def test_update_norm_is_the_frobenius_norm_of_the_step(decay):
   # squared sum of the magnitudes of the two terms.
   n = 6 * 20 + 20 + RANK + 1
   assert abs(got**2 - want**2) <= (
-      2 * float_tolerance(np.float32, n) * magnitude**2), (got, want)
+      2 * float_tolerance(np.float32, n) * magnitude**2
+  ), (got, want)
   assert want > 0.5 * magnitude

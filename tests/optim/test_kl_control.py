@@ -22,14 +22,21 @@ VOCAB, B, T = 13, 3, 5
 @pytest.fixture(scope="module")
 def tiny_model():
   config = models.DecoderConfig.tiny(
-      vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_layers=1,
-      num_heads=2, num_kv_heads=1, head_dim=8)
+      vocab_size=VOCAB,
+      hidden_size=16,
+      intermediate_size=24,
+      num_layers=1,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=8,
+  )
   graphdef, params = models.split_model(models.init_model(config, rngs=0))
   # Larger weights than the init, so that the policy is far from uniform.
   params = jax.tree.map(lambda p: 3.0 * p, params)
   ids_BxT = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
-  mask_BxT = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]],
-                       jnp.float32)
+  mask_BxT = jnp.array(
+      [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], jnp.float32
+  )
   return graphdef, params, ids_BxT, mask_BxT
 
 
@@ -42,6 +49,7 @@ def _features_fn(graphdef):
     decoder = nnx.merge(graphdef, params)
     hidden, _ = decoder.hidden_states(ids)
     return hidden, decoder.unembedding()
+
   return features
 
 
@@ -57,8 +65,9 @@ def _prediction_rtol(graphdef, params, tokens: int) -> float:
 def _direction(params, seed):
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return treedef.unflatten([jax.random.normal(k, p.shape, p.dtype)
-                            for k, p in zip(keys, leaves)])
+  return treedef.unflatten(
+      [jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)]
+  )
 
 
 def _brute_force_fisher_form(graphdef, params, ids_BxT, mask_BxT, update):
@@ -68,8 +77,9 @@ def _brute_force_fisher_form(graphdef, params, ids_BxT, mask_BxT, update):
   logits_of = lambda f: models.logits_fn(graphdef, unravel(f), ids_BxT)
   jac = jax.jacfwd(logits_of)(flat).reshape(B * T, VOCAB, flat.size)
   p = jax.nn.softmax(logits_of(flat).reshape(B * T, VOCAB), axis=-1)
-  fisher = (jnp.einsum("tv,tvi,tvj->tij", p, jac, jac)
-            - jnp.einsum("tv,tvi,tw,twj->tij", p, jac, p, jac))
+  fisher = jnp.einsum("tv,tvi,tvj->tij", p, jac, jac) - jnp.einsum(
+      "tv,tvi,tw,twj->tij", p, jac, p, jac
+  )
   d = ravel_pytree(update)[0]
   per_token = 0.5 * jnp.einsum("i,tij,j->t", d, fisher, d).reshape(B, T)
   return float(jnp.sum(per_token * mask_BxT) / jnp.sum(mask_BxT))
@@ -83,17 +93,21 @@ def _exact_kl(graphdef, params, ids_BxT, mask_BxT, update, s):
   return float(jnp.sum(kl_BxT * mask_BxT) / jnp.sum(mask_BxT))
 
 
-@pytest.mark.parametrize("form,chunk_size", [("logits", 128), ("pair", 2),
-                                             ("pair", 128)])
-def test_jvp_prediction_equals_brute_force_fisher_form(tiny_model, form,
-                                                       chunk_size):
+@pytest.mark.parametrize(
+    "form,chunk_size", [("logits", 128), ("pair", 2), ("pair", 128)]
+)
+def test_jvp_prediction_equals_brute_force_fisher_form(
+    tiny_model, form, chunk_size
+):
   graphdef, params, ids_BxT, mask_BxT = tiny_model
   update = _direction(params, seed=3)
   fn = _logits_fn(graphdef) if form == "logits" else _features_fn(graphdef)
-  predictor = logra.make_kl_predictor(fn, params, ids_BxT, token_mask=mask_BxT,
-                                      chunk_size=chunk_size)
-  expected = _brute_force_fisher_form(graphdef, params, ids_BxT, mask_BxT,
-                                      update)
+  predictor = logra.make_kl_predictor(
+      fn, params, ids_BxT, token_mask=mask_BxT, chunk_size=chunk_size
+  )
+  expected = _brute_force_fisher_form(
+      graphdef, params, ids_BxT, mask_BxT, update
+  )
   assert expected > 0
   np.testing.assert_allclose(float(predictor(update)), expected, rtol=1e-4)
 
@@ -107,14 +121,16 @@ def test_prediction_matches_exact_kl_for_small_steps(tiny_model):
     return -jnp.mean(jnp.take_along_axis(logp, ids_BxT[..., None], -1))
 
   update = jax.grad(nll)(params)
-  predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                                      token_mask=mask_BxT)
+  predictor = logra.make_kl_predictor(
+      _logits_fn(graphdef), params, ids_BxT, token_mask=mask_BxT
+  )
   kappa = float(predictor(update))
   ratios = {}
   for target in (1e-5, 1e-4, 1e-3, 1e-2, 1e-1):
-    s = (target / kappa) ** 0.5   # predicted KL of s * D is `target`
-    ratios[target] = target / _exact_kl(graphdef, params, ids_BxT, mask_BxT,
-                                        update, s)
+    s = (target / kappa) ** 0.5  # predicted KL of s * D is `target`
+    ratios[target] = target / _exact_kl(
+        graphdef, params, ids_BxT, mask_BxT, update, s
+    )
   print("predicted / exact KL by predicted size:", ratios)
   for target in (1e-5, 1e-4, 1e-3):
     assert abs(ratios[target] - 1.0) < 0.1, ratios
@@ -123,32 +139,47 @@ def test_prediction_matches_exact_kl_for_small_steps(tiny_model):
 def test_factored_update_gives_the_same_prediction(tiny_model):
   graphdef, params, ids_BxT, _ = tiny_model
   dims = models.matrix_dimension_numbers(params)
-  tx = optax.chain(logra.project(rank=2, dimension_numbers=dims),
-                   logra.low_rank_moments(optax.scale_by_adam()),
-                   logra.unproject(keep_factors=True))
+  tx = optax.chain(
+      logra.project(rank=2, dimension_numbers=dims),
+      logra.low_rank_moments(optax.scale_by_adam()),
+      logra.unproject(keep_factors=True),
+  )
   state = tx.init(params)
   dense, state = tx.update(_direction(params, seed=4), state, params)
   factored = logra.factored_updates(state)
-  mixed = jax.tree.map(lambda f, u: u if f is None else f, factored, dense,
-                       is_leaf=lambda x: x is None or isinstance(
-                           x, logra.FactoredUpdate))
-  assert any(isinstance(x, logra.FactoredUpdate) for x in jax.tree.leaves(
-      mixed, is_leaf=lambda x: isinstance(x, logra.FactoredUpdate)))
+  mixed = jax.tree.map(
+      lambda f, u: u if f is None else f,
+      factored,
+      dense,
+      is_leaf=lambda x: x is None or isinstance(x, logra.FactoredUpdate),
+  )
+  assert any(
+      isinstance(x, logra.FactoredUpdate)
+      for x in jax.tree.leaves(
+          mixed, is_leaf=lambda x: isinstance(x, logra.FactoredUpdate)
+      )
+  )
   predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT)
-  np.testing.assert_allclose(float(predictor(mixed)), float(predictor(dense)),
-                             rtol=_prediction_rtol(graphdef, params, B * T))
+  np.testing.assert_allclose(
+      float(predictor(mixed)),
+      float(predictor(dense)),
+      rtol=_prediction_rtol(graphdef, params, B * T),
+  )
 
 
 def test_subsample_uses_evenly_strided_rows(tiny_model):
   graphdef, params, _, _ = tiny_model
   ids_BxT = jax.random.randint(jax.random.key(5), (6, T), 0, VOCAB)
   update = _direction(params, seed=6)
-  sub = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                                subsample=3)
-  strided = logra.make_kl_predictor(_logits_fn(graphdef), params,
-                                    ids_BxT[::2])
-  np.testing.assert_allclose(float(sub(update)), float(strided(update)),
-                             rtol=_prediction_rtol(graphdef, params, 3 * T))
+  sub = logra.make_kl_predictor(
+      _logits_fn(graphdef), params, ids_BxT, subsample=3
+  )
+  strided = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT[::2])
+  np.testing.assert_allclose(
+      float(sub(update)),
+      float(strided(update)),
+      rtol=_prediction_rtol(graphdef, params, 3 * T),
+  )
 
 
 def test_predictor_inside_jit_and_no_recompile(tiny_model):
@@ -159,15 +190,15 @@ def test_predictor_inside_jit_and_no_recompile(tiny_model):
   @jax.jit
   def step(params, state, update, ids):
     traces.append(1)
-    predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids,
-                                        token_mask=mask_BxT)
+    predictor = logra.make_kl_predictor(
+        _logits_fn(graphdef), params, ids, token_mask=mask_BxT
+    )
     scaled, state = tx.update(update, state, params, kl_predictor=predictor)
     return scaled, state, predictor(scaled)
 
   state = tx.init(params)
   for seed in (7, 8):
-    _, state, predicted = step(params, state, _direction(params, seed),
-                               ids_BxT)
+    _, state, predicted = step(params, state, _direction(params, seed), ids_BxT)
     np.testing.assert_allclose(float(predicted), 1e-4, rtol=1e-3)
   assert len(traces) == 1
   assert int(state.count) == 2 and int(state.scaled_steps) == 2
@@ -189,19 +220,22 @@ class QuadraticPredictor:
     return jnp.mean(self.token_kl(update))
 
 
-@pytest.mark.parametrize("mode,min_scale,max_scale,norm2,expected", [
-    ("clamp", 0.0, None, 4.0, (1e-2 / 4.0) ** 0.5),   # shrink
-    ("clamp", 0.0, None, 1e-4, 1.0),                   # small step untouched
-    ("clamp", 0.2, None, 4.0, 0.2),                    # floor
-    ("target", 0.0, None, 1e-4, 10.0),                 # grow, capped at 10
-    ("target", 0.0, 100.0, 1e-4, 10.0),                # grow to the target
-    ("target", 0.5, 2.0, 4.0, 0.5),
-])
-def test_scale_matches_closed_form(mode, min_scale, max_scale, norm2,
-                                   expected):
-  tx = logra.scale_by_predicted_kl(1e-2, mode=mode, min_scale=min_scale,
-                                   max_scale=max_scale)
-  update = {"w": jnp.full((4,), norm2 ** 0.5 / 2)}   # |D|^2 = norm2
+@pytest.mark.parametrize(
+    "mode,min_scale,max_scale,norm2,expected",
+    [
+        ("clamp", 0.0, None, 4.0, (1e-2 / 4.0) ** 0.5),  # shrink
+        ("clamp", 0.0, None, 1e-4, 1.0),  # small step untouched
+        ("clamp", 0.2, None, 4.0, 0.2),  # floor
+        ("target", 0.0, None, 1e-4, 10.0),  # grow, capped at 10
+        ("target", 0.0, 100.0, 1e-4, 10.0),  # grow to the target
+        ("target", 0.5, 2.0, 4.0, 0.5),
+    ],
+)
+def test_scale_matches_closed_form(mode, min_scale, max_scale, norm2, expected):
+  tx = logra.scale_by_predicted_kl(
+      1e-2, mode=mode, min_scale=min_scale, max_scale=max_scale
+  )
+  update = {"w": jnp.full((4,), norm2**0.5 / 2)}  # |D|^2 = norm2
   state = tx.init(update)
   out, state = tx.update(update, state, kl_predictor=QuadraticPredictor())
   np.testing.assert_allclose(float(state.scale), expected, rtol=1e-5)
@@ -213,12 +247,12 @@ def test_scale_matches_closed_form(mode, min_scale, max_scale, norm2,
 def test_token_quantile_cap_bounds_the_largest_token():
   predictor = QuadraticPredictor()
   tx = logra.scale_by_predicted_kl(1.0, token_quantile_cap=1e-2, quantile=1.0)
-  update = {"w": jnp.ones(4) / 2}   # |D|^2 = 1: tokens 0.5 and 1.5, mean 1
+  update = {"w": jnp.ones(4) / 2}  # |D|^2 = 1: tokens 0.5 and 1.5, mean 1
   out, state = tx.update(update, tx.init(update), kl_predictor=predictor)
-  np.testing.assert_allclose(float(state.scale), (1e-2 / 1.5) ** 0.5,
-                             rtol=1e-5)
-  assert float(jnp.max(predictor.token_kl(out))) == pytest.approx(1e-2,
-                                                                   rel=1e-5)
+  np.testing.assert_allclose(float(state.scale), (1e-2 / 1.5) ** 0.5, rtol=1e-5)
+  assert float(jnp.max(predictor.token_kl(out))) == pytest.approx(
+      1e-2, rel=1e-5
+  )
 
 
 @pytest.mark.parametrize("bad", [jnp.nan, -1.0, jnp.inf])
@@ -226,12 +260,13 @@ def test_invalid_prediction_skips_the_step(bad):
   tx = logra.scale_by_predicted_kl(1e-3)
   update = {"w": jnp.ones(3)}
   state = tx.init(update)
-  out, state = jax.jit(lambda u, s: tx.update(
-      u, s, kl_predictor=lambda _: jnp.asarray(bad)))(update, state)
+  out, state = jax.jit(
+      lambda u, s: tx.update(u, s, kl_predictor=lambda _: jnp.asarray(bad))
+  )(update, state)
   np.testing.assert_array_equal(out["w"], 0.0)
   assert int(state.skipped_steps) == 1 and float(state.scale) == 0.0
   out, state = tx.update(update, state, kl_predictor=lambda _: 1e-4)
-  np.testing.assert_array_equal(out["w"], 1.0)   # later steps apply again
+  np.testing.assert_array_equal(out["w"], 1.0)  # later steps apply again
   assert int(state.skipped_steps) == 1 and int(state.count) == 2
 
 
@@ -239,14 +274,16 @@ def test_batch_without_tokens_is_an_error_or_a_skip(tiny_model):
   graphdef, params, ids_BxT, _ = tiny_model
   empty = jnp.zeros((B, T))
   with pytest.raises(ValueError, match="selects no token"):
-    logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                            token_mask=empty)
+    logra.make_kl_predictor(
+        _logits_fn(graphdef), params, ids_BxT, token_mask=empty
+    )
   tx = logra.scale_by_predicted_kl(1e-3)
 
   @jax.jit
-  def step(update, state, mask):   # traced mask: the error cannot be raised
-    predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                                        token_mask=mask)
+  def step(update, state, mask):  # traced mask: the error cannot be raised
+    predictor = logra.make_kl_predictor(
+        _logits_fn(graphdef), params, ids_BxT, token_mask=mask
+    )
     return tx.update(update, state, kl_predictor=predictor)
 
   update = _direction(params, seed=9)
@@ -268,17 +305,22 @@ def test_without_predictor_is_identity_and_warns_once():
   assert int(state.scaled_steps) == 0 and int(state.count) == 2
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(target_kl=0.0), "target_kl must be"),
-    (dict(target_kl=-1e-3), "target_kl must be"),
-    (dict(target_kl=1e-3, mode="exact"), "mode must be one of"),
-    (dict(target_kl=1e-3, mode="target", min_scale=2.0, max_scale=1.0),
-     r"min_scale \(2.0\) must be <= max_scale"),
-    (dict(target_kl=1e-3, max_scale=2.0), "only shrinks steps"),
-    (dict(target_kl=1e-3, min_scale=-0.1), "min_scale must be >= 0"),
-    (dict(target_kl=1e-3, token_quantile_cap=0.0), "token_quantile_cap"),
-    (dict(target_kl=1e-3, quantile=1.5), "quantile must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(target_kl=0.0), "target_kl must be"),
+        (dict(target_kl=-1e-3), "target_kl must be"),
+        (dict(target_kl=1e-3, mode="exact"), "mode must be one of"),
+        (
+            dict(target_kl=1e-3, mode="target", min_scale=2.0, max_scale=1.0),
+            r"min_scale \(2.0\) must be <= max_scale",
+        ),
+        (dict(target_kl=1e-3, max_scale=2.0), "only shrinks steps"),
+        (dict(target_kl=1e-3, min_scale=-0.1), "min_scale must be >= 0"),
+        (dict(target_kl=1e-3, token_quantile_cap=0.0), "token_quantile_cap"),
+        (dict(target_kl=1e-3, quantile=1.5), "quantile must be"),
+    ],
+)
 def test_bad_hyperparameters_are_rejected(kwargs, match):
   with pytest.raises(ValueError, match=match):
     logra.scale_by_predicted_kl(**kwargs)
@@ -287,11 +329,13 @@ def test_bad_hyperparameters_are_rejected(kwargs, match):
 def test_bad_predictor_arguments_are_rejected(tiny_model):
   graphdef, params, ids_BxT, _ = tiny_model
   with pytest.raises(ValueError, match="subsample must be in"):
-    logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                            subsample=B + 1)
+    logra.make_kl_predictor(
+        _logits_fn(graphdef), params, ids_BxT, subsample=B + 1
+    )
   with pytest.raises(ValueError, match="token_mask has shape"):
-    logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                            token_mask=jnp.ones((B, T + 1)))
+    logra.make_kl_predictor(
+        _logits_fn(graphdef), params, ids_BxT, token_mask=jnp.ones((B, T + 1))
+    )
   predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT)
   with pytest.raises(ValueError, match="does not match the structure"):
     predictor({"w": jnp.ones(3)})
@@ -299,16 +343,21 @@ def test_bad_predictor_arguments_are_rejected(tiny_model):
 
 def test_logra_alias_with_target_kl_meets_the_target(tiny_model):
   graphdef, params, ids_BxT, mask_BxT = tiny_model
-  tx = logra.logra(learning_rate=1.0, rank=2, target_kl=1e-4,
-                   dimension_numbers=models.matrix_dimension_numbers(params))
+  tx = logra.logra(
+      learning_rate=1.0,
+      rank=2,
+      target_kl=1e-4,
+      dimension_numbers=models.matrix_dimension_numbers(params),
+  )
   state = tx.init(params)
-  predictor = logra.make_kl_predictor(_logits_fn(graphdef), params, ids_BxT,
-                                      token_mask=mask_BxT)
-  updates, state = tx.update(_direction(params, seed=10), state, params,
-                             kl_predictor=predictor)
+  predictor = logra.make_kl_predictor(
+      _logits_fn(graphdef), params, ids_BxT, token_mask=mask_BxT
+  )
+  updates, state = tx.update(
+      _direction(params, seed=10), state, params, kl_predictor=predictor
+  )
   np.testing.assert_allclose(float(predictor(updates)), 1e-4, rtol=1e-3)
   kl_state = logra.predicted_kl_state(state)
   assert float(kl_state.scale) < 1 and int(kl_state.scaled_steps) == 1
   # The same chain without the keyword is the plain LoGRA step.
-  assert logra.predicted_kl_state(
-      logra.logra(1.0, rank=2).init(params)) is None
+  assert logra.predicted_kl_state(logra.logra(1.0, rank=2).init(params)) is None

@@ -18,13 +18,17 @@ X_BAD = X.at[0, 3].set(jnp.inf)
 
 
 def _tx(kind):
-  return optax.chain(logra.project(rank=2, kind=kind, refresh_every=1),
-                     logra.low_rank_moments(), logra.unproject())
+  return optax.chain(
+      logra.project(rank=2, kind=kind, refresh_every=1),
+      logra.low_rank_moments(),
+      logra.unproject(),
+  )
 
 
 def _loss(params, x, x_b):
-  return (jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"])))
-          + jnp.sum(jnp.tanh(sketch_grad.matmul(x_b, params["b"]))))
+  return jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"]))) + jnp.sum(
+      jnp.tanh(sketch_grad.matmul(x_b, params["b"]))
+  )
 
 
 def _grads(x_b):
@@ -42,13 +46,15 @@ def _random_projector(state, leaf, window):
 
 
 def _assert_orthonormal(p):
-  np.testing.assert_allclose(jnp.swapaxes(p, 1, 2) @ p, jnp.eye(2)[None],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+      jnp.swapaxes(p, 1, 2) @ p, jnp.eye(2)[None], atol=1e-5
+  )
 
 
 def _sketch_direct_step(tx, state, x_b):
   value, grads, projectors = logra.value_and_sketch_grad(_loss)(
-      PARAMS, state, X, x_b)
+      PARAMS, state, X, x_b
+  )
   _, state = tx.update(grads, state, PARAMS, projectors=projectors)
   return grads, projectors.projectors, projectors.non_finite, state
 
@@ -59,8 +65,9 @@ def _dense_step(tx, state, x_b):
 
 
 @pytest.mark.parametrize("kind", ["range", "svd"])
-@pytest.mark.parametrize("step", [_dense_step, _sketch_direct_step],
-                         ids=["dense", "sketch-direct"])
+@pytest.mark.parametrize(
+    "step", [_dense_step, _sketch_direct_step], ids=["dense", "sketch-direct"]
+)
 def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
   tx = _tx(kind)
   state = tx.init(PARAMS)
@@ -69,8 +76,9 @@ def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
   with pytest.warns(RuntimeWarning, match=r"1 refreshed projector.*update 0"):
     grads, projectors, refused, state = step(tx, state, X_BAD)
     jax.effects_barrier()
-  np.testing.assert_array_equal(projectors["b"],
-                                _random_projector(state, "b", 0))
+  np.testing.assert_array_equal(
+      projectors["b"], _random_projector(state, "b", 0)
+  )
   _assert_orthonormal(projectors["a"])
   assert int(sketch_grad.project_state(state).non_finite) == 1
   if refused is not None:
@@ -78,8 +86,9 @@ def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
     # The sketches were taken with the projectors in use (the range finder
     # reruns one pass for them).
     dense = _grads(X_BAD)["a"]
-    np.testing.assert_allclose(grads["a"], projectors["a"].mT @ dense,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        grads["a"], projectors["a"].mT @ dense, rtol=1e-5, atol=1e-6
+    )
   # A finite refresh, then a non-finite one: "b" keeps its previous
   # projector (the refresh is skipped for it), "a" moves on.
   _, before, _, state = step(tx, state, X)
@@ -93,12 +102,17 @@ def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
 
 
 def test_each_matrix_of_a_batch_is_checked_on_its_own():
-  params = {"w": jnp.ones((2, 16, 8))}   # two layers
-  dims = {"w": logra.DimensionNumbers(reduction_axes=(1,), output_axes=(2,),
-                                      batch_axes=(0,))}
-  tx = optax.chain(logra.project(rank=2, refresh_every=1,
-                                 dimension_numbers=dims),
-                   logra.low_rank_moments(), logra.unproject())
+  params = {"w": jnp.ones((2, 16, 8))}  # two layers
+  dims = {
+      "w": logra.DimensionNumbers(
+          reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
+      )
+  }
+  tx = optax.chain(
+      logra.project(rank=2, refresh_every=1, dimension_numbers=dims),
+      logra.low_rank_moments(),
+      logra.unproject(),
+  )
   g = jax.random.normal(jax.random.key(1), (2, 16, 8))
   state = tx.init(params)
   _, state = tx.update({"w": g}, state, params)
@@ -107,8 +121,8 @@ def test_each_matrix_of_a_batch_is_checked_on_its_own():
     _, state = tx.update({"w": g.at[1, 0, 0].set(jnp.nan)}, state, params)
     jax.effects_barrier()
   second = _projectors(state)["w"]
-  np.testing.assert_array_equal(second[1], first[1])   # refused: previous
-  assert not np.array_equal(second[0], first[0])        # refreshed
+  np.testing.assert_array_equal(second[1], first[1])  # refused: previous
+  assert not np.array_equal(second[0], first[0])  # refreshed
   assert int(sketch_grad.project_state(state).non_finite) == 1
 
 
@@ -121,14 +135,16 @@ def test_sketch_direct_sketches_use_the_replacement():
   c = jax.random.uniform(jax.random.key(2), (5, 8), minval=-1.0, maxval=1.0)
 
   def loss(params, x, x_b):
-    return (jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"])))
-            + jnp.sum(sketch_grad.matmul(x_b, params["b"]) * c))
+    return jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"]))) + jnp.sum(
+        sketch_grad.matmul(x_b, params["b"]) * c
+    )
 
   x_b = X.at[0, 3].set(3e38)
   tx = _tx("range")
   state = tx.init(PARAMS)
   _, grads, projectors = logra.value_and_sketch_grad(loss)(
-      PARAMS, state, X, x_b)
+      PARAMS, state, X, x_b
+  )
   assert int(projectors.non_finite) == 1
   p_b = projectors.projectors["b"]
   np.testing.assert_array_equal(p_b, _random_projector(state, "b", 0))

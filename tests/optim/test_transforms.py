@@ -1,6 +1,5 @@
 """The LoGRA chain against optax's own transforms and hand-derived values."""
 
-
 import subprocess
 import sys
 
@@ -19,11 +18,23 @@ from logra_jax.optim import transforms
 from tolerances import float_tolerance
 
 
-def _chain(rank, kind="range", refresh_every=200, moment_policy="transfer",
-           inner=None, scale=1.0, **kwargs):
+def _chain(
+    rank,
+    kind="range",
+    refresh_every=200,
+    moment_policy="transfer",
+    inner=None,
+    scale=1.0,
+    **kwargs,
+):
   return optax.chain(
-      logra.project(rank, kind=kind, refresh_every=refresh_every,
-                    moment_policy=moment_policy, **kwargs),
+      logra.project(
+          rank,
+          kind=kind,
+          refresh_every=refresh_every,
+          moment_policy=moment_policy,
+          **kwargs,
+      ),
       logra.low_rank_moments(inner),
       logra.unproject(scale=scale),
   )
@@ -33,8 +44,9 @@ def _grads(params, step):
   key = jax.random.fold_in(jax.random.key(42), step)
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
-  return treedef.unflatten([
-      jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
+  return treedef.unflatten(
+      [jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)]
+  )
 
 
 def _sketch_atol(g_MxN, rank: int) -> tuple[float, float]:
@@ -57,18 +69,24 @@ class ChainVariantsTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
       ("matrix", (16, 16), None),
-      ("stacked", (3, 8, 8), logra.DimensionNumbers(1, 2, 0)))
+      ("stacked", (3, 8, 8), logra.DimensionNumbers(1, 2, 0)),
+  )
   def test_identity_projector_equals_inner_transform(self, shape, spec):
     params = {"w": jnp.zeros(shape), "b": jnp.zeros(shape[-1])}
-    tx = _chain(rank=shape[-1], kind="svd", refresh_every=10_000,
-                dimension_numbers=None if spec is None
-                else {"w": spec, "b": None})
+    tx = _chain(
+        rank=shape[-1],
+        kind="svd",
+        refresh_every=10_000,
+        dimension_numbers=None if spec is None else {"w": spec, "b": None},
+    )
     state = tx.init(params)
     # Install an identity projector and move past the refresh at step 0.
-    eye = jnp.broadcast_to(jnp.eye(shape[-1]), (int(np.prod(shape[:-2])),)
-                           + shape[-2:])
-    project_state = state[0]._replace(count=jnp.ones([], jnp.int32),
-                                      projectors={"w": eye, "b": None})
+    eye = jnp.broadcast_to(
+        jnp.eye(shape[-1]), (int(np.prod(shape[:-2])),) + shape[-2:]
+    )
+    project_state = state[0]._replace(
+        count=jnp.ones([], jnp.int32), projectors={"w": eye, "b": None}
+    )
     state = (project_state,) + state[1:]
     adam = optax.scale_by_adam()
     adam_state = adam.init(params)
@@ -95,24 +113,35 @@ class ChainVariantsTest(chex.TestCase):
     # Expected: rotate step-0 moments by C = P1^T P0 (LDAdam), then one Adam
     # step.
     c = jnp.swapaxes(p1, 1, 2) @ p0
-    sketch = transforms.Sketched(None, basis_change=c,
-                                 plan=jax.tree.leaves(
-                                     logra.optim.dimension_numbers.plan_leaves(
-                                         params, rank, None, None))[0],
-                                 config=None)
-    mu, nu = transforms._transfer_adam(sketch, adam_state_0.mu["w"],
-                                       adam_state_0.nu["w"], adam_state_0.count,
-                                       0.9, 0.999)
+    sketch = transforms.Sketched(
+        None,
+        basis_change=c,
+        plan=jax.tree.leaves(
+            logra.optim.dimension_numbers.plan_leaves(params, rank, None, None)
+        )[0],
+        config=None,
+    )
+    mu, nu = transforms._transfer_adam(
+        sketch,
+        adam_state_0.mu["w"],
+        adam_state_0.nu["w"],
+        adam_state_0.count,
+        0.9,
+        0.999,
+    )
     s1 = jnp.swapaxes(p1, 1, 2) @ g1["w"][None]
     adam = optax.scale_by_adam()
-    _, expected = adam.update({"w": s1}, adam_state_0._replace(
-        mu={"w": mu}, nu={"w": nu}))
+    _, expected = adam.update(
+        {"w": s1}, adam_state_0._replace(mu={"w": mu}, nu={"w": nu})
+    )
     atol, norm = max(_sketch_atol(g["w"], rank) for g in (g0, g1))
-    chex.assert_trees_all_close(state[1].inner_state.mu, expected.mu,
-                                rtol=0, atol=atol)
+    chex.assert_trees_all_close(
+        state[1].inner_state.mu, expected.mu, rtol=0, atol=atol
+    )
     # Second moments sum r products of two such entries.
-    chex.assert_trees_all_close(state[1].inner_state.nu, expected.nu,
-                                rtol=0, atol=rank * norm * atol)
+    chex.assert_trees_all_close(
+        state[1].inner_state.nu, expected.nu, rtol=0, atol=rank * norm * atol
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reset_and_keep_policies(self):
@@ -130,22 +159,32 @@ class ChainVariantsTest(chex.TestCase):
     p1 = states["reset"][1][0].projectors["w"]
     s1 = jnp.swapaxes(p1, 1, 2) @ g1["w"][None]
     atol, _ = _sketch_atol(g1["w"], 4)
-    chex.assert_trees_all_close(states["reset"][1][1].inner_state.mu["w"],
-                                0.1 * s1, rtol=0, atol=atol)
+    chex.assert_trees_all_close(
+        states["reset"][1][1].inner_state.mu["w"], 0.1 * s1, rtol=0, atol=atol
+    )
     mu0 = states["keep"][0]
-    chex.assert_trees_all_close(states["keep"][1][1].inner_state.mu["w"],
-                                0.9 * mu0 + 0.1 * s1, rtol=0, atol=atol)
+    chex.assert_trees_all_close(
+        states["keep"][1][1].inner_state.mu["w"],
+        0.9 * mu0 + 0.1 * s1,
+        rtol=0,
+        atol=atol,
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_bfloat16_params_float32_state(self):
-    params = {"w": jnp.zeros((32, 16), jnp.bfloat16),
-              "b": jnp.zeros(16, jnp.bfloat16)}
+    params = {
+        "w": jnp.zeros((32, 16), jnp.bfloat16),
+        "b": jnp.zeros(16, jnp.bfloat16),
+    }
     tx = logra.logra(1e-2, rank=4)
     state = tx.init(params)
     updates, state = self.variant(tx.update)(_grads(params, 0), state, params)
     chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
-    float_leaves = [x for x in jax.tree.leaves(state)
-                    if jnp.issubdtype(x.dtype, jnp.floating)]
+    float_leaves = [
+        x
+        for x in jax.tree.leaves(state)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
     assert float_leaves and all(x.dtype == jnp.float32 for x in float_leaves)
 
 
@@ -153,32 +192,44 @@ class ChainVariantsTest(chex.TestCase):
 def test_svd_keep_reproduces_optax_galore(shape):
   params = {"w": jnp.zeros(shape), "b": jnp.zeros(shape[1])}
   refresh_every, rank = 3, 5
-  ours = _chain(rank, kind="svd", refresh_every=refresh_every,
-                moment_policy="keep", scale=0.5)
-  galore = optax.contrib.scale_by_galore(rank=rank,
-                                         update_proj_gap=refresh_every,
-                                         scale=0.5)
+  ours = _chain(
+      rank,
+      kind="svd",
+      refresh_every=refresh_every,
+      moment_policy="keep",
+      scale=0.5,
+  )
+  galore = optax.contrib.scale_by_galore(
+      rank=rank, update_proj_gap=refresh_every, scale=0.5
+  )
   ours_state, galore_state = ours.init(params), galore.init(params)
   ours_update, galore_update = jax.jit(ours.update), jax.jit(galore.update)
   for step in range(3 * refresh_every + 1):  # four refresh windows
     grads = _grads(params, step)
     u, ours_state = ours_update(grads, ours_state, params)
     v, galore_state = galore_update(grads, galore_state, params)
-    chex.assert_trees_all_close(u, v, rtol=2e-4, atol=2e-5,
-                                custom_message=f"step {step}")
+    chex.assert_trees_all_close(
+        u, v, rtol=2e-4, atol=2e-5, custom_message=f"step {step}"
+    )
 
 
 @pytest.mark.parametrize("kind", ["range", "random", "svd"])
 def test_projectors_are_orthonormal(kind):
   params = {"w": jnp.zeros((4, 40, 24))}
-  tx = logra.project(6, kind=kind, dimension_numbers=logra.DimensionNumbers(
-      reduction_axes=2, output_axes=1, batch_axes=0))
+  tx = logra.project(
+      6,
+      kind=kind,
+      dimension_numbers=logra.DimensionNumbers(
+          reduction_axes=2, output_axes=1, batch_axes=0
+      ),
+  )
   sketches, _ = tx.update(_grads(params, 0), tx.init(params), params)
   p = sketches["w"].projector
   assert p.shape == (4, 40, 6)
   gram = jnp.swapaxes(p, 1, 2) @ p
-  np.testing.assert_allclose(gram, jnp.broadcast_to(jnp.eye(6), gram.shape),
-                             atol=1e-5)
+  np.testing.assert_allclose(
+      gram, jnp.broadcast_to(jnp.eye(6), gram.shape), atol=1e-5
+  )
 
 
 def test_range_finder_captures_svd_energy():
@@ -189,15 +240,24 @@ def test_range_finder_captures_svd_energy():
   spectrum = jnp.linspace(10.0, 1.0, true_rank)
   g = (u * spectrum) @ v.T + 0.05 * jax.random.normal(key_n, (m, n))
   captured = lambda p: float(jnp.sum((p[0].T @ g) ** 2))
-  p_range = proj_lib.range_projector(g[None], key_o, rank, oversample=8,
-                                     power_iters=1)
+  p_range = proj_lib.range_projector(
+      g[None], key_o, rank, oversample=8, power_iters=1
+  )
   p_svd = proj_lib.svd_projector(g[None], rank, left=True)
   assert captured(p_range) >= 0.95 * captured(p_svd)
 
 
 def test_moment_transfer_matches_hand_computed_example():
-  plan = logra.optim.LeafPlan(path="w", index=0, shape=(2, 1), dtype=np.float32,
-                        perm=(0, 1), m=2, n=1, rank=2)
+  plan = logra.optim.LeafPlan(
+      path="w",
+      index=0,
+      shape=(2, 1),
+      dtype=np.float32,
+      perm=(0, 1),
+      m=2,
+      n=1,
+      rank=2,
+  )
   c = jnp.array([[[0.6, 0.8], [0.8, -0.6]]])
   sketch = transforms.Sketched(None, basis_change=c, plan=plan, config=None)
   m = jnp.array([[[1.0], [2.0]]])
@@ -206,8 +266,9 @@ def test_moment_transfer_matches_hand_computed_example():
   # m_hat = [2, 4], v_hat = [12, 20]; C m_hat = [4.4, -0.8];
   # (C o C)(v_hat - m_hat^2) = [[.36, .64], [.64, .36]] @ [8, 4] = [5.44, 6.56];
   # v_hat' = [5.44 + 19.36, 6.56 + 0.64] = [24.8, 7.2].
-  m_new, v_new = transforms._transfer_adam(sketch, m, v, jnp.array(1),
-                                           b1=0.5, b2=0.75)
+  m_new, v_new = transforms._transfer_adam(
+      sketch, m, v, jnp.array(1), b1=0.5, b2=0.75
+  )
   np.testing.assert_allclose(m_new[0, :, 0], [2.2, -0.4], rtol=1e-6)
   np.testing.assert_allclose(v_new[0, :, 0], [6.2, 1.8], rtol=1e-6)
 
@@ -226,8 +287,9 @@ for step in range(5):
   jax.block_until_ready(make(jax.random.key(step)))
 print("done")
 """
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=240)
+  result = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
+  )
   assert result.returncode == 0 and "done" in result.stdout, result.stderr
 
 
@@ -251,25 +313,32 @@ def test_stacked_weight_gets_independent_projectors():
   spec = {"w": logra.DimensionNumbers(1, 2, 0)}
   tx_stacked = _chain(4, kind="svd", refresh_every=2, dimension_numbers=spec)
   tx_separate = _chain(4, kind="svd", refresh_every=2)
-  s_stacked, s_separate = (tx_stacked.init(stacked),
-                           tx_separate.init(separate))
+  s_stacked, s_separate = (tx_stacked.init(stacked), tx_separate.init(separate))
   for step in range(4):
     g = _grads(stacked, step)
     u_stacked, s_stacked = tx_stacked.update(g, s_stacked, stacked)
     g_sep = {f"w{i}": g["w"][i] for i in range(3)}
     u_sep, s_separate = tx_separate.update(g_sep, s_separate, separate)
     chex.assert_trees_all_close(
-        list(u_stacked["w"]), [u_sep[f"w{i}"] for i in range(3)],
-        rtol=1e-4, atol=1e-5)
+        list(u_stacked["w"]),
+        [u_sep[f"w{i}"] for i in range(3)],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_factored_updates_equal_dense_updates():
-  params = {"w": jnp.zeros((40, 12)), "v": jnp.zeros((12, 40)),
-            "b": jnp.zeros(12)}
+  params = {
+      "w": jnp.zeros((40, 12)),
+      "v": jnp.zeros((12, 40)),
+      "b": jnp.zeros(12),
+  }
   for kind in ("range", "random", "svd"):
-    tx = optax.chain(logra.project(3, kind=kind, refresh_every=2),
-                     logra.low_rank_moments(),
-                     logra.unproject(scale=0.25, keep_factors=True))
+    tx = optax.chain(
+        logra.project(3, kind=kind, refresh_every=2),
+        logra.low_rank_moments(),
+        logra.unproject(scale=0.25, keep_factors=True),
+    )
     state, update = tx.init(params), jax.jit(tx.update)
     for step in range(3):
       updates, state = update(_grads(params, step), state, params)
@@ -277,19 +346,25 @@ def test_factored_updates_equal_dense_updates():
     assert factored["b"] is None
     chex.assert_trees_all_close(
         {name: factored[name].dense() for name in ("w", "v")},
-        {name: updates[name] for name in ("w", "v")}, atol=1e-6)
+        {name: updates[name] for name in ("w", "v")},
+        atol=1e-6,
+    )
 
 
 def test_state_bytes_match_closed_form():
   params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
   r, n, f32 = 64, 4096, 4
   scalars = 3 * 4  # project count, projector refusals, Adam count (int32)
-  for kind, projector in (("random", 0), ("range", r * n * f32),
-                          ("svd", r * n * f32)):
+  for kind, projector in (
+      ("random", 0),
+      ("range", r * n * f32),
+      ("svd", r * n * f32),
+  ):
     tx = logra.logra(1e-3, rank=r, kind=kind)
     state = jax.eval_shape(tx.init, params)
     assert logra.optimizer_state_bytes(state) == (
-        2 * r * n * f32 + projector + scalars)
+        2 * r * n * f32 + projector + scalars
+    )
   adam = jax.eval_shape(optax.adam(1e-3).init, params)
   assert logra.optimizer_state_bytes(adam) == 2 * 4096 * 4096 * f32 + 4
 
@@ -306,9 +381,17 @@ def test_jit_does_not_recompile():
 
 def test_inject_hyperparams_and_multisteps():
   params = {"w": jnp.zeros((32, 16)), "b": jnp.zeros(16)}
-  tx = optax.inject_hyperparams(logra.logra, static_args=(
-      "rank", "kind", "refresh_every", "power_iters", "oversample", "seed"))(
-          learning_rate=1e-2, rank=4)
+  tx = optax.inject_hyperparams(
+      logra.logra,
+      static_args=(
+          "rank",
+          "kind",
+          "refresh_every",
+          "power_iters",
+          "oversample",
+          "seed",
+      ),
+  )(learning_rate=1e-2, rank=4)
   state = tx.init(params)
   updates, state = tx.update(_grads(params, 0), state, params)
   state.hyperparams["learning_rate"] = jnp.asarray(0.0)
@@ -328,11 +411,15 @@ def test_inject_hyperparams_and_multisteps():
 
 
 def test_masked_and_multi_transform():
-  params = {"w": jnp.zeros((32, 16)), "emb": jnp.zeros((50, 16)),
-            "b": jnp.zeros(16)}
+  params = {
+      "w": jnp.zeros((32, 16)),
+      "emb": jnp.zeros((50, 16)),
+      "b": jnp.zeros(16),
+  }
   labels = {"w": "logra", "emb": "adam", "b": "adam"}
-  tx = optax.multi_transform({"logra": logra.logra(1e-2, rank=4),
-                              "adam": optax.adam(1e-2)}, labels)
+  tx = optax.multi_transform(
+      {"logra": logra.logra(1e-2, rank=4), "adam": optax.adam(1e-2)}, labels
+  )
   state = tx.init(params)
   g = _grads(params, 0)
   updates, state = jax.jit(tx.update)(g, state, params)
@@ -342,11 +429,13 @@ def test_masked_and_multi_transform():
   chex.assert_trees_all_close(
       {k: updates[k] for k in ("emb", "b")},
       {k: adam_updates[k] for k in ("emb", "b")},
-      rtol=2 * float_tolerance(np.float32, 16))
+      rtol=2 * float_tolerance(np.float32, 16),
+  )
   assert updates["w"].shape == (32, 16)
 
-  masked = optax.masked(logra.logra(1e-2, rank=4),
-                        {"w": True, "emb": False, "b": False})
+  masked = optax.masked(
+      logra.logra(1e-2, rank=4), {"w": True, "emb": False, "b": False}
+  )
   state = masked.init(params)
   updates, state = masked.update(g, state, params)
   np.testing.assert_array_equal(updates["emb"], g["emb"])
@@ -368,11 +457,17 @@ def test_update_preserves_state_shardings():
     pytest.skip("needs 8 devices")
   mesh = jax.sharding.Mesh(devices.reshape(4, 2), ("fsdp", "tp"))
   spec = lambda *axes: jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*axes))
-  shardings = {"w": spec("fsdp", "tp"), "v": spec(None, "fsdp"),
-               "b": spec("tp")}
-  params = jax.device_put({"w": jnp.zeros((64, 32)), "v": jnp.zeros((16, 64)),
-                          "b": jnp.zeros(32)}, shardings)
+      mesh, jax.sharding.PartitionSpec(*axes)
+  )
+  shardings = {
+      "w": spec("fsdp", "tp"),
+      "v": spec(None, "fsdp"),
+      "b": spec("tp"),
+  }
+  params = jax.device_put(
+      {"w": jnp.zeros((64, 32)), "v": jnp.zeros((16, 64)), "b": jnp.zeros(32)},
+      shardings,
+  )
   tx = logra.logra(1e-2, rank=4, refresh_every=2)
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -386,32 +481,45 @@ def test_update_preserves_state_shardings():
     assert a == b, (b, a)
   # Projectors follow the parameter's long axis, moments its short axis.
   project_state, moments = state[0], state[1].inner_state
-  assert project_state.projectors["w"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-  assert project_state.projectors["v"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-  assert moments.mu["w"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+  assert project_state.projectors[
+      "w"
+  ].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  assert project_state.projectors[
+      "v"
+  ].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  assert moments.mu["w"].sharding.spec == jax.sharding.PartitionSpec(
+      None, None, "tp"
+  )
   for name in params:
     assert updates[name].sharding.is_equivalent_to(
-        params[name].sharding, params[name].ndim)
+        params[name].sharding, params[name].ndim
+    )
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(rank=0), ValueError, "rank"),
-    (dict(rank=2.5), TypeError, "rank"),
-    (dict(rank="8"), TypeError, "rank"),
-    (dict(rank=4, kind="qr"), ValueError, "kind"),
-    (dict(rank=4, moment_policy="rotate"), ValueError, "moment_policy"),
-    (dict(rank=4, refresh_every=0), ValueError, "refresh_every"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(rank=0), ValueError, "rank"),
+        (dict(rank=2.5), TypeError, "rank"),
+        (dict(rank="8"), TypeError, "rank"),
+        (dict(rank=4, kind="qr"), ValueError, "kind"),
+        (dict(rank=4, moment_policy="rotate"), ValueError, "moment_policy"),
+        (dict(rank=4, refresh_every=0), ValueError, "refresh_every"),
+    ],
+)
 def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
   with pytest.raises(error, match=match):
     logra.project(**kwargs)
 
 
-@pytest.mark.parametrize("spec,match", [
-    (logra.DimensionNumbers(0, 0), "overlap"),
-    (logra.DimensionNumbers(1, 2), r"axes \[0\] are in no group"),
-    (logra.DimensionNumbers(1, 3, 0), "out of range"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (logra.DimensionNumbers(0, 0), "overlap"),
+        (logra.DimensionNumbers(1, 2), r"axes \[0\] are in no group"),
+        (logra.DimensionNumbers(1, 3, 0), "out of range"),
+    ],
+)
 def test_bad_dimension_numbers_name_the_leaf(spec, match):
   params = {"layers": {"attn": jnp.zeros((2, 8, 8))}}
   tx = logra.logra(1e-3, rank=2, dimension_numbers={"layers": {"attn": spec}})
@@ -427,8 +535,9 @@ def test_rank_larger_than_both_dims_names_the_leaf():
 
 def test_spec_tree_must_match_params():
   params = {"w": jnp.zeros((8, 4)), "u": jnp.zeros((8, 4))}
-  tx = logra.logra(1e-3, rank=2,
-                   dimension_numbers={"w": logra.DimensionNumbers()})
+  tx = logra.logra(
+      1e-3, rank=2, dimension_numbers={"w": logra.DimensionNumbers()}
+  )
   with pytest.raises(ValueError, match=r"missing entries for \[\"\['u'\]\"\]"):
     tx.init(params)
 

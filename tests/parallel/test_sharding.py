@@ -19,8 +19,15 @@ VOCAB = 32
 CONFIG = models.DecoderConfig.tiny(vocab_size=VOCAB, max_position_embeddings=32)
 SMOKE = configs.get_preset("smoke")
 RUN = dataclasses.replace(
-    SMOKE, optimizer=dataclasses.replace(SMOKE.optimizer, name="logra", rank=4,
-                                         refresh_every=2, learning_rate=1e-2))
+    SMOKE,
+    optimizer=dataclasses.replace(
+        SMOKE.optimizer,
+        name="logra",
+        rank=4,
+        refresh_every=2,
+        learning_rate=1e-2,
+    ),
+)
 
 
 def _logprob_atol(logprobs, config, length: int) -> float:
@@ -36,13 +43,16 @@ def _batch(rows=8, prompt=5, completion=6):
   return algo.RolloutBatch(
       prompt_tokens_BxP=jax.random.randint(keys[0], (rows, prompt), 3, VOCAB),
       prompt_mask_BxP=jnp.ones((rows, prompt), jnp.int32).at[::2, :2].set(0),
-      completion_tokens_BxT=jax.random.randint(keys[1], (rows, completion), 3,
-                                               VOCAB),
-      completion_mask_BxT=jnp.ones((rows, completion),
-                                   jnp.int32).at[1::2, 4:].set(0),
+      completion_tokens_BxT=jax.random.randint(
+          keys[1], (rows, completion), 3, VOCAB
+      ),
+      completion_mask_BxT=jnp.ones((rows, completion), jnp.int32)
+      .at[1::2, 4:]
+      .set(0),
       old_logp_BxT=-jnp.ones((rows, completion)),
       advantages_B=jnp.linspace(-1.0, 1.0, rows),
-      num_generations=4)
+      num_generations=4,
+  )
 
 
 def _run(mesh_config, steps=3, run=RUN):
@@ -53,24 +63,31 @@ def _run(mesh_config, steps=3, run=RUN):
     step = learner.make_train_step(graphdef, tx, run)
     params, state = learner.init_train_state(run.optimizer, tx, params)
   else:
-    mesh = parallel.make_mesh(mesh_config, jax.devices()[:mesh_config.size])
+    mesh = parallel.make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     params_sharding = parallel.param_shardings(params, mesh)
-    state_sharding = parallel.optimizer_state_shardings(tx, params,
-                                                        params_sharding, mesh)
+    state_sharding = parallel.optimizer_state_shardings(
+        tx, params, params_sharding, mesh
+    )
     weights_sharding = parallel.weight_shardings(
-        learner.abstract_weights(run.optimizer, tx, params), params_sharding,
-        mesh)
+        learner.abstract_weights(run.optimizer, tx, params),
+        params_sharding,
+        mesh,
+    )
     batch_sharding = parallel.data_shardings(batch, mesh)
     step = learner.make_train_step(
-        graphdef, tx, run,
+        graphdef,
+        tx,
+        run,
         shardings=(weights_sharding, state_sharding, batch_sharding),
-        activation_rules=parallel.PARTITION_RULES)
+        activation_rules=parallel.PARTITION_RULES,
+    )
     weights, state = learner.init_train_state(
-        run.optimizer, tx, jax.device_put(params, params_sharding))
+        run.optimizer, tx, jax.device_put(params, params_sharding)
+    )
     params = jax.device_put(weights, weights_sharding)
     state = jax.device_put(state, state_sharding)
     batch = jax.device_put(batch, batch_sharding)
-  for _ in range(steps):   # across a projector refresh
+  for _ in range(steps):  # across a projector refresh
     params, state, metrics = step(params, state, batch)
   return params, state, metrics
 
@@ -81,10 +98,17 @@ def unsharded():
 
 
 def _relative(a_tree, b_tree):
-  diff = sum(float(np.sum(np.square(np.asarray(a) - np.asarray(b))))
-             for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)))
-  return (diff / sum(float(np.sum(np.square(np.asarray(b))))
-                     for b in jax.tree.leaves(b_tree))) ** 0.5
+  diff = sum(
+      float(np.sum(np.square(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree))
+  )
+  return (
+      diff
+      / sum(
+          float(np.sum(np.square(np.asarray(b))))
+          for b in jax.tree.leaves(b_tree)
+      )
+  ) ** 0.5
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=8"])
@@ -103,22 +127,31 @@ def test_sharded_logra_step_equals_unsharded(unsharded, mesh):
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     assert _relative(a, b) <= 1e-4
   for name in ("loss", "grad_norm", "kl/realized_k3"):
-    np.testing.assert_allclose(float(metrics[name]), float(ref_metrics[name]),
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        float(metrics[name]), float(ref_metrics[name]), rtol=1e-4
+    )
 
 
 def test_sharded_step_with_projected_embeddings_equals_unsharded():
   # The vocabulary-split table and LM head, projected too: their sketches
   # come from `take` and the vocabulary-parallel logits.
-  run = dataclasses.replace(RUN, optimizer=dataclasses.replace(
-      RUN.optimizer, project_embeddings=True))
+  run = dataclasses.replace(
+      RUN, optimizer=dataclasses.replace(RUN.optimizer, project_embeddings=True)
+  )
   params, state, _ = _run(parallel.MeshConfig.parse("fsdp=4,tp=2"), run=run)
   ref_params, ref_state, _ = _run(None, run=run)
-  assert _relative(learner.dense_weights(params, state),
-                   learner.dense_weights(ref_params, ref_state)) <= 1e-5
+  assert (
+      _relative(
+          learner.dense_weights(params, state),
+          learner.dense_weights(ref_params, ref_state),
+      )
+      <= 1e-5
+  )
   plans = jax.tree.leaves(sketch_grad.project_state(state).spec.plans)
-  assert {p.path for p in plans if p.projected} >= {"['embed'].value",
-                                                    "['lm_head'].value"}
+  assert {p.path for p in plans if p.projected} >= {
+      "['embed'].value",
+      "['lm_head'].value",
+  }
 
 
 def test_derived_state_shardings_are_what_update_produces():
@@ -128,27 +161,34 @@ def test_derived_state_shardings_are_what_update_produces():
   graphdef, params = models.split_model(models.init_model(CONFIG, rngs=0))
   params_sharding = parallel.param_shardings(params, mesh)
   tx = learner.make_optimizer(RUN.optimizer, params)
-  state_sharding = parallel.optimizer_state_shardings(tx, params,
-                                                      params_sharding, mesh)
+  state_sharding = parallel.optimizer_state_shardings(
+      tx, params, params_sharding, mesh
+  )
   params = jax.device_put(params, params_sharding)
   state = jax.device_put(tx.init(params), state_sharding)
   update = jax.jit(tx.update)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-2), params)
   for _ in range(3):
     _, state = update(grads, state, params)
-    for leaf, expected in zip(jax.tree.leaves(state),
-                              jax.tree.leaves(state_sharding)):
+    for leaf, expected in zip(
+        jax.tree.leaves(state), jax.tree.leaves(state_sharding)
+    ):
       assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), (
-          leaf.shape, leaf.sharding, expected)
+          leaf.shape,
+          leaf.sharding,
+          expected,
+      )
   # Projectors follow the parameter's long axis, moments its short axis:
   # q_proj [L, D=64 (fsdp), H*h=64 (tp)] is square, so P is split like D.
-  specs = {jax.tree_util.keystr(path): s.spec for path, s in
-           jax.tree_util.tree_flatten_with_path(state_sharding)[0]}
-  projector = next(v for k, v in specs.items()
-                   if "projectors" in k and "down_proj" in k)
-  assert projector == jax.sharding.PartitionSpec(None, "tp")   # [L, F, r]
-  moment = next(v for k, v in specs.items()
-                if ".mu" in k and "down_proj" in k)
+  specs = {
+      jax.tree_util.keystr(path): s.spec
+      for path, s in jax.tree_util.tree_flatten_with_path(state_sharding)[0]
+  }
+  projector = next(
+      v for k, v in specs.items() if "projectors" in k and "down_proj" in k
+  )
+  assert projector == jax.sharding.PartitionSpec(None, "tp")  # [L, F, r]
+  moment = next(v for k, v in specs.items() if ".mu" in k and "down_proj" in k)
   assert moment == jax.sharding.PartitionSpec(None, None, "fsdp")  # [L, r, D]
 
 
@@ -158,14 +198,17 @@ def test_train_step_outputs_keep_their_shardings():
   mesh = parallel.make_mesh(mesh_config, jax.devices()[:8])
   _, dense = models.split_model(models.init_model(CONFIG, rngs=0))
   expected = parallel.weight_shardings(
-      params, parallel.param_shardings(dense, mesh), mesh)
+      params, parallel.param_shardings(dense, mesh), mesh
+  )
   for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-  q_proj = expected["layers"]["q_proj"].value   # factored: B, A
+  q_proj = expected["layers"]["q_proj"].value  # factored: B, A
   assert q_proj.base.spec == jax.sharding.PartitionSpec(
-      None, "fsdp", "tp")   # [L, D, H*h]: hidden by fsdp, heads by tp
+      None, "fsdp", "tp"
+  )  # [L, D, H*h]: hidden by fsdp, heads by tp
   assert q_proj.coords.spec == jax.sharding.PartitionSpec(
-      None, None, "fsdp")   # [L, r, short]
+      None, None, "fsdp"
+  )  # [L, r, short]
 
 
 def test_sampler_runs_sharded():
@@ -176,20 +219,27 @@ def test_sampler_runs_sharded():
   prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]] * 2
   kwargs = dict(max_new_tokens=5, temperature=0.0, stop_ids=())
   expected = sampler.sample(params, prompts, jax.random.key(0), **kwargs)
-  sharded_sampler = models.Sampler(model, max_length=24, mesh=mesh,
-                                   rules=parallel.PARTITION_RULES)
+  sharded_sampler = models.Sampler(
+      model, max_length=24, mesh=mesh, rules=parallel.PARTITION_RULES
+  )
   sharded = jax.device_put(params, parallel.param_shardings(params, mesh))
   out = sharded_sampler.sample(sharded, prompts, jax.random.key(0), **kwargs)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
-  np.testing.assert_allclose(out.logprobs, expected.logprobs, rtol=0,
-                             atol=_logprob_atol(expected.logprobs, CONFIG, 24))
+  np.testing.assert_allclose(
+      out.logprobs,
+      expected.logprobs,
+      rtol=0,
+      atol=_logprob_atol(expected.logprobs, CONFIG, 24),
+  )
   assert out.tokens.sharding.spec == jax.sharding.PartitionSpec(
-      ("dp", "fsdp"), None)
+      ("dp", "fsdp"), None
+  )
 
 
 def test_vocabulary_tables_split_along_the_vocabulary():
   _, params = models.split_model(
-      jax.eval_shape(lambda: models.init_model(CONFIG, rngs=0)))
+      jax.eval_shape(lambda: models.init_model(CONFIG, rngs=0))
+  )
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
   spec = parallel.param_shardings(params, mesh)["embed"].value.spec
   assert spec == jax.sharding.PartitionSpec(("fsdp", "tp"), None)
@@ -197,25 +247,31 @@ def test_vocabulary_tables_split_along_the_vocabulary():
   # falls back to tp alone.
   odd = dataclasses.replace(CONFIG, vocab_size=34)
   _, params = models.split_model(
-      jax.eval_shape(lambda: models.init_model(odd, rngs=0)))
+      jax.eval_shape(lambda: models.init_model(odd, rngs=0))
+  )
   shardings = parallel.param_shardings(params, mesh)
-  assert shardings["embed"].value.spec == jax.sharding.PartitionSpec("tp",
-                                                                     None)
+  assert shardings["embed"].value.spec == jax.sharding.PartitionSpec("tp", None)
   # ... and the log-probs still run split that way, with the same numbers.
   graphdef, params = models.split_model(models.init_model(odd, rngs=0))
   batch = _batch()
 
   def logprobs(params, batch):
     return models.token_logprobs(
-        graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
-        batch.completion_tokens_BxT, batch.completion_mask_BxT)
+        graphdef,
+        params,
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT,
+        batch.completion_mask_BxT,
+    )
 
   def sharded(params, batch):
     with models.activation_sharding(mesh, parallel.PARTITION_RULES):
       return logprobs(params, batch)
 
-  got = jax.jit(sharded, in_shardings=(
-      shardings, parallel.data_shardings(batch, mesh)))(params, batch)
+  got = jax.jit(
+      sharded, in_shardings=(shardings, parallel.data_shardings(batch, mesh))
+  )(params, batch)
   ref = logprobs(params, batch)
   np.testing.assert_allclose(got, ref, rtol=0, atol=_logprob_atol(ref, odd, 11))
 
@@ -234,20 +290,33 @@ def test_output_layer_never_holds_the_whole_unembedding():
   def loss(params, batch):
     with models.activation_sharding(mesh, parallel.PARTITION_RULES):
       return models.token_logprobs(
-          graphdef, params, batch.prompt_tokens_BxP, batch.prompt_mask_BxP,
-          batch.completion_tokens_BxT, batch.completion_mask_BxT).sum()
+          graphdef,
+          params,
+          batch.prompt_tokens_BxP,
+          batch.prompt_mask_BxP,
+          batch.completion_tokens_BxT,
+          batch.completion_mask_BxT,
+      ).sum()
 
-  grad = jax.jit(jax.grad(loss), in_shardings=(
-      shardings, parallel.data_shardings(batch, mesh)), out_shardings=shardings)
+  grad = jax.jit(
+      jax.grad(loss),
+      in_shardings=(shardings, parallel.data_shardings(batch, mesh)),
+      out_shardings=shardings,
+  )
   hlo = grad.lower(params, batch).compile().as_text()
   assert f"[{vocab // 8},{hidden}]" in hlo
   assert f"[{vocab},{hidden}]" not in hlo and f"[{hidden},{vocab}]" not in hlo
   expected = jax.jit(jax.grad(loss))(params, batch)["embed"].value
-  n = (2 * (decoder_reduction_length(config, 11) + vocab)
-       + batch.completion_tokens_BxT.size)
+  n = (
+      2 * (decoder_reduction_length(config, 11) + vocab)
+      + batch.completion_tokens_BxT.size
+  )
   np.testing.assert_allclose(
-      grad(params, batch)["embed"].value, expected, rtol=0,
-      atol=2 * float_tolerance(np.float32, n) * np.abs(expected).max())
+      grad(params, batch)["embed"].value,
+      expected,
+      rtol=0,
+      atol=2 * float_tolerance(np.float32, n) * np.abs(expected).max(),
+  )
 
 
 def test_mesh_size_must_match_devices():
@@ -255,12 +324,15 @@ def test_mesh_size_must_match_devices():
     parallel.make_mesh(parallel.MeshConfig(fsdp=8), jax.devices()[:4])
 
 
-@pytest.mark.parametrize("text,match", [
-    ("fsdp=0", "must be a positive int"),
-    ("pp=2", "expected axis=size"),
-    ("fsdp", "expected axis=size"),
-    ("tp=two", "size must be an int"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("fsdp=0", "must be a positive int"),
+        ("pp=2", "expected axis=size"),
+        ("fsdp", "expected axis=size"),
+        ("tp=two", "size must be an int"),
+    ],
+)
 def test_bad_mesh_spec_is_rejected(text, match):
   with pytest.raises(ValueError, match=match):
     parallel.MeshConfig.parse(text)
@@ -270,17 +342,23 @@ def test_axis_that_does_not_divide_names_tensor_axis_and_sizes():
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=8))
   config = dataclasses.replace(CONFIG, hidden_size=60)
   _, params = models.split_model(
-      jax.eval_shape(lambda: models.init_model(config, rngs=0)))
-  with pytest.raises(ValueError, match=r"cannot shard \['final_norm'\] "
-                     r"\(shape \(60,\)\): dimension 0 \('embed', size 60\) is "
-                     r"not divisible by mesh axis fsdp of size 8"):
+      jax.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
+  with pytest.raises(
+      ValueError,
+      match=r"cannot shard \['final_norm'\] "
+      r"\(shape \(60,\)\): dimension 0 \('embed', size 60\) is "
+      r"not divisible by mesh axis fsdp of size 8",
+  ):
     parallel.param_shardings(params, mesh)
 
 
 def test_batch_that_does_not_divide_is_rejected():
   mesh = parallel.make_mesh(parallel.MeshConfig(dp=2, fsdp=4))
-  with pytest.raises(ValueError, match="batch size 6 is not divisible by the "
-                     "data axes of size 8"):
+  with pytest.raises(
+      ValueError,
+      match="batch size 6 is not divisible by the " "data axes of size 8",
+  ):
     parallel.data_shardings(_batch(rows=6), mesh)
 
 
@@ -298,22 +376,40 @@ def test_two_processes_match_one(unsharded, tmp_path, mesh="fsdp=4,tp=2"):
     port = s.getsockname()[1]
   here = pathlib.Path(__file__).parent
   # The worker imports this file, which imports tests/tolerances.py.
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
-  env.pop("XLA_FLAGS", None)   # each process has its own 4 devices
+  env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join(
+          [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
+      ),
+  )
+  env.pop("XLA_FLAGS", None)  # each process has its own 4 devices
   out = tmp_path / "params.npz"
-  procs = [subprocess.Popen(
-      [sys.executable, str(here / "multiprocess_worker.py"), str(i),
-       str(port), str(out), mesh], env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+      subprocess.Popen(
+          [
+              sys.executable,
+              str(here / "multiprocess_worker.py"),
+              str(i),
+              str(port),
+              str(out),
+              mesh,
+          ],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
   logs = [p.communicate(timeout=300)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
   result = np.load(out)
   ref_params, ref_state, ref_metrics = unsharded
-  ref_params = learner.dense_weights(ref_params, ref_state)   # W = c B + P A
+  ref_params = learner.dense_weights(ref_params, ref_state)  # W = c B + P A
   for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
     got = result[jax.tree_util.keystr(path)]
     ref = np.asarray(ref)
     assert np.linalg.norm(got - ref) <= 1e-4 * np.linalg.norm(ref)
-  np.testing.assert_allclose(float(result["loss"]), float(ref_metrics["loss"]),
-                             rtol=1e-4)
+  np.testing.assert_allclose(
+      float(result["loss"]), float(ref_metrics["loss"]), rtol=1e-4
+  )

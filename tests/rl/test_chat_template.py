@@ -17,7 +17,8 @@ CHATML = (
     "'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,17 @@ def chat_folder(policy_folder, tmp_path_factory):
 
 def _reference_ids(folder, messages):
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-  out = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                      tokenize=True)
+  out = tokenizer.apply_chat_template(
+      messages, add_generation_prompt=True, tokenize=True
+  )
   return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 @pytest.mark.parametrize("system_prompt", [None, "Answer with a number."])
 def test_chat_templated_prompt_equals_transformers(chat_folder, system_prompt):
-  policy = engine_lib.Policy.load(chat_folder, chat_template="auto",
-                                  system_prompt=system_prompt)
+  policy = engine_lib.Policy.load(
+      chat_folder, chat_template="auto", system_prompt=system_prompt
+  )
   messages = [{"role": "user", "content": "12+7-3="}]
   if system_prompt is not None:
     messages.insert(0, {"role": "system", "content": system_prompt})
@@ -54,17 +57,26 @@ def test_chat_templated_prompt_equals_transformers(chat_folder, system_prompt):
 def test_no_template_without_one_or_when_turned_off(chat_folder, policy_folder):
   plain = transformers.AutoTokenizer.from_pretrained(policy_folder)
   expected = [plain("12+7-3=")["input_ids"]]
-  assert engine_lib.Policy.load(chat_folder, chat_template="none").encode(
-      ["12+7-3="]) == expected
+  assert (
+      engine_lib.Policy.load(chat_folder, chat_template="none").encode(
+          ["12+7-3="]
+      )
+      == expected
+  )
   # The tiny policy's tokenizer has no chat template: "auto" leaves prompts as they are.
   policy = engine_lib.Policy.load(policy_folder, chat_template="auto")
   assert not policy.chat and policy.encode(["12+7-3="]) == expected
 
 
 def test_the_task_template_shapes_the_prompt_before_the_chat_template():
-  config = train_config.load_config("smoke", overrides=[
-      "task.template='Compute {prompt} Answer:'", "task.terms=2"])
+  config = train_config.load_config(
+      "smoke",
+      overrides=["task.template='Compute {prompt} Answer:'", "task.terms=2"],
+  )
   task = trainer.load_task(config)
-  assert all(e["prompt"].startswith("Compute ") and e["prompt"].endswith("= Answer:")
-             and e["prompt"].count("+") + e["prompt"].count("-") == 1
-             for e in task.examples[:20])
+  assert all(
+      e["prompt"].startswith("Compute ")
+      and e["prompt"].endswith("= Answer:")
+      and e["prompt"].count("+") + e["prompt"].count("-") == 1
+      for e in task.examples[:20]
+  )

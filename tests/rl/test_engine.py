@@ -22,14 +22,20 @@ from logra_jax.rollout import transport
 
 SMOKE = train_config.get_preset("smoke")
 STEPS = 300
-REFRESH = 25     # 12 windows: 11 merges after the first
+REFRESH = 25  # 12 windows: 11 merges after the first
 QUIET = lambda message: None
 
 
 def _config(policy_folder, *overrides):
-  return train_config.apply_overrides(SMOKE, [
-      f"policy.path={policy_folder}", f"optimizer.refresh_every={REFRESH}",
-      "rollout.dtype=float32", *overrides])
+  return train_config.apply_overrides(
+      SMOKE,
+      [
+          f"policy.path={policy_folder}",
+          f"optimizer.refresh_every={REFRESH}",
+          "rollout.dtype=float32",
+          *overrides,
+      ],
+  )
 
 
 def _prompts(policy, count=6):
@@ -38,14 +44,17 @@ def _prompts(policy, count=6):
 
 
 def _greedy(sample, prompts):
-  return sample(prompts, jax.random.key(0), max_new_tokens=4,
-                temperature=0.0)
+  return sample(prompts, jax.random.key(0), max_new_tokens=4, temperature=0.0)
 
 
 def _same_bits(a, b):
-  return all(x.dtype == y.dtype and np.array_equal(
-      np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return all(
+      x.dtype == y.dtype
+      and np.array_equal(
+          np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)
+      )
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def _learn(config, policy, engines, steps, messages=None, synced=None):
@@ -53,7 +62,7 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   redrawn each step), syncing ``engines`` after each of the first
   ``synced`` (default all); returns the learner's ``(weights, opt_state,
   sender)``."""
-  params = jax.tree.map(jnp.copy, policy.params)   # the step donates them
+  params = jax.tree.map(jnp.copy, policy.params)  # the step donates them
   tx = learner.make_optimizer(config.optimizer, params)
   weights, opt_state = learner.init_train_state(config.optimizer, tx, params)
   fields = engine_lib.sync_fields(config, policy.folder)
@@ -62,50 +71,66 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   for engine in engines:
     engine.sync(full)
   task = trainer.load_task(config)
-  batch, _ = engine_lib.rollout(policy, policy.params,
-                                list(task.examples[:4]), config,
-                                [(trainer.task_verifier(task), 1.0)], jax.random.key(1))
+  batch, _ = engine_lib.rollout(
+      policy,
+      policy.params,
+      list(task.examples[:4]),
+      config,
+      [(trainer.task_verifier(task), 1.0)],
+      jax.random.key(1),
+  )
   train_step = learner.make_train_step(policy.graphdef, tx, config)
   for i in range(steps):
     advantages = jax.random.normal(jax.random.key(i), (batch.batch_size,))
     weights, opt_state, _ = train_step(
-        weights, opt_state, batch.replace(advantages_B=advantages))
+        weights, opt_state, batch.replace(advantages_B=advantages)
+    )
     message = sender.message(weights, opt_state)
-    if messages is not None:   # a copy: the next step donates the arrays
+    if messages is not None:  # a copy: the next step donates the arrays
       messages.append(sync.decode(sync.encode(message)))
-    for engine in engines[:len(engines) if synced is None or i < synced
-                          else 0]:
+    for engine in engines[
+        : len(engines) if synced is None or i < synced else 0
+    ]:
       stats = engine.sync(message)
       assert not stats.resynced
   return weights, opt_state, sender
 
 
-@pytest.mark.parametrize("kind,base_dtype", [
-    ("range", "float32"), ("random", "bfloat16"), ("svd", "bfloat16")])
+@pytest.mark.parametrize(
+    "kind,base_dtype",
+    [("range", "float32"), ("random", "bfloat16"), ("svd", "bfloat16")],
+)
 def test_engines_in_and_out_of_process_follow_the_learner(
-    policy_folder, tmp_path, kind, base_dtype):
-  config = _config(policy_folder, f"optimizer.kind={kind}",
-                   f"optimizer.base_dtype={base_dtype}")
+    policy_folder, tmp_path, kind, base_dtype
+):
+  config = _config(
+      policy_folder,
+      f"optimizer.kind={kind}",
+      f"optimizer.base_dtype={base_dtype}",
+  )
   policy = engine_lib.Policy.load(policy_folder)
   tx = learner.make_optimizer(config.optimizer, policy.params)
-  weights, opt_state = learner.init_train_state(config.optimizer, tx,
-                                                policy.params)
+  weights, opt_state = learner.init_train_state(
+      config.optimizer, tx, policy.params
+  )
   fields = engine_lib.sync_fields(config, policy_folder)
   colocated = engine_lib.RolloutEngine(
-      policy, sync.policy_state(weights, opt_state), seed=config.seed,
-      **fields)
-  with transport.ProcessEngine(policy, config, policy_folder,
-                               log_path=tmp_path / "engine.log") as remote:
-    weights, opt_state, _ = _learn(config, policy, [colocated, remote],
-                                   STEPS)
+      policy, sync.policy_state(weights, opt_state), seed=config.seed, **fields
+  )
+  with transport.ProcessEngine(
+      policy, config, policy_folder, log_path=tmp_path / "engine.log"
+  ) as remote:
+    weights, opt_state, _ = _learn(config, policy, [colocated, remote], STEPS)
     prompts = _prompts(policy)
     learner_params = learner.dense_weights(weights, opt_state)
-    expected = _greedy(functools.partial(policy.sampler.sample,
-                                         learner_params), prompts)
+    expected = _greedy(
+        functools.partial(policy.sampler.sample, learner_params), prompts
+    )
     remote_out = _greedy(remote.sample, prompts)
   assert colocated.receiver.version == STEPS
-  assert _same_bits(colocated.receiver.state,
-                    sync.policy_state(weights, opt_state))
+  assert _same_bits(
+      colocated.receiver.state, sync.policy_state(weights, opt_state)
+  )
   assert _same_bits(colocated.params, learner_params)
   # Every message's checksums matched in the child (no resync), and its
   # greedy completions and their log-probabilities are the learner's.
@@ -123,49 +148,57 @@ def remote_run(policy_folder, tmp_path_factory):
   config = _config(policy_folder, "optimizer.refresh_every=2")
   policy = engine_lib.Policy.load(policy_folder)
   log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-  with transport.ProcessEngine(policy, config, policy_folder,
-                               log_path=log_path) as remote:
+  with transport.ProcessEngine(
+      policy, config, policy_folder, log_path=log_path
+  ) as remote:
     messages = []
     learned = _learn(config, policy, [remote], 4, messages, synced=3)
     assert sum(m.merge_step >= 0 for m in messages) == 2
     yield config, policy, remote, messages, learned
 
 
-def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(
-    remote_run):
+def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(remote_run):
   config, policy, remote, messages, (weights, opt_state, sender) = remote_run
   prompts = _prompts(policy)
   before = _greedy(remote.sample, prompts)
-  for stale in (messages[2], messages[0]):   # duplicated, out of order
+  for stale in (messages[2], messages[0]):  # duplicated, out of order
     with pytest.raises(sync.SyncError, match="out of order"):
       remote.sync(stale)
     assert _same_bits(_greedy(remote.sample, prompts), before)
   resyncs = remote.resyncs
-  stats = remote.sync(messages[0],
-                      resync=lambda: sender.message(weights, opt_state,
-                                                    full=True))
+  stats = remote.sync(
+      messages[0], resync=lambda: sender.message(weights, opt_state, full=True)
+  )
   assert stats.resynced and remote.resyncs == resyncs + 1
   # Now at the learner's newest weights (one step past the engine's).
   learner_params = learner.dense_weights(weights, opt_state)
-  expected = _greedy(functools.partial(policy.sampler.sample,
-                                       learner_params), prompts)
+  expected = _greedy(
+      functools.partial(policy.sampler.sample, learner_params), prompts
+  )
   assert _same_bits(_greedy(remote.sample, prompts), expected)
   assert not _same_bits(expected.logprobs, before.logprobs)
 
 
-@pytest.mark.parametrize("override", ["optimizer.rank=2",
-                                      "optimizer.learning_rate=0.5", "seed=3"])
-def test_a_message_of_another_config_is_refused(remote_run, policy_folder,
-                                                tmp_path, override):
+@pytest.mark.parametrize(
+    "override", ["optimizer.rank=2", "optimizer.learning_rate=0.5", "seed=3"]
+)
+def test_a_message_of_another_config_is_refused(
+    remote_run, policy_folder, tmp_path, override
+):
   config, policy, _, _, _ = remote_run
   other = train_config.apply_overrides(config, [override])
   params = jax.tree.map(jnp.copy, policy.params)
   tx = learner.make_optimizer(other.optimizer, params)
   weights, opt_state = learner.init_train_state(other.optimizer, tx, params)
-  sender = sync.PolicySender(weights, opt_state, seed=other.seed,
-                             **engine_lib.sync_fields(other, policy_folder))
-  with transport.ProcessEngine(policy, config, policy_folder,
-                               log_path=tmp_path / "engine.log") as remote:
+  sender = sync.PolicySender(
+      weights,
+      opt_state,
+      seed=other.seed,
+      **engine_lib.sync_fields(other, policy_folder),
+  )
+  with transport.ProcessEngine(
+      policy, config, policy_folder, log_path=tmp_path / "engine.log"
+  ) as remote:
     assert remote.signature != sender.signature
     with pytest.raises(sync.SyncError, match="another policy"):
       remote.sync(sender.message(weights, opt_state, full=True))
@@ -174,11 +207,13 @@ def test_a_message_of_another_config_is_refused(remote_run, policy_folder,
 
 
 def test_an_engine_that_dies_or_fails_to_start_is_a_clear_error(
-    policy_folder, tmp_path, monkeypatch):
+    policy_folder, tmp_path, monkeypatch
+):
   config = _config(policy_folder)
   policy = engine_lib.Policy.load(policy_folder)
-  remote = transport.ProcessEngine(policy, config, policy_folder,
-                                   log_path=tmp_path / "engine.log")
+  remote = transport.ProcessEngine(
+      policy, config, policy_folder, log_path=tmp_path / "engine.log"
+  )
   # Its own session: a SIGTERM to the learner's process group (a scheduler's
   # preemption) does not kill it mid-step; the learner closes it.
   assert os.getsid(remote._process.pid) != os.getsid(0)
@@ -191,18 +226,27 @@ def test_an_engine_that_dies_or_fails_to_start_is_a_clear_error(
   # A child whose init fails is stopped, its socket and log closed.
   started = []
   popen = subprocess.Popen
-  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(
-      popen(*a, **k)) or started[-1])
+  monkeypatch.setattr(
+      subprocess,
+      "Popen",
+      lambda *a, **k: started.append(popen(*a, **k)) or started[-1],
+  )
   with pytest.raises(transport.TransportError, match="does not exist"):
-    transport.ProcessEngine(policy, config, tmp_path / "no-such-policy",
-                            log_path=tmp_path / "engine.log")
+    transport.ProcessEngine(
+        policy,
+        config,
+        tmp_path / "no-such-policy",
+        log_path=tmp_path / "engine.log",
+    )
   assert started and started[0].poll() is not None
 
 
 def test_frames_cut_short_damaged_or_late_are_refused():
   payload = b"x" * 1000
-  frame = transport._header(transport._SYNC, 1, len(payload),
-                            zlib.crc32(payload)) + payload
+  frame = (
+      transport._header(transport._SYNC, 1, len(payload), zlib.crc32(payload))
+      + payload
+  )
   for cut in (5, transport._FRAME.size + 400):
     ours, theirs = socket.socketpair()
     with ours, theirs:
@@ -214,16 +258,16 @@ def test_frames_cut_short_damaged_or_late_are_refused():
   with ours, theirs:
     theirs.settimeout(5.0)
     transport.send_frame(ours, transport._SYNC, payload, request=7)
-    kind, request, got = transport.recv_frame(theirs)     # intact
+    kind, request, got = transport.recv_frame(theirs)  # intact
     assert (kind, request, bytes(got)) == (transport._SYNC, 7, payload)
     transport.send_frame(ours, transport._SYNC, [payload[:300], payload[300:]])
-    assert bytes(transport.recv_frame(theirs)[2]) == payload   # sent in parts
+    assert bytes(transport.recv_frame(theirs)[2]) == payload  # sent in parts
     bad_payload = transport._header(transport._SYNC, 1, len(payload), 7)
     ours.sendall(bad_payload + payload)
     with pytest.raises(transport.TransportError, match="payload differs"):
       transport.recv_frame(theirs)
     # A flipped bit of the length is seen before its bytes are waited for.
-    bad_length = bytearray(frame[:transport._FRAME.size])
+    bad_length = bytearray(frame[: transport._FRAME.size])
     bad_length[14] ^= 0x40
     ours.sendall(bytes(bad_length))
     with pytest.raises(transport.TransportError, match="header corrupted"):
@@ -231,24 +275,35 @@ def test_frames_cut_short_damaged_or_late_are_refused():
     ours.sendall(b"NOPE" + bytes(transport._FRAME.size - 4))
     with pytest.raises(transport.TransportError, match="magic"):
       transport.recv_frame(theirs)
-    theirs.settimeout(0.2)   # nothing comes
+    theirs.settimeout(0.2)  # nothing comes
     with pytest.raises(transport.TransportError, match="no reply within"):
       transport.recv_frame(theirs)
 
 
 def test_the_default_job_in_a_process_matches_the_colocated_one(
-    policy_folder, tmp_path):
+    policy_folder, tmp_path
+):
   runs = {}
   for engine in ("colocated", "process"):
-    config = train_config.apply_overrides(SMOKE, [
-        f"policy.path={policy_folder}", f"rollout.engine={engine}",
-        "sync.resync_every=2"])
-    summary = trainer.train(config, tmp_path / engine, progress=False,
-                            log=QUIET)
-    rows = [json.loads(line)
-            for line in (tmp_path / engine / "metrics.jsonl").open()]
-    runs[engine] = summary, [{k: v for k, v in row.items()
-                              if not k.startswith("time/")} for row in rows]
+    config = train_config.apply_overrides(
+        SMOKE,
+        [
+            f"policy.path={policy_folder}",
+            f"rollout.engine={engine}",
+            "sync.resync_every=2",
+        ],
+    )
+    summary = trainer.train(
+        config, tmp_path / engine, progress=False, log=QUIET
+    )
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / engine / "metrics.jsonl").open()
+    ]
+    runs[engine] = summary, [
+        {k: v for k, v in row.items() if not k.startswith("time/")}
+        for row in rows
+    ]
   (colocated, colocated_rows), (process, process_rows) = runs.values()
   assert process_rows == colocated_rows
   for key in ("eval_accuracy_before", "eval_accuracy_after"):
@@ -263,28 +318,42 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
   config = _config(policy_folder, "optimizer.base_dtype=bfloat16")
   policy = engine_lib.Policy.load(policy_folder)
   tx = learner.make_optimizer(config.optimizer, policy.params)
-  weights, opt_state = learner.init_train_state(config.optimizer, tx,
-                                                policy.params)
+  weights, opt_state = learner.init_train_state(
+      config.optimizer, tx, policy.params
+  )
   fields = engine_lib.sync_fields(config, policy_folder)
   sender = sync.PolicySender(weights, opt_state, seed=config.seed, **fields)
   engine = engine_lib.RolloutEngine(
-      policy, sync.policy_state(weights, opt_state), seed=config.seed,
-      dtype=jnp.bfloat16, **fields)
+      policy,
+      sync.policy_state(weights, opt_state),
+      seed=config.seed,
+      dtype=jnp.bfloat16,
+      **fields,
+  )
   engine.sync(sender.message(weights, opt_state, full=True))
-  expected = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
-                          learner.dense_weights(weights, opt_state))
+  expected = jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16),
+      learner.dense_weights(weights, opt_state),
+  )
   assert _same_bits(engine.params, expected)
   # The synced copy keeps the learner's dtypes (its checksums are theirs).
-  assert _same_bits(engine.receiver.state,
-                    sync.policy_state(weights, opt_state))
+  assert _same_bits(
+      engine.receiver.state, sync.policy_state(weights, opt_state)
+  )
   out = _greedy(engine.sample, _prompts(policy))
   assert out.tokens.shape == (6, 4)
 
 
 def test_a_process_engine_with_a_mesh_is_refused_before_anything_is_written(
-    policy_folder, tmp_path):
+    policy_folder, tmp_path
+):
   config = _config(policy_folder, "rollout.engine=process")
   with pytest.raises(ValueError, match="rollout.engine=process"):
-    trainer.train(config, tmp_path / "run", progress=False, log=QUIET,
-                  mesh=parallel.MeshConfig(fsdp=2))
+    trainer.train(
+        config,
+        tmp_path / "run",
+        progress=False,
+        log=QUIET,
+        mesh=parallel.MeshConfig(fsdp=2),
+    )
   assert not (tmp_path / "run").exists()

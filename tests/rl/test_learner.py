@@ -28,32 +28,42 @@ def rollout_batch(policy_folder):
   policy = engine.Policy.load(policy_folder)
   task = trainer.load_task(SMOKE)
   batch, metrics = engine.rollout(
-      policy, policy.params, list(task.examples[:4]), SMOKE,
-      [(trainer.task_verifier(task), 1.0)], jax.random.key(1))
+      policy,
+      policy.params,
+      list(task.examples[:4]),
+      SMOKE,
+      [(trainer.task_verifier(task), 1.0)],
+      jax.random.key(1),
+  )
   return policy, batch, metrics
 
 
 def test_recomputed_old_logprobs_equal_the_samplers(rollout_batch):
   policy, batch, _ = rollout_batch
   logp = models.token_logprobs(
-      policy.graphdef, policy.params, batch.prompt_tokens_BxP,
-      batch.prompt_mask_BxP, batch.completion_tokens_BxT,
-      batch.completion_mask_BxT, temperature=SMOKE.rollout.temperature)
+      policy.graphdef,
+      policy.params,
+      batch.prompt_tokens_BxP,
+      batch.prompt_mask_BxP,
+      batch.completion_tokens_BxT,
+      batch.completion_mask_BxT,
+      temperature=SMOKE.rollout.temperature,
+  )
   # The sampler's cached decode and one full forward pass sum in other
   # orders: 2 gamma_n of the log-probs' scale (at least log V).
   config = models.load_pretrained(policy.folder).config
   length = batch.prompt_tokens_BxP.shape[1] + logp.shape[1]
   n = decoder_reduction_length(config, length) + config.vocab_size
   scale = max(float(np.abs(logp).max()), np.log(config.vocab_size))
-  np.testing.assert_allclose(logp, batch.old_logp_BxT,
-                             atol=2 * float_tolerance(np.float32, n) * scale)
+  np.testing.assert_allclose(
+      logp, batch.old_logp_BxT, atol=2 * float_tolerance(np.float32, n) * scale
+  )
 
 
 def test_micro_batched_step_equals_full_batch(rollout_batch):
   policy, batch, _ = rollout_batch
   # Non-trivial advantages, so that the gradient is not zero.
-  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
-                                                  batch.batch_size))
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   tx = learner.skip_non_finite(optax.sgd(1.0))  # params move by the gradient
   results = []
   for micro in (1, 4):
@@ -65,36 +75,40 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
   # The gradients sum the same tokens in two groupings: forward and backward
   # chains plus the B x T tokens, 2 gamma_n of the largest update.
   config = models.load_pretrained(policy.folder).config
-  length = (batch.prompt_tokens_BxP.shape[1]
-            + batch.completion_tokens_BxT.shape[1])
+  length = (
+      batch.prompt_tokens_BxP.shape[1] + batch.completion_tokens_BxT.shape[1]
+  )
   n = 2 * decoder_reduction_length(config, length) + batch.batch_size * length
   for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p1, p4))):
     atol = 2 * float_tolerance(np.float32, n) * float(jnp.abs(b - p0).max())
     np.testing.assert_allclose(a, b, rtol=0, atol=atol + 1e-30)
-  for name in ("loss", "grad_norm", "kl/realized", "clip_fraction",
-               "entropy"):
+  for name in ("loss", "grad_norm", "kl/realized", "clip_fraction", "entropy"):
     np.testing.assert_allclose(m1[name], m4[name], rtol=1e-4, atol=1e-6)
   assert float(m1["grad_norm"]) > 0
   # The step applies updates inside the non-finite guard; it says so when
   # the optimizer has none.
   with pytest.raises(TypeError, match="skip_non_finite"):
     step = learner.make_train_step(policy.graphdef, optax.sgd(1.0), SMOKE)
-    step(jax.tree.map(jnp.copy, policy.params), optax.sgd(1.0).init(
-        policy.params), batch)
+    step(
+        jax.tree.map(jnp.copy, policy.params),
+        optax.sgd(1.0).init(policy.params),
+        batch,
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "logra", "galore"])
 def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
-  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
-                                                  batch.batch_size))
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   config = dataclasses.replace(
-      SMOKE, optimizer=dataclasses.replace(SMOKE.optimizer, name=optimizer))
+      SMOKE, optimizer=dataclasses.replace(SMOKE.optimizer, name=optimizer)
+  )
   tx = learner.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   new_params, _, metrics = step(
-      *learner.init_train_state(config.optimizer, tx, params), batch)
+      *learner.init_train_state(config.optimizer, tx, params), batch
+  )
   assert all(np.isfinite(float(v)) for v in metrics.values())
   assert float(metrics["update_norm"]) > 0
   assert float(metrics["kl/realized_k3"]) > 0
@@ -108,7 +122,8 @@ def _one_step(policy, batch, overrides):
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   params, state, metrics = step(
-      *learner.init_train_state(config.optimizer, tx, params), batch)
+      *learner.init_train_state(config.optimizer, tx, params), batch
+  )
   return learner.dense_weights(params, state), state, metrics
 
 
@@ -116,15 +131,21 @@ def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
   """LoGRA's learner step with sketch-direct gradients (micro-batched)
   against projecting full gradients."""
   policy, batch, _ = rollout_batch
-  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
-                                                  batch.batch_size))
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   (p_s, _, m_s), (p_d, _, m_d) = (
-      _one_step(policy, batch, [f"optimizer.gradient_mode={mode}",
-                                "optimizer.kind=random",
-                                "optimizer.max_grad_norm=0", "micro_batches=2"])
-      for mode in ("sketch", "dense"))
-  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p_s,
-                                                      p_d))):
+      _one_step(
+          policy,
+          batch,
+          [
+              f"optimizer.gradient_mode={mode}",
+              "optimizer.kind=random",
+              "optimizer.max_grad_norm=0",
+              "micro_batches=2",
+          ],
+      )
+      for mode in ("sketch", "dense")
+  )
+  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p_s, p_d))):
     # Relative to the step (params round at ~1e-9 absolute).
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - p0)) <= 1e-4
   np.testing.assert_allclose(m_s["loss"], m_d["loss"], rtol=1e-6)
@@ -135,19 +156,23 @@ def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
 
 def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
   policy, batch, _ = rollout_batch
-  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
-                                                  batch.batch_size))
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   optimizer = dataclasses.replace(SMOKE.optimizer)
   # Past the config's validation, as a hand-built chain would be.
   object.__setattr__(optimizer, "learning_rate", float("nan"))
   tx = learner.make_optimizer(optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
-  params, state, metrics = step(*learner.init_train_state(
-      optimizer, tx, jax.tree.map(jnp.copy, policy.params)), batch)
-  for before, after in zip(jax.tree.leaves(policy.params),
-                           jax.tree.leaves(learner.dense_weights(params,
-                                                                 state)),
-                           strict=True):
+  params, state, metrics = step(
+      *learner.init_train_state(
+          optimizer, tx, jax.tree.map(jnp.copy, policy.params)
+      ),
+      batch,
+  )
+  for before, after in zip(
+      jax.tree.leaves(policy.params),
+      jax.tree.leaves(learner.dense_weights(params, state)),
+      strict=True,
+  ):
     np.testing.assert_array_equal(after, before)
   guard = learner.non_finite_state(state)
   assert learner.non_finite_reasons(guard.reason) == ["update"]
@@ -160,11 +185,17 @@ def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
 @pytest.mark.parametrize("optimizer", ["adam", "logra"])
 def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
-  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0,
-                                                  batch.batch_size))
-  _, _, metrics = _one_step(policy, batch, [
-      f"optimizer.name={optimizer}", "optimizer.learning_rate=0.1",
-      "optimizer.target_kl=1e-5", "optimizer.kl_subsample=8"])
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
+  _, _, metrics = _one_step(
+      policy,
+      batch,
+      [
+          f"optimizer.name={optimizer}",
+          "optimizer.learning_rate=0.1",
+          "optimizer.target_kl=1e-5",
+          "optimizer.kl_subsample=8",
+      ],
+  )
   assert 0 < float(metrics["kl/scale"]) < 1
   np.testing.assert_allclose(float(metrics["kl/predicted"]), 1e-5, rtol=1e-3)
   assert int(metrics["kl/skipped"]) == 0
@@ -178,29 +209,42 @@ def test_logra_state_is_smaller_than_dense_adam(policy_folder):
   config = dataclasses.replace(SMOKE.optimizer, rank=2)
   state = learner.make_optimizer(config, policy.params).init(policy.params)
   from logra_jax import optimizer_state_bytes
+
   assert optimizer_state_bytes(state) < learner.dense_adam_state_bytes(
-      policy.params)
+      policy.params
+  )
 
 
 def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   # A TRL-style reward from a file, beside the task's verifier.
   (tmp_path / "my_rewards.py").write_text(
       "def short(completions, **kwargs):\n"
-      "  return [float(len(c) <= 2) for c in completions]\n")
+      "  return [float(len(c) <= 2) for c in completions]\n"
+  )
   out = tmp_path / "run"
   config = train_config.apply_overrides(
-      SMOKE, [f"policy.path={policy_folder}", "steps=2",
-              "optimizer.refresh_every=1",   # a window merged every step
-              "rewards=[{function: task}, {function: "
-              f"'{tmp_path}/my_rewards.py:short', weight: 0.5}}]",
-              "logging.samples_every=2", "logging.samples_shown=3"])
+      SMOKE,
+      [
+          f"policy.path={policy_folder}",
+          "steps=2",
+          "optimizer.refresh_every=1",  # a window merged every step
+          "rewards=[{function: task}, {function: "
+          f"'{tmp_path}/my_rewards.py:short', weight: 0.5}}]",
+          "logging.samples_every=2",
+          "logging.samples_shown=3",
+      ],
+  )
   printed = []
   summary = trainer.train(config, out, progress=False, log=printed.append)
   tmp_path = out
   written = json.loads((tmp_path / "summary.json").read_text())
-  for key in ("eval_accuracy_before", "eval_accuracy_after",
-              "optimizer_state_bytes", "dense_adam_state_bytes",
-              "wall_seconds"):
+  for key in (
+      "eval_accuracy_before",
+      "eval_accuracy_after",
+      "optimizer_state_bytes",
+      "dense_adam_state_bytes",
+      "wall_seconds",
+  ):
     assert key in written
   assert 0.0 <= written["eval_accuracy_after"] <= 1.0
   assert written["optimizer_state_bytes"] < written["dense_adam_state_bytes"]
@@ -219,51 +263,74 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   # Both rewards scored every completion; the total is their weighted sum.
   first = json.loads(lines[0])
   assert first["reward/total"] == pytest.approx(
-      first["reward/reasoning_gym_score"] + 0.5 * first["reward/short"])
+      first["reward/reasoning_gym_score"] + 0.5 * first["reward/short"]
+  )
   # Sample tables at steps 1 and 2, on the console and in samples.jsonl.
-  samples = [json.loads(line) for line in
-             (tmp_path / "samples.jsonl").read_text().splitlines()]
+  samples = [
+      json.loads(line)
+      for line in (tmp_path / "samples.jsonl").read_text().splitlines()
+  ]
   assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
-  assert {"prompt", "completion", "answer", "reward", "reward/short",
-          "reward/reasoning_gym_score"} <= set(samples[0])
+  assert {
+      "prompt",
+      "completion",
+      "answer",
+      "reward",
+      "reward/short",
+      "reward/reasoning_gym_score",
+  } <= set(samples[0])
   assert sum("samples at step" in line for line in printed) == 2
   # The run folder's config.yaml is the run's config.
-  assert train_config.load_config(
-      "tiny", [tmp_path / "config.yaml"]) == config
+  assert train_config.load_config("tiny", [tmp_path / "config.yaml"]) == config
 
 
 def test_sharded_run_matches_the_unsharded_one(policy_folder, tmp_path):
   """`logra train --mesh`: the same run on a 4x2 mesh of CPU devices."""
   config = train_config.apply_overrides(
-      SMOKE, [f"policy.path={policy_folder}", "steps=2"])
+      SMOKE, [f"policy.path={policy_folder}", "steps=2"]
+  )
   runs = {}
-  for name, mesh in (("one", None), ("mesh", parallel.MeshConfig(dp=2,
-                                                                  fsdp=4))):
-    trainer.train(config, tmp_path / name, progress=False, log=lambda s: None,
-                  mesh=mesh)
-    runs[name] = [json.loads(line) for line in
-                  (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+  for name, mesh in (
+      ("one", None),
+      ("mesh", parallel.MeshConfig(dp=2, fsdp=4)),
+  ):
+    trainer.train(
+        config, tmp_path / name, progress=False, log=lambda s: None, mesh=mesh
+    )
+    runs[name] = [
+        json.loads(line)
+        for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    ]
   for one, sharded in zip(runs["one"], runs["mesh"]):
     assert one["reward/total"] == sharded["reward/total"]
-    np.testing.assert_allclose(sharded["loss"], one["loss"], rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        sharded["loss"], one["loss"], rtol=1e-4, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["rollout.num_generations=1"], "num_generations must be >= 2"),
-    (["micro_batches=3"], "must divide the rollout batch"),
-    (["optimizer.name=sgd"], "optimizer.name must be one of"),
-    (["optimizer.rnak=4"], "unknown config key optimizer.rnak"),
-    (["steps=abc"], "steps: Value 'abc' of type 'str' could not be "
-     "converted to Integer"),
-    (["advantage=ppo"], "advantage must be one of"),
-    (["optimizer.target_kl=0"], "target_kl must be > 0"),
-    (["optimizer.kl_mode=exact"], "kl_mode must be one of"),
-    (["optimizer.kl_subsample=99"], "exceeds the rollout batch"),
-    (["optimizer.gradient_mode=full"], "gradient_mode must be one of"),
-    (["optimizer.name=adam", "optimizer.project_embeddings=true"],
-     "project_embeddings applies to logra and galore"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["rollout.num_generations=1"], "num_generations must be >= 2"),
+        (["micro_batches=3"], "must divide the rollout batch"),
+        (["optimizer.name=sgd"], "optimizer.name must be one of"),
+        (["optimizer.rnak=4"], "unknown config key optimizer.rnak"),
+        (
+            ["steps=abc"],
+            "steps: Value 'abc' of type 'str' could not be "
+            "converted to Integer",
+        ),
+        (["advantage=ppo"], "advantage must be one of"),
+        (["optimizer.target_kl=0"], "target_kl must be > 0"),
+        (["optimizer.kl_mode=exact"], "kl_mode must be one of"),
+        (["optimizer.kl_subsample=99"], "exceeds the rollout batch"),
+        (["optimizer.gradient_mode=full"], "gradient_mode must be one of"),
+        (
+            ["optimizer.name=adam", "optimizer.project_embeddings=true"],
+            "project_embeddings applies to logra and galore",
+        ),
+    ],
+)
 def test_bad_config_is_rejected_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
     train_config.apply_overrides(SMOKE, overrides)
@@ -275,8 +342,10 @@ def test_unknown_preset_lists_valid_ones(capsys):
 
 
 def test_unknown_task_is_a_clear_error(capsys):
-  assert cli_main(["eval", "--policy", "x", "--set",
-                   "task.name=no_such_task"]) == 2
+  assert (
+      cli_main(["eval", "--policy", "x", "--set", "task.name=no_such_task"])
+      == 2
+  )
   assert "no_such_task" in capsys.readouterr().err
 
 
@@ -289,27 +358,41 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
   its zero coordinates, and XLA:CPU compiled that bfloat16 product, fused
   with the log-softmax's max over the vocabulary, to NaN."""
   vocab = 151936
-  config = train_config.apply_overrides(SMOKE, [
-      "optimizer.rank=64", "optimizer.project_embeddings=true",
-      "optimizer.gradient_mode=sketch", "micro_batches=1"])
+  config = train_config.apply_overrides(
+      SMOKE,
+      [
+          "optimizer.rank=64",
+          "optimizer.project_embeddings=true",
+          "optimizer.gradient_mode=sketch",
+          "micro_batches=1",
+      ],
+  )
   model_config = models.DecoderConfig.tiny(
-      vocab_size=vocab, hidden_size=128, num_layers=1,
-      tie_word_embeddings=True, dtype="bfloat16")
+      vocab_size=vocab,
+      hidden_size=128,
+      num_layers=1,
+      tie_word_embeddings=True,
+      dtype="bfloat16",
+  )
   graphdef, params = models.split_model(models.init_model(model_config, 0))
   B, P, T = 4, 3, 5
   prompt_key, completion_key = jax.random.split(jax.random.key(0))
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=jax.random.randint(prompt_key, (B, P), 0, vocab),
       prompt_mask_BxP=jnp.ones((B, P), jnp.int32),
-      completion_tokens_BxT=jax.random.randint(completion_key, (B, T), 0,
-                                               vocab),
+      completion_tokens_BxT=jax.random.randint(
+          completion_key, (B, T), 0, vocab
+      ),
       completion_mask_BxT=jnp.ones((B, T), jnp.int32),
       old_logp_BxT=jnp.full((B, T), -np.log(vocab), jnp.float32),
-      advantages_B=jnp.linspace(-1.0, 1.0, B), num_generations=2)
+      advantages_B=jnp.linspace(-1.0, 1.0, B),
+      num_generations=2,
+  )
   tx = learner.make_optimizer(config.optimizer, params)
   params, state = learner.init_train_state(config.optimizer, tx, params)
-  assert sketch_grad.project_state(state).spec.plan_tree()[
-      "embed"].value.projected
+  assert (
+      sketch_grad.project_state(state).spec.plan_tree()["embed"].value.projected
+  )
   step = learner.make_train_step(graphdef, tx, config)
   for _ in range(3):
     params, state, metrics = step(params, state, batch)

@@ -9,8 +9,10 @@ import pytest
 import logra_jax as logra
 from logra_jax.rl import learner
 
-PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 4)),
-          "b": jnp.arange(4.0)}
+PARAMS = {
+    "w": jax.random.normal(jax.random.key(0), (8, 4)),
+    "b": jnp.arange(4.0),
+}
 GRADS = jax.tree.map(lambda p: jnp.full_like(p, 0.5), PARAMS)
 
 
@@ -34,12 +36,14 @@ def test_a_non_finite_applied_update_leaves_params_unchanged(learning_rate):
   # Under LoGRA the learner applies the update inside the guard (apply_fn):
   # the applied result is what is checked.
   tx = learner.skip_non_finite(
-      logra.logra(learning_rate, rank=2, refresh_every=1))
+      logra.logra(learning_rate, rank=2, refresh_every=1)
+  )
   state = tx.init(PARAMS)
   apply = lambda u: optax.apply_updates(PARAMS, u)
   new_params, new = tx.update(GRADS, state, PARAMS, apply_fn=apply)
-  for before, after in zip(jax.tree.leaves(PARAMS),
-                           jax.tree.leaves(new_params)):
+  for before, after in zip(
+      jax.tree.leaves(PARAMS), jax.tree.leaves(new_params)
+  ):
     np.testing.assert_array_equal(after, before)
   assert learner.non_finite_reasons(new.reason) == ["update"]
   assert int(new.skipped_steps) == 1
@@ -55,7 +59,10 @@ def test_an_overflowing_result_is_skipped():
   params = {"w": jnp.full((3,), 3e38)}
   tx = learner.skip_non_finite(optax.sgd(-1.0))
   new_params, new = tx.update(
-      {"w": jnp.full((3,), 1e38)}, tx.init(params), params,
-      apply_fn=lambda u: optax.apply_updates(params, u))
+      {"w": jnp.full((3,), 1e38)},
+      tx.init(params),
+      params,
+      apply_fn=lambda u: optax.apply_updates(params, u),
+  )
   np.testing.assert_array_equal(new_params["w"], params["w"])
   assert learner.non_finite_reasons(new.reason) == ["update"]

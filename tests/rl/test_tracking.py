@@ -21,17 +21,33 @@ def _samples():
   columns = {"answer": ["2", "2", "5", "5"]}
   report = rewards.evaluate_rewards(
       [(rewards.exact_match, 1.0), (rewards.format_reward(r"\d+"), 0.5)],
-      prompts, completions, columns)
+      prompts,
+      completions,
+      columns,
+  )
   return engine_lib.RolloutSamples(prompts, completions, columns, report)
 
 
 def test_sample_rows_are_the_first_completion_of_each_prompt():
   rows = tracking.sample_rows(_samples(), num_generations=2, shown=5)
   assert rows == [
-      {"prompt": "1+1=", "completion": "2", "answer": "2", "reward": 1.5,
-       "reward/exact_match": 1.0, "reward/format": 1.0},
-      {"prompt": "2+3=", "completion": "5", "answer": "5", "reward": 1.5,
-       "reward/exact_match": 1.0, "reward/format": 1.0}]
+      {
+          "prompt": "1+1=",
+          "completion": "2",
+          "answer": "2",
+          "reward": 1.5,
+          "reward/exact_match": 1.0,
+          "reward/format": 1.0,
+      },
+      {
+          "prompt": "2+3=",
+          "completion": "5",
+          "answer": "5",
+          "reward": 1.5,
+          "reward/exact_match": 1.0,
+          "reward/format": 1.0,
+      },
+  ]
   assert len(tracking.sample_rows(_samples(), 2, shown=1)) == 1
   # One row per completion when each prompt has one.
   assert len(tracking.sample_rows(_samples(), 1, shown=9)) == 4
@@ -58,7 +74,10 @@ def test_sample_log_drops_the_rows_a_resumed_run_samples_again(tmp_path):
     log.write(10, [{"prompt": "p", "completion": "again"}])
   rows = [json.loads(line) for line in path.read_text().splitlines()]
   assert [(r["step"], r["completion"]) for r in rows] == [
-      (1, "1"), (5, "5"), (10, "again")]
+      (1, "1"),
+      (5, "5"),
+      (10, "again"),
+  ]
   # A new run starts the file afresh.
   with tracking.SampleLog(path):
     pass
@@ -71,8 +90,8 @@ def _tfrecords(path):
   data, records = path.read_bytes(), []
   while data:
     (length,) = struct.unpack("<Q", data[:8])
-    records.append(data[12:12 + length])
-    data = data[16 + length:]
+    records.append(data[12 : 12 + length])
+    data = data[16 + length :]
   return records
 
 
@@ -84,7 +103,9 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
   scalars = []
   for record in _tfrecords(path):
     event = event_pb2.Event.FromString(record)
-    scalars += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+    scalars += [
+        (event.step, v.tag, v.simple_value) for v in event.summary.value
+    ]
   assert scalars == [(1, "reward/total", 0.25), (2, "reward/total", 0.75)]
 
 
@@ -95,17 +116,25 @@ def test_wandb_offline_run_records_the_metrics(tmp_path, monkeypatch):
   with tracking.Trackers(["wandb"], tmp_path, {"steps": 3}) as trackers:
     trackers.log({"reward/total": 0.625}, step=1)
   run_id = (tmp_path / "wandb-run-id").read_text()
-  [record] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+  [record] = (tmp_path / "wandb").glob(
+      f"offline-run-*-{run_id}/run-{run_id}.wandb"
+  )
   data = record.read_bytes()
   assert b"reward/total" in data and b"0.625" in data
 
 
 def test_a_tracker_whose_library_is_missing_is_refused(monkeypatch):
   real_find_spec = tracking.importlib.util.find_spec
-  monkeypatch.setattr(tracking.importlib.util, "find_spec",
-                      lambda name: None if name == "wandb" else real_find_spec(name))
-  with pytest.raises(ValueError, match=r"logging.trackers includes 'wandb', but wandb "
-                     r"is not installed: pip install 'logra-jax\[wandb\]'"):
+  monkeypatch.setattr(
+      tracking.importlib.util,
+      "find_spec",
+      lambda name: None if name == "wandb" else real_find_spec(name),
+  )
+  with pytest.raises(
+      ValueError,
+      match=r"logging.trackers includes 'wandb', but wandb "
+      r"is not installed: pip install 'logra-jax\[wandb\]'",
+  ):
     tracking.check_trackers(["tensorboard", "wandb"])
 
 

@@ -15,15 +15,25 @@ WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
 
 
 def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
-    policy_folder, tmp_path, capsys):
+    policy_folder, tmp_path, capsys
+):
   out = tmp_path / "run"
-  args = ["train", "--preset=smoke", "--no-progress", f"--out={out}",
-          f"--set=policy.path={policy_folder}", "--set=steps=1000",
-          "--set=checkpoint.every_steps=0"]
+  args = [
+      "train",
+      "--preset=smoke",
+      "--no-progress",
+      f"--out={out}",
+      f"--set=policy.path={policy_folder}",
+      "--set=steps=1000",
+      "--set=checkpoint.every_steps=0",
+  ]
   # A run in a child process, slowed so that it is mid-run for a while.
   proc = subprocess.Popen(
       [sys.executable, str(WORKER), "--step-delay", "0.2", "--", *args],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+  )
   try:
     lines = []
     for line in proc.stdout:
@@ -35,9 +45,11 @@ def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
     # 1. The same command again while the first runs: refused at once.
     assert cli_main(args) == 2
     err = capsys.readouterr().err
-    assert err == (f"logra train: error: {out} is in use by another run (it "
-                   f"holds {out / '.lock'}); wait for it to end or choose "
-                   "another output folder\n")
+    assert err == (
+        f"logra train: error: {out} is in use by another run (it "
+        f"holds {out / '.lock'}); wait for it to end or choose "
+        "another output folder\n"
+    )
     # 2. SIGTERM: the run ends its step, saves, writes its results and
     # exits with 128 + 15, as a process killed by SIGTERM would.
     proc.send_signal(signal.SIGTERM)
@@ -50,6 +62,8 @@ def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
   assert summary["interrupted"] and summary["stopped_by"] == "SIGTERM"
   assert summary["checkpoint_steps"] == [summary["steps"]]
   # One writer: metrics.jsonl holds each finished step once, in order.
-  metrics = [json.loads(line)
-             for line in (out / "metrics.jsonl").read_text().splitlines()]
+  metrics = [
+      json.loads(line)
+      for line in (out / "metrics.jsonl").read_text().splitlines()
+  ]
   assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))

@@ -13,22 +13,29 @@ from logra_jax import models
 from logra_jax.configs.train import get_preset
 from logra_jax.rl import warm_start as warm_start_lib
 
-EXAMPLES = [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
-            for a in range(4) for b in range(4)]
+EXAMPLES = [
+    {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+    for a in range(4)
+    for b in range(4)
+]
 
 
 @pytest.fixture
 def policy(tmp_path):
   """The smoke preset's decoder, untrained (the cache is under test), cached
   in tmp_path/cache."""
-  return dataclasses.replace(get_preset("smoke").policy, warm_start_steps=0,
-                             cache_dir=str(tmp_path / "cache"))
+  return dataclasses.replace(
+      get_preset("smoke").policy,
+      warm_start_steps=0,
+      cache_dir=str(tmp_path / "cache"),
+  )
 
 
 def _build(policy, lines=None):
   log = print if lines is None else lines.append
-  return warm_start_lib.warm_start(policy, EXAMPLES, seed=0, max_length=16,
-                                   log=log)
+  return warm_start_lib.warm_start(
+      policy, EXAMPLES, seed=0, max_length=16, log=log
+  )
 
 
 def _entries(policy):
@@ -42,7 +49,7 @@ def _loads(folder):
 
 
 def test_build_then_reuse(policy):
-  folder = _build(policy)   # warm_start_steps=0 is valid: the initial model
+  folder = _build(policy)  # warm_start_steps=0 is valid: the initial model
   assert _entries(policy) == [folder.name]
   _loads(folder)
   lines = []
@@ -52,16 +59,23 @@ def test_build_then_reuse(policy):
 
 def truncate_weights(folder):
   file = folder / "model.safetensors"
-  file.write_bytes(file.read_bytes()[:file.stat().st_size // 2])
+  file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda f: (f / "tokenizer.json").unlink(),
-     r"missing \['tokenizer.json'\]"),
-    (truncate_weights, "model.safetensors: .*incomplete metadata"),
-    (lambda f: (f / "config.json").write_text("{"),
-     "config.json is not readable JSON"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (
+            lambda f: (f / "tokenizer.json").unlink(),
+            r"missing \['tokenizer.json'\]",
+        ),
+        (truncate_weights, "model.safetensors: .*incomplete metadata"),
+        (
+            lambda f: (f / "config.json").write_text("{"),
+            "config.json is not readable JSON",
+        ),
+    ],
+)
 def test_invalid_entry_is_rebuilt(policy, damage, reason):
   folder = _build(policy)
   damage(folder)
@@ -73,14 +87,14 @@ def test_invalid_entry_is_rebuilt(policy, damage, reason):
   _loads(folder)
 
 
-def test_interrupted_build_leaves_nothing_that_looks_complete(policy,
-                                                              monkeypatch):
+def test_interrupted_build_leaves_nothing_that_looks_complete(
+    policy, monkeypatch
+):
   def fail(*args, **kwargs):
     raise OSError("disk full")
 
   with monkeypatch.context() as patch:
-    patch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained",
-                  fail)
+    patch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", fail)
     with pytest.raises(OSError, match="disk full"):
       _build(policy)
   assert _entries(policy) == []
@@ -88,8 +102,9 @@ def test_interrupted_build_leaves_nothing_that_looks_complete(policy,
 
 
 @pytest.mark.parametrize("valid", [True, False])
-def test_an_entry_published_first_by_another_run(policy, tmp_path,
-                                                 monkeypatch, valid):
+def test_an_entry_published_first_by_another_run(
+    policy, tmp_path, monkeypatch, valid
+):
   """A valid one is kept; an invalid one is replaced by this run's."""
   theirs = tmp_path / "theirs"
   shutil.move(_build(policy), theirs)
@@ -100,19 +115,21 @@ def test_an_entry_published_first_by_another_run(policy, tmp_path,
   save = models.save_pretrained
 
   def save_after_another_run(model, path, **kwargs):
-    shutil.copytree(theirs, folder)   # it finished while this run trained
+    shutil.copytree(theirs, folder)  # it finished while this run trained
     save(model, path, **kwargs)
 
   monkeypatch.setattr(models, "save_pretrained", save_after_another_run)
   lines = []
   assert _build(policy, lines) == folder
   if valid:
-    assert lines[-1] == (f"warm start: another run published {folder} first;"
-                         " using it")
+    assert lines[-1] == (
+        f"warm start: another run published {folder} first;" " using it"
+    )
   else:
     assert lines[-1].startswith(
         f"warm start: replacing the invalid {folder} another run published "
-        "(missing ['tokenizer.json'])")
+        "(missing ['tokenizer.json'])"
+    )
   assert (folder / "marker").exists() == valid
   assert warm_start_lib.entry_problem(folder) is None
   assert _entries(policy) == [folder.name]
