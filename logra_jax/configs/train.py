@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -564,7 +566,9 @@ def load_config(
     files: YAML run configs (e.g. a run folder's ``config.yaml``).
     overrides: ``section.field=value`` strings; a value is YAML, so lists
       and maps are written inline (``logging.trackers=[tensorboard,wandb]``)
-      and ``null`` clears an optional field.
+      and ``null`` clears an optional field, except that a text field takes
+      the text as written unless it is quoted (``task.answer_after=#### ``).
+      ``${...}`` is text everywhere, never an interpolation.
 
   Returns:
     The :class:`TrainConfig`.
@@ -607,6 +611,8 @@ def apply_overrides(
     >>> cfg.optimizer.rank, cfg.steps
     (8, 5)
   """
+  if isinstance(overrides, str):
+    overrides = [overrides]
   return _build(
       OmegaConf.structured(config),
       [_override_layer(item) for item in overrides],
@@ -629,7 +635,7 @@ def to_yaml(config: TrainConfig) -> str:
     ...   load_config("tiny", [f.name]) == config
     True
   """
-  return OmegaConf.to_yaml(OmegaConf.structured(config))
+  return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
 def from_dict(data: dict[str, Any]) -> TrainConfig:
@@ -643,7 +649,12 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
   """
   return _build(
       OmegaConf.structured(TrainConfig),
-      [("a config map", _as_layer(data, "a config map"))],
+      [
+          (
+              "a config map",
+              _as_layer(_escape_interpolations(data), "a config map"),
+          )
+      ],
   )
 
 
@@ -667,19 +678,63 @@ def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:
   except (yaml.YAMLError, UnicodeDecodeError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source} is not valid YAML: {problem}") from None
-  return source, _as_layer({} if data is None else data, source)
+  data = {} if data is None else data
+  return source, _as_layer(_escape_interpolations(data), source)
+
+
+def _is_text_field(path: Sequence[str]) -> bool:
+  """Whether the field at ``path`` of :class:`TrainConfig` holds text (``str``
+  or ``Optional[str]``)."""
+  kind: Any = TrainConfig
+  for part in path:
+    if not dataclasses.is_dataclass(kind):
+      return False
+    hints = typing.get_type_hints(kind)
+    if part not in hints:
+      return False
+    kind = hints[part]
+  return kind is str or (
+      typing.get_origin(kind) in (typing.Union, types.UnionType)
+      and str in typing.get_args(kind)
+  )
 
 
 def _override_layer(item: str) -> _Layer:
+  """One ``key=value`` override as a config layer. The value is YAML, except
+  for a text field, which takes the text as written (``task.answer_after=####
+  `` keeps its marker and space) unless it is quoted or ``null``."""
   source = f"override {item!r}"
   key, sep, value = item.partition("=")
-  if not sep or not key.strip():
+  key = key.strip()
+  if not sep or not key:
     raise ValueError(f"{source} must look like section.field=value")
+  path = key.split(".")
+  if (
+      _is_text_field(path)
+      and value.strip() != "null"
+      and not value.strip().startswith(("'", '"'))
+  ):
+    layer: Any = value
+    for part in reversed(path):
+      layer = {part: layer}
+    return source, OmegaConf.create(_escape_interpolations(layer))
   try:
-    return source, OmegaConf.from_dotlist([f"{key.strip()}={value.strip()}"])
+    return source, OmegaConf.from_dotlist([f"{key}={value.strip()}"])
   except (omegaconf.errors.OmegaConfBaseException, yaml.YAMLError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source}: {problem}") from None
+
+
+def _escape_interpolations(data: Any) -> Any:
+  """``data`` with OmegaConf's interpolation marker ``${`` escaped in every
+  string, so that text such as a template holding ``${price}`` stays text."""
+  if isinstance(data, str):
+    return data.replace("${", "\\${")
+  if isinstance(data, dict):
+    return {k: _escape_interpolations(v) for k, v in data.items()}
+  if isinstance(data, (list, tuple)):
+    return [_escape_interpolations(v) for v in data]
+  return data
 
 
 def _section_names() -> dict[type, str]:

@@ -48,7 +48,8 @@ _MODEL_TENSORS: Mapping[str, str] = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors llama.cpp derives from the config (rotary frequencies).
+# Rotary frequency factors llama.cpp stores for RoPE scaling (Llama 3.1+),
+# which transformers' GGUF reader does not turn into ``rope_scaling``.
 _DERIVED_TENSORS = ("rope_freqs.weight",)
 
 
@@ -97,8 +98,6 @@ def _hf_tensors(
   tensors = {}
   for tensor in reader.tensors:
     name = tensor.name
-    if name in _DERIVED_TENSORS:
-      continue
     local = ""
     if name in _MODEL_TENSORS:
       hf_name = _MODEL_TENSORS[name]
@@ -122,6 +121,11 @@ def _hf_tensors(
     values = np.asarray(values, np.float32)
     if architecture == "llama" and local in ("attn_q.weight", "attn_k.weight"):
       heads = num_heads if local == "attn_q.weight" else num_kv_heads
+      if values.ndim != 2 or values.shape[0] % (2 * heads):
+        raise ValueError(
+            f"{path}: tensor {name!r} of shape {values.shape} does not hold "
+            f"{heads} heads of an even size"
+        )
       values = unpermute_rotary_rows(values, heads)
     tensors[hf_name] = np.ascontiguousarray(values)
   return tensors
@@ -170,12 +174,22 @@ def convert_gguf(
   path, out = pathlib.Path(gguf_file), pathlib.Path(out)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file {path} not found")
-  if out.exists() and not overwrite:
-    raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+  if out.exists() or out.is_symlink():
+    if not overwrite:
+      raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    _check_replaceable(out, path)
   try:
     reader = gguf.GGUFReader(path)
-  except (ValueError, OSError) as error:
-    raise ValueError(f"{path} is not a GGUF file: {error}") from None
+  except Exception as error:  # noqa: BLE001 -- numpy/struct errors of a bad file.
+    raise ValueError(
+        f"{path} is not a GGUF file: {type(error).__name__}: {error}"
+    ) from None
+  scaling = sorted(k for k in reader.fields if ".rope.scaling." in k)
+  if scaling or any(t.name in _DERIVED_TENSORS for t in reader.tensors):
+    raise ValueError(
+        f"{path}: RoPE frequency scaling ({scaling or list(_DERIVED_TENSORS)}) "
+        "is not converted; only unscaled rotary embeddings are supported"
+    )
   architecture = str(_field(reader, "general.architecture", path))
   if architecture not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
@@ -204,10 +218,33 @@ def convert_gguf(
     safetensors.numpy.save_file(
         tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"}
     )
-    if out.exists():
-      shutil.rmtree(out)
+    old = None
+    if out.exists():  # moved aside, deleted once the new folder is in place
+      old = out.with_name(f".{out.name}.replaced")
+      out.rename(old)
     tmp.rename(out)
+    if old is not None:
+      shutil.rmtree(old)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out
+
+
+def _check_replaceable(out: pathlib.Path, gguf_file: pathlib.Path) -> None:
+  """Refuses to replace ``out`` unless it is a policy folder (it holds a
+  ``config.json``) that neither holds the GGUF file nor the working
+  directory."""
+  if out.is_symlink() or not out.is_dir():
+    raise FileExistsError(f"{out} is not a folder; it cannot be replaced")
+  resolved = out.resolve()
+  inside = [
+      p
+      for p in (gguf_file.resolve(), pathlib.Path.cwd().resolve())
+      if p == resolved or resolved in p.parents
+  ]
+  if inside or not (out / "config.json").is_file():
+    raise FileExistsError(
+        f"{out} is not a policy folder to replace (it has no config.json, or "
+        "holds the GGUF file or the working directory); choose another --out"
+    )

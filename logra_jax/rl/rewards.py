@@ -340,8 +340,9 @@ def check_reward_functions(
 ) -> None:
   """Tries each reward on the reference answers of ``examples``; raises on a bad one.
 
-  Each function is called once on the whole list, as a run would call it, with
-  the answers as completions: a function that raises, does not take the
+  Each function is called once on the whole list (the batch form TRL uses; a
+  run scores one sample per call, with the same keywords), with the answers
+  as completions: a function that raises, does not take the
   keywords, returns something other than one finite number per completion, or
   runs past ``timeout_s`` is a configuration error, reported before anything
   compiles. Its scores are not judged (a reference answer need not score 1).
@@ -467,6 +468,8 @@ class RewardReport:
 
 def _one_score(out: Any) -> float:
   """The single finite float a reward returned for one sample, or a ValueError."""
+  if isinstance(out, np.ndarray):
+    out = out.reshape(-1).tolist() if out.ndim == 1 else out
   if (
       isinstance(out, (str, bytes))
       or not isinstance(out, Sequence)
@@ -552,12 +555,13 @@ def _guarded_scores(
 
 
 def _names(fns: Sequence[RewardFn]) -> list[str]:
-  """Unique metric names from the functions' ``__name__`` (``_2``, ``_3`` on repeats)."""
+  """Unique metric names from the functions' ``__name__`` (``_2``, ``_3`` on repeats;
+  ``total``, the weighted sum's name, is taken)."""
   names: list[str] = []
   for fn in fns:
     base = getattr(fn, "__name__", type(fn).__name__)
     name, k = base, 1
-    while name in names:
+    while name in names or name == "total":
       k += 1
       name = f"{base}_{k}"
     names.append(name)

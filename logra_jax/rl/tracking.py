@@ -50,8 +50,10 @@ class Trackers:
     names: ``logging.trackers``.
     out: the run folder (TensorBoard writes under ``out/tensorboard``;
       W&B keeps its files under ``out/wandb`` and its run id in
-      ``out/wandb-run-id``, so that a resumed run logs to the same W&B run).
+      ``out/wandb-run-id``).
     config: the run's config as plain dicts, recorded by W&B.
+    resume: the run resumes: W&B continues the run of ``wandb-run-id``
+      (otherwise a new W&B run is started).
 
   Example:
     >>> import tempfile
@@ -61,7 +63,11 @@ class Trackers:
   """
 
   def __init__(
-      self, names: Sequence[str], out: pathlib.Path, config: Mapping[str, Any]
+      self,
+      names: Sequence[str],
+      out: pathlib.Path,
+      config: Mapping[str, Any],
+      resume: bool = False,
   ):
     check_trackers(names)
     self._tensorboard = self._wandb = None
@@ -73,7 +79,7 @@ class Trackers:
       import wandb
 
       id_file = out / "wandb-run-id"
-      if not id_file.exists():
+      if not resume or not id_file.exists():  # a new run: a new W&B run
         id_file.write_text(uuid.uuid4().hex[:16])
       self._wandb = wandb.init(
           dir=str(out),
@@ -191,11 +197,13 @@ class SampleLog:
   def __init__(self, path: pathlib.Path, resumed_step: int | None = None):
     kept = []
     if resumed_step is not None and path.exists():
-      kept = [
-          line
-          for line in path.read_text().splitlines()
-          if line.strip() and json.loads(line)["step"] <= resumed_step
-      ]
+      for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+          continue
+        if isinstance(row, dict) and row.get("step", 0) <= resumed_step:
+          kept.append(line)
     self._file = open(path, "w", encoding="utf-8")
     self._file.writelines(line + "\n" for line in kept)
     self._file.flush()

@@ -792,7 +792,9 @@ def _train(
       initial=first_step,
       total=config.steps,
   )
-  trackers = tracking.Trackers(config.logging.trackers, out, to_dict(config))
+  trackers = tracking.Trackers(
+      config.logging.trackers, out, to_dict(config), resume=resume
+  )
   sample_log = tracking.SampleLog(
       out / "samples.jsonl", first_step if resume else None
   )
@@ -936,8 +938,9 @@ def train_or_reuse(
 ) -> dict[str, Any]:
   """:func:`train` quietly, unless ``out_dir`` already holds a finished run
   of the same config; returns its summary. An unfinished run of the same
-  config resumes from its checkpoint; checkpoints of another config (or all
-  of them, with ``rerun``) are deleted first. For studies that resume."""
+  config resumes from its checkpoint; checkpoints, summary, samples and
+  tracker files of another config (or all of them, with ``rerun``) are
+  deleted first. For studies that resume."""
   out = pathlib.Path(out_dir)
   same = (out / "config.yaml").exists() and _saved_config(out) == config
   if same and not rerun and (out / "summary.json").exists():
@@ -951,6 +954,10 @@ def train_or_reuse(
         resume = ckpt.latest_step() is not None
     if not resume:
       shutil.rmtree(out / "checkpoints")
+  if not resume:  # what an earlier run of another config left
+    for name in ("summary.json", "samples.jsonl", "wandb-run-id"):
+      (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "tensorboard", ignore_errors=True)
   return train(config, out, progress=False, log=lambda s: None, resume=resume)
 
 

@@ -103,7 +103,16 @@ class Policy:
     if mesh is not None:
       params = jax.device_put(params, parallel.param_shardings(params, mesh))
     chat = chat_template == "auto" and bool(tokenizer.chat_template)
-    return cls(
+    if system_prompt is not None and not chat:
+      raise ValueError(
+          "task.system_prompt needs a chat template, but "
+          + (
+              "task.chat_template is 'none'"
+              if chat_template == "none"
+              else f"the tokenizer of {folder} has none"
+          )
+      )
+    policy = cls(
         graphdef,
         params,
         tokenizer,
@@ -114,6 +123,16 @@ class Policy:
         chat=chat,
         system_prompt=system_prompt,
     )
+    if chat:  # a template that cannot render a prompt fails here, not later
+      try:
+        policy.prompt_text("1 + 1 =")
+      except Exception as error:  # noqa: BLE001 -- jinja2 and template errors.
+        raise ValueError(
+            f"the chat template of {folder} cannot render a prompt"
+            + (" with task.system_prompt" if system_prompt is not None else "")
+            + f": {type(error).__name__}: {error}"
+        ) from None
+    return policy
 
   def prompt_text(self, prompt: str) -> str:
     """The text the policy is shown for ``prompt``: the prompt itself, or

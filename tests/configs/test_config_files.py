@@ -265,3 +265,35 @@ def test_configs_import_nothing_of_the_rl_code():
       [sys.executable, "-c", code], check=True, capture_output=True, text=True
   ).stdout
   assert out.strip() == "[]"
+
+
+def test_text_fields_take_the_text_as_written(tmp_path):
+  config = train_config.load_config(
+      "smoke",
+      overrides=[
+          "task.answer_after=#### ",
+          "task.system_prompt=Note: be brief, use #tags",
+          "task.template=Price ${price} of {prompt}",
+          "task.chat_template='none'",
+      ],
+  )
+  assert config.task.answer_after == "#### "
+  assert config.task.system_prompt == "Note: be brief, use #tags"
+  assert config.task.template == "Price ${price} of {prompt}"
+  assert config.task.chat_template == "none"
+  # ${...} is text, not an interpolation, in files and after a round trip.
+  path = _write(tmp_path, 'task: {template: "Cost ${cost}: {prompt}"}\n')
+  assert (
+      train_config.load_config("smoke", [path]).task.template
+      == "Cost ${cost}: {prompt}"
+  )
+  saved = _write(tmp_path, train_config.to_yaml(config), "saved.yaml")
+  assert train_config.load_config("tiny", [saved]) == config
+  assert train_config.from_dict(train_config.to_dict(config)) == config
+  # null still clears an optional text field.
+  assert (
+      train_config.load_config(
+          "smoke", overrides=["task.answer_after=#", "task.answer_after=null"]
+      ).task.answer_after
+      is None
+  )

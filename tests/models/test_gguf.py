@@ -3,6 +3,7 @@ own reading of the same file."""
 
 import doctest
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -178,3 +179,43 @@ def test_converted_smollm2_logits_and_greedy_completions_equal_transformers(
 def test_docstring_examples_run():
   result = doctest.testmod(gguf_io, optionflags=doctest.ELLIPSIS)
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_overwrite_replaces_only_a_policy_folder(tmp_path, capsys, monkeypatch):
+  path = _write_gguf(tmp_path / "m.gguf", "llama", {})
+  keep = tmp_path / "notes"
+  keep.mkdir()
+  (keep / "precious.txt").write_text("x")
+  monkeypatch.chdir(tmp_path)
+  for out in (keep, tmp_path, pathlib.Path(".")):
+    assert (
+        cli_main(["convert", f"--gguf={path}", f"--out={out}", "--overwrite"])
+        == 2
+    )
+    assert "is not a policy folder to replace" in capsys.readouterr().err
+  assert (keep / "precious.txt").exists() and path.exists()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda p: _write_gguf(
+                p, "llama", {"rope_freqs.weight": np.ones(4, np.float32)}
+            ),
+            "RoPE frequency scaling (['rope_freqs.weight']) is not converted",
+        ),
+        (
+            lambda p: p.write_bytes(
+                _write_gguf(p, "llama", {}).read_bytes()[:40]
+            ),
+            "is not a GGUF file",
+        ),
+    ],
+)
+def test_scaled_rope_and_truncated_files_are_refused(tmp_path, make, message):
+  path = tmp_path / "m.gguf"
+  make(path)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    gguf_io.convert_gguf(path, tmp_path / "out")
+  assert not (tmp_path / "out").exists()

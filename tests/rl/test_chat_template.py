@@ -80,3 +80,16 @@ def test_the_task_template_shapes_the_prompt_before_the_chat_template():
       and e["prompt"].count("+") + e["prompt"].count("-") == 1
       for e in task.examples[:20]
   )
+
+
+def test_a_system_prompt_without_a_chat_template_is_refused(
+    chat_folder, policy_folder
+):
+  with pytest.raises(
+      ValueError, match="task.system_prompt needs a chat template"
+  ):
+    engine_lib.Policy.load(policy_folder, system_prompt="Be brief.")
+  with pytest.raises(ValueError, match="task.chat_template is 'none'"):
+    engine_lib.Policy.load(
+        chat_folder, chat_template="none", system_prompt="Be brief."
+    )

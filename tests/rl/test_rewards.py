@@ -439,3 +439,23 @@ def test_a_reward_that_hangs_on_the_check_is_refused():
 def test_docstring_examples_run():
   result = doctest.testmod(rewards, optionflags=doctest.ELLIPSIS)
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_reward_returning_numpy_arrays_scores_as_a_list_would():
+  def array_reward(completions, **kwargs):
+    return np.array([float(c == "2") for c in completions])
+
+  rewards.check_reward_functions([(array_reward, 1.0)], EXAMPLES)
+  report = rewards.evaluate_rewards(
+      [(array_reward, 1.0)], ["q", "q"], ["2", "3"], {}
+  )
+  np.testing.assert_array_equal(report.rewards, [1.0, 0.0])
+  assert report.failures == {"array_reward": 0}
+
+
+def test_a_reward_named_total_does_not_hide_the_total():
+  def total(completions, **kwargs):
+    return [1.0] * len(completions)
+
+  metrics = rewards.evaluate_rewards([(total, 0.5)], ["q"], ["a"]).metrics()
+  assert metrics["reward/total"] == 0.5 and metrics["reward/total_2"] == 1.0

@@ -141,3 +141,11 @@ def test_a_tracker_whose_library_is_missing_is_refused(monkeypatch):
 def test_docstring_examples_run():
   result = doctest.testmod(tracking, optionflags=doctest.ELLIPSIS)
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+  path = tmp_path / "samples.jsonl"
+  path.write_text('{"step": 1, "prompt": "p"}\n{"step": 2, "pro')
+  with tracking.SampleLog(path, resumed_step=2):
+    pass
+  assert path.read_text() == '{"step": 1, "prompt": "p"}\n'
