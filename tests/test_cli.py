@@ -45,7 +45,7 @@ def _run_folder(folder):
         ),
         (["--set=rollout.top_k=-5"], "rollout.top_k must be >= 0, got -5"),
         (["--set=policy.num_heads=3"], "policy.num_heads=3 must divide"),
-        (["--set=seed=-1"], "seed must be >= 0, got -1"),
+        (["--set=seed=-1"], "seed must be in [0, 9223372036854775807], got -1"),
         (
             ["--mesh=fsdp=8,fsdp=1"],
             "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)",

@@ -45,6 +45,8 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PRESET_DIR = pathlib.Path(__file__).parent / "presets"
+# Seeds become int64 PRNG keys (``jax.random.key``).
+_MAX_SEED = 2**63 - 1
 
 
 def _check(section: str, config: Any, names: str, **bounds: float) -> None:
@@ -106,7 +108,7 @@ class TaskConfig:
 
   def __post_init__(self):
     _check("task", self, "size eval_size max_digits", ge=1)
-    _check("task", self, "seed", ge=0)
+    _check("task", self, "seed", ge=0, le=_MAX_SEED)
     _check("task", self, "terms", ge=2)
     check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)
     if self.eval_size >= self.size:
@@ -517,7 +519,8 @@ class TrainConfig:
         "steps num_iterations micro_batches " "max_consecutive_skips",
         ge=1,
     )
-    _check("", self, "eval_every seed", ge=0)
+    _check("", self, "eval_every", ge=0)
+    _check("", self, "seed", ge=0, le=_MAX_SEED)
     batch = self.rollout.prompts_per_step * self.rollout.num_generations
     if batch % self.micro_batches:
       raise ValueError(
@@ -670,11 +673,27 @@ def _as_layer(data: Any, source: str) -> omegaconf.DictConfig:
   return OmegaConf.create(data)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """YAML's safe loader, refusing a key given twice in one map (YAML keeps
+  the last silently: a repeated section would drop the first one)."""
+
+  def construct_mapping(self, node, deep=False):
+    keys = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in keys:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"key {key!r} is given twice", key_node.start_mark
+        )
+      keys.add(key)
+    return super().construct_mapping(node, deep=deep)
+
+
 def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:
   if not path.is_file():
     raise FileNotFoundError(f"{source}: no such file")
   try:
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
   except (yaml.YAMLError, UnicodeDecodeError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source} is not valid YAML: {problem}") from None

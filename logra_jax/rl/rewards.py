@@ -312,7 +312,7 @@ def load_reward_function(spec: str) -> RewardFn:
     loader = lambda: importlib.import_module(where)  # noqa: E731
   try:
     module = loader()
-  except Exception as e:  # noqa: BLE001 -- any import failure of user code.
+  except (Exception, SystemExit) as e:  # noqa: BLE001 -- user code's import.
     raise ValueError(
         f"reward {spec!r}: {where} does not import: " f"{type(e).__name__}: {e}"
     ) from e

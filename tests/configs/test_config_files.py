@@ -230,6 +230,10 @@ def test_bad_keys_and_values_are_refused_naming_them(override, message):
             "unknown config key " "optimizer.rnak",
         ),
         ("optimizer: 3\n", "config file"),
+        (
+            "optimizer: {rank: 8}\nsteps: 3\noptimizer: {name: adam}\n",
+            "key 'optimizer' is given twice",
+        ),
     ],
 )
 def test_bad_config_files_are_refused_naming_the_file(tmp_path, text, message):
@@ -239,6 +243,13 @@ def test_bad_config_files_are_refused_naming_the_file(tmp_path, text, message):
   assert str(info.value).startswith(f"config file {path}")
   assert message in str(info.value)
   assert "\n" not in str(info.value)
+
+
+def test_seeds_fit_a_prng_key():
+  with pytest.raises(
+      ValueError, match=r"^seed must be in \[0, 9223372036854775807\]"
+  ):
+    train_config.load_config("smoke", overrides=[f"seed={2**63}"])
 
 
 def test_a_missing_config_file_or_preset_is_named(tmp_path):

@@ -89,7 +89,7 @@ def test_negative_ints_are_refused_naming_the_field(key):
         ("rollout.top_k=-5", "rollout.top_k must be >= 0, got -5"),
         ("loss.eps_low=1", "loss.eps_low must be in [0, 1), got 1.0"),
         ("loss.kl_clamp=0", "loss.kl_clamp must be > 0, got 0.0"),
-        ("seed=-1", "seed must be >= 0, got -1"),
+        ("seed=-1", "seed must be in [0, 9223372036854775807], got -1"),
         (
             "rollout.num_generations=1",
             "rollout.num_generations must be >= 2, " "got 1",
