@@ -113,7 +113,7 @@ def policy_folder(
   """The HF folder RL starts from: ``policy.path``, or the (cached)
   warm-started policy trained on ``train_examples``' worked answers."""
   if config.policy.path:
-    return pathlib.Path(config.policy.path)
+    return pathlib.Path(config.policy.path).expanduser()
   return warm_start(
       config.policy,
       train_examples[: config.policy.warm_start_examples],

@@ -41,7 +41,7 @@ def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
   ``config.json``), else a one-line error naming it: FileNotFoundError or
   NotADirectoryError, or a ValueError that points a training run's folder
   to ``logra export``."""
-  folder = pathlib.Path(folder)
+  folder = pathlib.Path(folder).expanduser()
   if not folder.exists():
     raise FileNotFoundError(f"policy folder {folder} does not exist")
   if not folder.is_dir():
