@@ -693,7 +693,8 @@ def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:
   if not path.is_file():
     raise FileNotFoundError(f"{source}: no such file")
   try:
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    with open(path, encoding="utf-8") as stream:  # errors name the file
+      data = yaml.load(stream, Loader=_UniqueKeyLoader)
   except (yaml.YAMLError, UnicodeDecodeError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source} is not valid YAML: {problem}") from None

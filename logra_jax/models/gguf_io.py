@@ -51,7 +51,7 @@ _MODEL_TENSORS: Mapping[str, str] = {
 }
 # Rotary frequency factors llama.cpp stores for RoPE scaling (Llama 3.1+),
 # which transformers' GGUF reader does not turn into ``rope_scaling``.
-_DERIVED_TENSORS = ("rope_freqs.weight",)
+_ROPE_SCALING_TENSORS = ("rope_freqs.weight",)
 
 
 def unpermute_rotary_rows(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
@@ -213,9 +213,9 @@ def convert_gguf(
         f"{path} is not a GGUF file: {type(error).__name__}: {error}"
     ) from None
   scaling = sorted(k for k in reader.fields if ".rope.scaling." in k)
-  if scaling or any(t.name in _DERIVED_TENSORS for t in reader.tensors):
+  if scaling or any(t.name in _ROPE_SCALING_TENSORS for t in reader.tensors):
     raise ValueError(
-        f"{path}: RoPE frequency scaling ({scaling or list(_DERIVED_TENSORS)}) "
+        f"{path}: RoPE frequency scaling ({scaling or list(_ROPE_SCALING_TENSORS)}) "
         "is not converted; only unscaled rotary embeddings are supported"
     )
   architecture = str(_field(reader, "general.architecture", path))

@@ -103,7 +103,11 @@ def run_rewards(
       )
       for spec in specs
   ]
-  rewards_lib.check_reward_functions(rewards, task.examples[:4])
+  for spec, reward in zip(specs, rewards):  # errors name the config entry
+    try:
+      rewards_lib.check_reward_functions([reward], task.examples[:4])
+    except ValueError as error:
+      raise ValueError(f"rewards.function={spec.function!r}: {error}") from None
   return rewards
 
 
