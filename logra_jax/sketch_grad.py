@@ -471,7 +471,7 @@ def value_and_sketch_grad(
       micro-batches; ``loss_fn`` sees one at a time (``lax.scan``), values and
       aux come back stacked ``[M, ...]`` and the gradients summed.
     constrain: optional ``constrain(x, logical_axes)`` (such as
-      :func:`logra_jax.models.constrain`) applied to the thin factors and
+      :func:`logra_jax.parallel.constrain`) applied to the thin factors and
       coordinates (``[*layers, long, k]`` and the like) with the logical name
       ``"batch"`` on their large axis, so that under a mesh they are split
       over the data axes instead of replicated on every device.

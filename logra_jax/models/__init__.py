@@ -2,13 +2,10 @@
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.models.config import RopeScaling
-from logra_jax.models.decoder import activation_sharding
-from logra_jax.models.decoder import constrain
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.decoder import init_cache
 from logra_jax.models.decoder import init_model
 from logra_jax.models.decoder import KVCache
-from logra_jax.models.decoder import logical_to_mesh
 from logra_jax.models.decoder import logits_fn
 from logra_jax.models.decoder import matrix_dimension_numbers
 from logra_jax.models.decoder import split_model

@@ -3,8 +3,8 @@
 Layer weights are stacked along a leading layer axis `[L, ...]` and the blocks
 run under one `jax.lax.scan`. Linear weights are stored `[in, out]` (`x @ W`).
 Every `nnx.Param` carries logical axis names in its `out_sharding` metadata
-("layers", "embed", "heads", "kv_heads", "mlp", "vocab"); `hf_io.logical_to_mesh`
-turns them into mesh shardings.
+("layers", "embed", "heads", "kv_heads", "mlp", "vocab");
+`parallel.logical_to_mesh` turns them into mesh shardings.
 
 Shape letters: B batch, T query length, S cache length, D hidden, F MLP width,
 H query heads, K kv heads, G = H // K, h head dim, V vocab, L layers.
@@ -12,8 +12,6 @@ H query heads, K kv heads, G = H // K, h head dim, V vocab, L layers.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, NamedTuple
 
 from flax import nnx
@@ -23,6 +21,7 @@ import numpy as np
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.optim import DimensionNumbers
+from logra_jax.parallel.sharding import constrain
 from logra_jax.sketch_grad import LowRankDelta
 from logra_jax.sketch_grad import matmul
 from logra_jax.sketch_grad import take
@@ -51,68 +50,6 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("layers", "up_proj"): ("layers", "embed", "mlp"),
     ("layers", "down_proj"): ("layers", "mlp", "embed"),
 }
-
-
-def logical_to_mesh(
-    logical_axes: tuple[str | None, ...],
-    mesh: jax.sharding.Mesh,
-    rules: dict[str, str | tuple[str, ...] | None] | None = None,
-) -> jax.sharding.NamedSharding:
-  """Maps a parameter's logical axis names to a `NamedSharding` on `mesh`.
-
-  This is the single hook between model metadata and device layout: each
-  logical name ("layers", "embed", "heads", "kv_heads", "mlp", "vocab") is
-  looked up in `rules` (logical name -> mesh axis or None); names missing from
-  `rules` are replicated. The partition table itself lives in `parallel/`.
-
-  Args:
-    logical_axes: a parameter's `out_sharding` metadata.
-    mesh: the device mesh.
-    rules: logical-to-mesh axis table; default replicates everything.
-
-  Returns:
-    The sharding.
-
-  Example:
-    >>> mesh = jax.make_mesh((1,), ("fsdp",))
-    >>> logical_to_mesh(("embed", "mlp"), mesh, {"embed": "fsdp"}).spec
-    P('fsdp', None)
-  """
-  rules = rules or {}
-  spec = jax.sharding.PartitionSpec(
-      *(None if name is None else rules.get(name) for name in logical_axes)
-  )
-  return jax.sharding.NamedSharding(mesh, spec)
-
-
-_ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar(
-    "logra_activation_sharding", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_sharding(
-    mesh: jax.sharding.Mesh, rules: dict[str, str | tuple[str, ...] | None]
-):
-  """Within this context, traced model code pins activations to `mesh` by
-  their logical axes (see `constrain`); outside it, `constrain` is a no-op."""
-  token = _ACTIVATION_RULES.set((mesh, rules))
-  try:
-    yield
-  finally:
-    _ACTIVATION_RULES.reset(token)
-
-
-def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
-  """`with_sharding_constraint` of `x` by logical axis names ("batch" for the
-  batch axis, None for replicated) under `activation_sharding`; else `x`."""
-  active = _ACTIVATION_RULES.get()
-  if active is None:
-    return x
-  mesh, rules = active
-  return jax.lax.with_sharding_constraint(
-      x, logical_to_mesh(logical_axes, mesh, rules)
-  )
 
 
 def param_shapes(

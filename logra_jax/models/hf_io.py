@@ -25,7 +25,8 @@ import safetensors
 import safetensors.numpy
 
 from logra_jax.models.config import DecoderConfig
-from logra_jax.models.decoder import Decoder, logical_to_mesh, param_shapes
+from logra_jax.models.decoder import Decoder, param_shapes
+from logra_jax.parallel.sharding import logical_to_mesh
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -168,9 +169,11 @@ def load_pretrained(
       `model.safetensors.index.json`).
     dtype: parameter dtype (also the compute dtype unless `compute_dtype`).
     mesh: optional mesh; each parameter is placed with
-      `logical_to_mesh(metadata, mesh, sharding_rules)`. None: default device.
+      `parallel.logical_to_mesh(metadata, mesh, sharding_rules)`. None:
+      default device.
     compute_dtype: activation dtype; defaults to `dtype`.
-    sharding_rules: logical-to-mesh table passed to `logical_to_mesh`.
+    sharding_rules: logical-to-mesh table passed to `logical_to_mesh`;
+      default `parallel.PARTITION_RULES`.
     allow_non_finite: load tensors holding NaN or inf (in `dtype`) instead
       of refusing them.
     **config_overrides: extra `DecoderConfig` fields (e.g. `remat`).
@@ -253,7 +256,11 @@ def load_pretrained(
         value = jax.device_put(
             host,
             logical_to_mesh(
-                variable.get_metadata()["out_sharding"], mesh, sharding_rules
+                variable.get_metadata()["out_sharding"],
+                mesh,
+                sharding_rules,
+                shape=host.shape,
+                name="/".join(p),
             ),
         )
       return variable.replace(value)

@@ -6,8 +6,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from logra_jax.models.decoder import constrain
 from logra_jax.models.decoder import project_logits
+from logra_jax.parallel.sharding import constrain
 
 
 def completion_logits_scale(

@@ -23,13 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.models.decoder import activation_sharding
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.decoder import init_cache
-from logra_jax.models.decoder import logical_to_mesh
 from logra_jax.models.decoder import project_logits
 from logra_jax.models.decoder import split_model
 from logra_jax.models.logprobs import completion_logits_scale
+from logra_jax.parallel.sharding import activation_sharding
+from logra_jax.parallel.sharding import logical_to_mesh
+from logra_jax.parallel.sharding import param_shardings
+from logra_jax.parallel.sharding import PARTITION_RULES
 
 _STOP_SLOTS = 8
 
@@ -180,12 +182,12 @@ class Sampler:
       default `config.max_position_embeddings`.
     bucket_size: prompts are left-padded to the next multiple of this.
     pad_id: filler for prompts and for completion slots after a stop.
-    mesh: optional device mesh; with `rules` (logical axis -> mesh axes,
-      e.g. `logra_jax.parallel.PARTITION_RULES`) the program is jitted with
+    mesh: optional device mesh; under it the program is jitted with
       explicit shardings: weights by their logical axes, prompts, outputs
       and activations split along the batch (`sample` pads the batch to a
       multiple of the data axes with copies of its first prompt).
-    rules: the partition rules that go with `mesh`.
+    rules: logical axis -> mesh axes under `mesh`; default
+      `logra_jax.parallel.PARTITION_RULES`.
 
   Attributes:
     num_traces: how many times a sampling program was traced (compiled);
@@ -214,23 +216,14 @@ class Sampler:
   ):
     if bucket_size < 1:
       raise ValueError(f"bucket_size must be >= 1, got {bucket_size}.")
-    if (mesh is None) != (rules is None):
-      raise ValueError(
-          "give both mesh and rules (e.g. "
-          "logra_jax.parallel.PARTITION_RULES), or neither."
-      )
+    if mesh is None and rules is not None:
+      raise ValueError("rules lay out a mesh: give the mesh too.")
+    if mesh is not None and rules is None:
+      rules = PARTITION_RULES
     self.mesh, self.rules = mesh, rules
     self.graphdef, params = split_model(model)
     self._params_sharding = (
-        None
-        if mesh is None
-        else jax.tree.map(
-            lambda v: v.replace(
-                logical_to_mesh(v.get_metadata()["out_sharding"], mesh, rules)
-            ),
-            params,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
+        None if mesh is None else param_shardings(params, mesh, rules)
     )
     self.config = model.config
     self.max_length = max_length or self.config.max_position_embeddings

@@ -1,10 +1,13 @@
-"""Device mesh, the partition table and sharded placement of a run."""
+"""Device mesh, the partition table, the one logical -> mesh mapper, activation
+constraints and multi-host start-up."""
 
 from logra_jax.parallel.distributed import global_array
 from logra_jax.parallel.distributed import initialize
 from logra_jax.parallel.sharding import batch_sharding
 from logra_jax.parallel.sharding import data_shardings
-from logra_jax.parallel.sharding import logical_sharding
+from logra_jax.parallel.sharding import activation_sharding
+from logra_jax.parallel.sharding import constrain
+from logra_jax.parallel.sharding import logical_to_mesh
 from logra_jax.parallel.sharding import make_mesh
 from logra_jax.parallel.sharding import MESH_AXES
 from logra_jax.parallel.sharding import MeshConfig

@@ -13,6 +13,8 @@ state of a step is laid out exactly as the update produces it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -162,34 +164,98 @@ def _present_axes(mesh: Mesh, axes):
   return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def logical_sharding(
-    name: str,
-    shape: Sequence[int],
+def logical_to_mesh(
     logical_axes: Sequence[Optional[str]],
     mesh: Mesh,
     rules: Optional[dict] = None,
+    *,
+    shape: Optional[Sequence[int]] = None,
+    name: str = "array",
 ) -> NamedSharding:
-  """The sharding of one array from its logical axis names.
+  """The sharding of an array from its logical axis names: the one mapper.
+
+  Weights (their ``out_sharding`` metadata), optimizer state, activations
+  (:func:`constrain`), the sampler and the memory planner all map logical
+  axes to the mesh here. Each name is looked up in ``rules`` (default
+  :data:`PARTITION_RULES`); a name missing from the rules, and a mesh axis of
+  size 1, shard nothing. With ``shape``, a dimension that its mesh axes do
+  not divide falls back to :data:`FALLBACK_RULES` (the vocabulary: split
+  over ``tp`` only), so every caller picks the same layout for the same
+  array.
+
+  Args:
+    logical_axes: one logical name (or None) per dimension; may be shorter
+      than the array (the rest replicated).
+    mesh: the device mesh.
+    rules: logical name -> mesh axis, tuple of axes, or None.
+    shape: the array's shape, to check divisibility and apply the fallback;
+      None trusts the rules as given.
+    name: how errors name the array.
 
   Raises:
-    ValueError: naming the tensor, axis and sizes, if a mesh axis does not
-      divide the dimension it shards.
+    ValueError: naming the array, dimension and sizes, if no rule divides a
+      dimension.
+
+  Example:
+    >>> mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    >>> logical_to_mesh(("embed", "mlp"), mesh).spec
+    PartitionSpec(None, None)
   """
   rules = PARTITION_RULES if rules is None else rules
   spec = []
-  for dim, (size, logical) in enumerate(zip(shape, logical_axes)):
+  for dim, logical in enumerate(logical_axes):
     axes = _present_axes(mesh, None if logical is None else rules.get(logical))
-    if size % _mesh_axes_size(mesh, axes) and logical in FALLBACK_RULES:
-      axes = _present_axes(mesh, FALLBACK_RULES[logical])
-    parts = _mesh_axes_size(mesh, axes)
-    if size % parts:
-      raise ValueError(
-          f"cannot shard {name} (shape {tuple(shape)}): dimension {dim} "
-          f"({logical!r}, size {size}) is not divisible by mesh axis {axes} "
-          f"of size {parts}"
-      )
+    if shape is not None:
+      size = shape[dim]
+      if size % _mesh_axes_size(mesh, axes) and logical in FALLBACK_RULES:
+        axes = _present_axes(mesh, FALLBACK_RULES[logical])
+      parts = _mesh_axes_size(mesh, axes)
+      if size % parts:
+        raise ValueError(
+            f"cannot shard {name} (shape {tuple(shape)}): dimension {dim} "
+            f"({logical!r}, size {size}) is not divisible by mesh axis "
+            f"{axes} of size {parts}"
+        )
     spec.append(axes)
   return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+_ACTIVATION_LAYOUT: contextvars.ContextVar = contextvars.ContextVar(
+    "logra_activation_layout", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Optional[dict] = None):
+  """Within this context, traced model code pins its activations to ``mesh``
+  by their logical axes (:func:`constrain`); outside it, nothing is pinned.
+
+  Example:
+    >>> mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    >>> with activation_sharding(mesh):
+    ...   y = jax.jit(lambda x: constrain(x, ("batch", None)))(np.ones((2, 3)))
+  """
+  token = _ACTIVATION_LAYOUT.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_LAYOUT.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: tuple[Optional[str], ...]) -> Any:
+  """``x`` pinned to the layout :func:`logical_to_mesh` gives its logical axes
+  ("batch", "vocab", ..., None for replicated) under
+  :func:`activation_sharding`; outside it, ``x`` unchanged."""
+  active = _ACTIVATION_LAYOUT.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(
+      x,
+      logical_to_mesh(
+          logical_axes, mesh, rules, shape=x.shape, name="activation"
+      ),
+  )
 
 
 def param_shardings(
@@ -213,8 +279,12 @@ def param_shardings(
     if logical is None:
       logical = (None,) * len(variable.shape)
     return variable.replace(
-        logical_sharding(
-            jax.tree_util.keystr(path), variable.shape, logical, mesh, rules
+        logical_to_mesh(
+            logical,
+            mesh,
+            rules,
+            shape=variable.shape,
+            name=jax.tree_util.keystr(path),
         )
     )
 
@@ -274,9 +344,7 @@ def batch_sharding(
     mesh: Mesh, ndim: int, rules: Optional[dict] = None
 ) -> NamedSharding:
   """Leading (batch) axis split over the data axes; the rest replicated."""
-  rules = PARTITION_RULES if rules is None else rules
-  lead = _present_axes(mesh, rules["batch"])
-  return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+  return logical_to_mesh(("batch",) + (None,) * (ndim - 1), mesh, rules)
 
 
 def data_shardings(batch: Any, mesh: Mesh) -> Any:

@@ -19,6 +19,7 @@ import optax.contrib
 
 import logra_jax as logra
 from logra_jax import models
+from logra_jax import parallel
 from logra_jax import sketch_grad
 from logra_jax import sync
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
@@ -551,7 +552,10 @@ def make_train_step(
     leaves updated."""
     params = factored_lib.merge_at_refresh(params, opt_state, seed=config.seed)
     value, grad_sum, projectors = sketch_grad.value_and_sketch_grad(
-        micro_loss, has_aux=True, micro_batched=True, constrain=models.constrain
+        micro_loss,
+        has_aux=True,
+        micro_batched=True,
+        constrain=parallel.constrain,
     )(params, opt_state, micro)
     loss, grads, metrics, logp_before = totals(value, grad_sum)
     view = lambda weights: sketch_grad.factored_view(
@@ -653,7 +657,7 @@ def make_train_step(
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def sharded_train_step(params, opt_state, batch):
-    with models.activation_sharding(mesh, activation_rules):
+    with parallel.activation_sharding(mesh, activation_rules):
       return train_step(params, opt_state, batch)
 
   return jax.jit(

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from logra_jax import models
+from logra_jax import parallel
 from logra_jax.rl import algo
 
 
@@ -102,7 +103,7 @@ def make_reference_logprobs(
   )
 
   def sharded_fill(ref_params, batch):
-    with models.activation_sharding(mesh, activation_rules):
+    with parallel.activation_sharding(mesh, activation_rules):
       return fill(ref_params, batch)
 
   return jax.jit(

@@ -99,7 +99,6 @@ class Policy:
     model = models.load_pretrained(folder, dtype=dtype)
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
-    rules = None if mesh is None else parallel.PARTITION_RULES
     if mesh is not None:
       params = jax.device_put(params, parallel.param_shardings(params, mesh))
     chat = chat_template == "auto" and bool(tokenizer.chat_template)
@@ -116,9 +115,7 @@ class Policy:
         graphdef,
         params,
         tokenizer,
-        models.Sampler(
-            model, pad_id=tokenizer.pad_token_id or 0, mesh=mesh, rules=rules
-        ),
+        models.Sampler(model, pad_id=tokenizer.pad_token_id or 0, mesh=mesh),
         folder,
         chat=chat,
         system_prompt=system_prompt,

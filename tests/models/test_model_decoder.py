@@ -8,6 +8,7 @@ import pytest
 import transformers
 
 from logra_jax import models
+from logra_jax import parallel
 from logra_jax.optim import DimensionNumbers
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
@@ -302,7 +303,7 @@ def test_load_on_mesh_places_with_logical_rules(checkpoints, loaded):
   np.testing.assert_allclose(
       forward(model, ids), ref, rtol=0, atol=tol * np.abs(ref).max()
   )
-  replicated = models.logical_to_mesh(("layers", "embed", "mlp"), mesh)
+  replicated = parallel.logical_to_mesh(("layers", "embed", "mlp"), mesh, {})
   assert replicated.spec == jax.sharding.PartitionSpec(None, None, None)
 
 

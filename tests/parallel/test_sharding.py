@@ -219,9 +219,7 @@ def test_sampler_runs_sharded():
   prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12]] * 2
   kwargs = dict(max_new_tokens=5, temperature=0.0, stop_ids=())
   expected = sampler.sample(params, prompts, jax.random.key(0), **kwargs)
-  sharded_sampler = models.Sampler(
-      model, max_length=24, mesh=mesh, rules=parallel.PARTITION_RULES
-  )
+  sharded_sampler = models.Sampler(model, max_length=24, mesh=mesh)
   sharded = jax.device_put(params, parallel.param_shardings(params, mesh))
   out = sharded_sampler.sample(sharded, prompts, jax.random.key(0), **kwargs)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
@@ -231,8 +229,67 @@ def test_sampler_runs_sharded():
       rtol=0,
       atol=_logprob_atol(expected.logprobs, CONFIG, 24),
   )
-  assert out.tokens.sharding.spec == jax.sharding.PartitionSpec(
-      ("dp", "fsdp"), None
+  rows = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None)
+  )
+  assert out.tokens.sharding.is_equivalent_to(rows, 2)
+
+
+@pytest.mark.parametrize(
+    "mesh, vocab_axes",
+    [
+        ("fsdp=8", None),
+        ("fsdp=4,tp=2", "tp"),
+        ("dp=2,fsdp=2,tp=2", ("fsdp", "tp")),
+    ],
+)
+def test_weights_loads_and_sampler_share_one_layout(mesh, vocab_axes, tmp_path):
+  """The default task's vocabulary (100) is not divisible by fsdp=8: the
+  weights, a policy loaded onto the mesh and the sampler all fall back to
+  the same layout (once they disagreed and the sampler failed)."""
+  config = dataclasses.replace(CONFIG, vocab_size=100)
+  model = models.init_model(config, rngs=0)
+  models.save_pretrained(model, tmp_path / "policy")
+  device_mesh = parallel.make_mesh(parallel.MeshConfig.parse(mesh))
+  _, params = models.split_model(model)
+  expected = parallel.param_shardings(params, device_mesh)
+  _, loaded = models.split_model(
+      models.load_pretrained(tmp_path / "policy", mesh=device_mesh)
+  )
+  sampler = models.Sampler(model, max_length=24, mesh=device_mesh)
+  specs = lambda tree: [s.spec for s in jax.tree.leaves(tree)]
+  assert [x.sharding.spec for x in jax.tree.leaves(loaded)] == specs(expected)
+  assert specs(sampler._params_sharding) == specs(expected)
+  assert expected["embed"].spec == jax.sharding.PartitionSpec(vocab_axes, None)
+  out = sampler.sample(
+      jax.device_put(params, expected),
+      [[3, 4, 5], [6, 7]],
+      jax.random.key(0),
+      max_new_tokens=3,
+      temperature=0.0,
+  )
+  assert out.tokens.shape == (2, 3)
+
+
+def test_logical_to_mesh_falls_back_only_where_rules_do_not_divide():
+  mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
+  P = jax.sharding.PartitionSpec
+  vocab = lambda size: parallel.logical_to_mesh(
+      ("vocab", None), mesh, shape=(size, 8)
+  ).spec
+  assert vocab(96) == P(("fsdp", "tp"), None)
+  assert vocab(100) == P("tp", None)
+  with pytest.raises(
+      ValueError,
+      match=r"cannot shard logits \(shape \(4, 99\)\): dimension 1 "
+      r"\('vocab', size 99\) is not divisible by mesh axis tp of size 2",
+  ):
+    parallel.logical_to_mesh(
+        ("batch", "vocab"), mesh, shape=(4, 99), name="logits"
+    )
+  # Without a shape the rules are taken as given; unknown names replicate.
+  assert parallel.logical_to_mesh(("vocab", "other"), mesh).spec == P(
+      ("fsdp", "tp"), None
   )
 
 
@@ -266,7 +323,7 @@ def test_vocabulary_tables_split_along_the_vocabulary():
     )
 
   def sharded(params, batch):
-    with models.activation_sharding(mesh, parallel.PARTITION_RULES):
+    with parallel.activation_sharding(mesh, parallel.PARTITION_RULES):
       return logprobs(params, batch)
 
   got = jax.jit(
@@ -288,7 +345,7 @@ def test_output_layer_never_holds_the_whole_unembedding():
   batch = _batch()
 
   def loss(params, batch):
-    with models.activation_sharding(mesh, parallel.PARTITION_RULES):
+    with parallel.activation_sharding(mesh, parallel.PARTITION_RULES):
       return models.token_logprobs(
           graphdef,
           params,
