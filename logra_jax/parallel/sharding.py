@@ -199,7 +199,7 @@ def logical_to_mesh(
   Example:
     >>> mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     >>> logical_to_mesh(("embed", "mlp"), mesh).spec
-    PartitionSpec(None, None)
+    P(None, None)
   """
   rules = PARTITION_RULES if rules is None else rules
   spec = []
