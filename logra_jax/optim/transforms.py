@@ -327,6 +327,17 @@ def project(
   :func:`refuse_non_finite_projector`. Refusals are counted in
   ``ProjectState.non_finite`` and reported once with a warning.
 
+  Sharding: under automatic sharding (``jax.jit`` with shardings) XLA lays
+  out the state. Under explicit sharding (a mesh of
+  ``jax.sharding.AxisType.Explicit`` axes set with ``jax.set_mesh``) the
+  state is laid out from each parameter's type at ``init``: a projector
+  split along the weight's long side, the sketches and moments along its
+  short side; ``update`` keeps those types, and the factorizations run under
+  ``jax.sharding.auto_axes``, which gathers the ``long x (rank + oversample)``
+  columns a QR needs ("range"; "svd" gathers the matrix it decomposes). A
+  side formed by several axes (``DimensionNumbers`` with tuples) is gathered
+  whole.
+
   Args:
     rank: projection rank ``r``; clipped to the shorter side of each matrix.
     kind: ``"range"``, ``"random"`` or ``"svd"``.
@@ -382,7 +393,9 @@ def project(
     def init_projector(plan):
       if not plan.projected or kind == "random":
         return None
-      return jnp.zeros(plan.projector_shape, jnp.float32)
+      return jnp.zeros(
+          plan.projector_shape, jnp.float32, out_sharding=plan.projector_spec
+      )
 
     flat_plans, treedef = jax.tree.flatten(
         plans, is_leaf=lambda x: isinstance(x, LeafPlan)
@@ -533,16 +546,25 @@ def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig, count):
 
   def recompute():
     if config.kind == "svd":
-      p = proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-    else:
-      key = proj_lib.window_key(config.seed, plan.index, window)
-      p = proj_lib.range_projector(
-          plan.to_long_view(g),
-          key,
-          plan.rank,
-          config.oversample,
-          config.power_iters,
+      factorize = lambda g_BxMxN: proj_lib.svd_projector(
+          g_BxMxN, plan.rank, plan.left
       )
+      args = (plan.to_matrix(g),)
+    else:
+      factorize = lambda g_BxLxS, key: proj_lib.range_projector(
+          g_BxLxS, key, plan.rank, config.oversample, config.power_iters
+      )
+      key = proj_lib.window_key(config.seed, plan.index, window)
+      args = (plan.to_long_view(g), key)
+    if plan.projector_spec is not None:
+      # Under explicit sharding XLA lays out the factorization: the range
+      # finder's QRs gather r-column sketches (never the m x n gradient; an
+      # exact SVD needs its matrix), and the projector comes out split like
+      # the state's.
+      factorize = jax.sharding.auto_axes(
+          factorize, out_sharding=plan.projector_spec
+      )
+    p = factorize(*args)
     return refuse_non_finite_projector(p, p_old, plan, config, count)
 
   return jax.lax.cond(
@@ -596,7 +618,10 @@ def random_window_projector(
 ) -> jax.Array:
   """The ``kind='random'`` projector of a leaf for one refresh window."""
   key = proj_lib.window_key(config.seed, plan.index, window)
-  return proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
+  p = proj_lib.random_projector(key, plan.batch, plan.long, plan.rank)
+  if plan.projector_spec is None:
+    return p
+  return jax.sharding.reshard(p, plan.projector_spec)
 
 
 def _basis_change(
@@ -607,18 +632,21 @@ def _basis_change(
   if config.moment_policy != "transfer":
     return None
   eye = jnp.broadcast_to(
-      jnp.eye(plan.rank, dtype=jnp.float32), (plan.batch, plan.rank, plan.rank)
+      jnp.eye(plan.rank, dtype=jnp.float32),
+      (plan.batch, plan.rank, plan.rank),
+      out_sharding=plan.small_spec,
+  )
+  overlap = lambda p_other: jnp.einsum(
+      "blr,bls->brs", p_new, p_other, out_sharding=plan.small_spec
   )
   if config.kind == "random":
 
     def changed():
       p_prev = random_window_projector(plan, config, jnp.maximum(window - 1, 0))
-      return jnp.swapaxes(p_new, 1, 2) @ p_prev
+      return overlap(p_prev)
 
     return jax.lax.cond(refresh & (window > 0), changed, lambda: eye)
-  return jax.lax.cond(
-      refresh, lambda: jnp.swapaxes(p_new, 1, 2) @ p_old, lambda: eye
-  )
+  return jax.lax.cond(refresh, lambda: overlap(p_old), lambda: eye)
 
 
 def low_rank_moments(
@@ -683,8 +711,11 @@ def low_rank_moments(
     _, plans, _ = latest
 
     def proxy(plan):
-      shape = plan.sketch_shape if plan.projected else plan.shape
-      return jnp.zeros(shape, jnp.float32)
+      if plan.projected:
+        return jnp.zeros(
+            plan.sketch_shape, jnp.float32, out_sharding=plan.sketch_spec
+        )
+      return jnp.zeros(plan.shape, jnp.float32, out_sharding=plan.dense_spec)
 
     return LowRankMomentsState(inner.init(jax.tree.map(proxy, plans)))
 
@@ -840,7 +871,11 @@ def unproject(
       if not plan.projected:
         return None
       return LowRankFactor(
-          jnp.zeros(plan.sketch_shape, jnp.float32), plan=plan, config=config
+          jnp.zeros(
+              plan.sketch_shape, jnp.float32, out_sharding=plan.sketch_spec
+          ),
+          plan=plan,
+          config=config,
       )
 
     return UnprojectState(factors=jax.tree.map(factor, plans))
