@@ -21,13 +21,15 @@ def _config(args: argparse.Namespace) -> train_config.TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
+  from logra_jax import parallel
   from logra_jax.rl import trainer
 
   config = _config(args)
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
+  if parallel.join_from_environment() and not args.out:
+    raise ValueError("a run of several processes needs --out (one folder)")
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-  from logra_jax import parallel
 
   mesh = parallel.MeshConfig.parse(args.mesh) if args.mesh else None
   summary = trainer.train(
@@ -38,7 +40,8 @@ def _train(args: argparse.Namespace) -> int:
       resume=args.resume,
       allow_reshard=args.allow_reshard,
   )
-  print(f"outputs in {out}")
+  if parallel.is_leader():
+    print(f"outputs in {out}")
   # Stopped by a signal, after saving: the shell's status for that signal
   # (143 for SIGTERM, 130 for SIGINT), so that schedulers see the stop.
   stopped = summary["stopped_by"]
@@ -47,11 +50,16 @@ def _train(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
   from logra_jax import checkpoint
+  from logra_jax import parallel
 
-  out = checkpoint.export_policy(
-      args.checkpoint, args.out, step=args.step, overwrite=args.overwrite
-  )
-  print(f"policy written to {out}")
+  parallel.join_from_environment()
+  # One folder: process 0 writes it while the others wait.
+  if parallel.is_leader():
+    out = checkpoint.export_policy(
+        args.checkpoint, args.out, step=args.step, overwrite=args.overwrite
+    )
+    print(f"policy written to {out}")
+  parallel.barrier("export")
   return 0
 
 
@@ -64,10 +72,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+  from logra_jax import parallel
   from logra_jax.rl import trainer
   from logra_jax.rollout import engine
 
   config = _config(args)
+  # Several processes: each samples the examples on its own devices and
+  # scores its share of them; process 0 prints the result.
+  parallel.join_from_environment()
   task = trainer.load_task(config)
   rewards = trainer.run_rewards(config, task)
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
@@ -83,6 +95,8 @@ def _eval(args: argparse.Namespace) -> int:
       rewards,
       config.rollout.max_new_tokens,
   )
+  if not parallel.is_leader():
+    return 0
   print(
       json.dumps(
           {

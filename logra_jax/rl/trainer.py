@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import shutil
 import signal
@@ -118,12 +119,17 @@ def policy_folder(
   warm-started policy trained on ``train_examples``' worked answers."""
   if config.policy.path:
     return pathlib.Path(config.policy.path).expanduser()
-  return warm_start(
+  warm = lambda: warm_start(
       config.policy,
       train_examples[: config.policy.warm_start_examples],
       seed=config.task.seed,
       log=log,
   )
+  # Several processes: the first trains (or finds) the cached policy while
+  # the others wait, then they find it too.
+  folder = warm() if parallel.is_leader() else None
+  parallel.barrier("warm start")
+  return folder or warm()
 
 
 class PromptStream:
@@ -395,8 +401,24 @@ def train(
   """
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
+  if jax.process_count() > 1:
+    mesh = mesh or parallel.MeshConfig(fsdp=jax.device_count())
+    # Every process runs the same command; a different config, mesh or
+    # resume flag would desynchronize the collectives.
+    parallel.check_same_everywhere(
+        f"{to_yaml(config)}\nmesh: {mesh}\nresume: {resume}\n"
+        f"allow_reshard: {allow_reshard}\nout: {out.resolve()}",
+        "the config, --mesh, --resume, --allow-reshard and --out",
+    )
+    if not parallel.is_leader():  # process 0 logs and writes the files
+      progress, log = False, lambda text: None
   task, rewards, device_mesh = _check_inputs(config, out, mesh, resume)
-  with _locked_run_folder(out), contextlib.ExitStack() as closing:
+  locked = (
+      _locked_run_folder(out)
+      if parallel.is_leader()
+      else contextlib.nullcontext()
+  )
+  with locked, contextlib.ExitStack() as closing:
     checkpointer = checkpoint.Checkpointer(
         out / "checkpoints", config.checkpoint
     )
@@ -732,7 +754,9 @@ def _train(
   sender, engine = _start_engine(
       config, policy, folder, out, params, opt_state, params_sharding, closing
   )
-  (out / "config.yaml").write_text(to_yaml(config))
+  leader = parallel.is_leader()
+  if leader:
+    (out / "config.yaml").write_text(to_yaml(config))
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
@@ -797,10 +821,14 @@ def _train(
       total=config.steps,
   )
   trackers = tracking.Trackers(
-      config.logging.trackers, out, to_dict(config), resume=resume
+      config.logging.trackers if leader else [],
+      out,
+      to_dict(config),
+      resume=resume,
   )
   sample_log = tracking.SampleLog(
-      out / "samples.jsonl", first_step if resume else None
+      out / "samples.jsonl" if leader else pathlib.Path(os.devnull),
+      first_step if resume else None,
   )
   observed: dict[str, engine_lib.RolloutSamples] = {}
 
@@ -813,7 +841,9 @@ def _train(
       stop,
       trackers,
       sample_log,
-      open(out / "metrics.jsonl", "w") as metrics_file,
+      open(
+          out / "metrics.jsonl" if leader else os.devnull, "w"
+      ) as metrics_file,
   ):
     for metrics in history:  # the steps before the checkpoint, if resumed
       metrics_file.write(json.dumps(metrics) + "\n")
@@ -914,10 +944,11 @@ def _train(
           "policy_folder": str(folder),
       }
   )
-  if history:
+  if history and leader:
     final = dict(history[-1], **{"accuracy/eval": after["accuracy"]})
     plot_curves(history[:-1] + [final], out / "curves.png", before["accuracy"])
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  if leader:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
   log(
       f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
       f"in {len(history)} steps, {summary['wall_seconds']:.0f}s; optimizer "

@@ -188,6 +188,40 @@ def evaluate(
   )
 
 
+def _score(
+    rewards: list[tuple[Callable, float]],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+) -> rewards_lib.RewardReport:
+  """The rewards of a batch. With several processes each scores its own
+  share of the rows (:func:`parallel.process_rows`) and every process gets
+  the whole report (first errors: this process's own)."""
+  if jax.process_count() == 1:
+    return rewards_lib.evaluate_rewards(rewards, prompts, completions, columns)
+  n = len(prompts)
+  rows = parallel.process_rows(n)
+  mine = rewards_lib.evaluate_rewards(
+      rewards,
+      prompts[rows],
+      completions[rows],
+      {name: values[rows] for name, values in columns.items()},
+  )
+  names = list(mine.per_function)
+  counts = parallel.sum_over_processes(
+      np.array([[mine.failures[k], mine.timeouts[k]] for k in names], np.int64)
+  )
+  return rewards_lib.RewardReport(
+      rewards=parallel.gather_rows(mine.rewards, n),
+      per_function={
+          k: parallel.gather_rows(mine.per_function[k], n) for k in names
+      },
+      failures={k: int(c[0]) for k, c in zip(names, counts)},
+      timeouts={k: int(c[1]) for k, c in zip(names, counts)},
+      first_errors=mine.first_errors,
+  )
+
+
 def _evaluate(
     policy: Policy,
     sample: SampleFn,
@@ -206,8 +240,11 @@ def _evaluate(
         max_new_tokens=max_new_tokens,
         temperature=0.0,
     )
-    report = rewards_lib.evaluate_rewards(
-        rewards, prompts, policy.decode(out.tokens), _columns(chunk, 1)
+    report = _score(
+        rewards,
+        prompts,
+        policy.decode(parallel.host_value(out.tokens)),
+        _columns(chunk, 1),
     )
     scores.append(report.rewards)
   scores = np.concatenate(scores)
@@ -277,9 +314,9 @@ def _rollout(
       top_p=config.rollout.top_p,
       top_k=config.rollout.top_k,
   )
-  completions = policy.decode(out.tokens)
+  completions = policy.decode(parallel.host_value(out.tokens))
   columns = _columns(examples, group)
-  report = rewards_lib.evaluate_rewards(rewards, prompts, completions, columns)
+  report = _score(rewards, prompts, completions, columns)
   if observe is not None:
     observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
@@ -294,7 +331,9 @@ def _rollout(
   )
   metrics = report.metrics()
   metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
-  metrics["completion_length"] = float(np.mean(np.asarray(out.lengths)))
+  metrics["completion_length"] = float(
+      np.mean(parallel.host_value(out.lengths))
+  )
   return batch, metrics
 
 
