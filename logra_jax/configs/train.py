@@ -235,6 +235,13 @@ class RolloutConfig:
       ``"auto"`` (bfloat16 on GPU and TPU, float32 on CPU, whose bfloat16
       matmuls are slow). The engine's synced copy, which its checksums
       verify, keeps the learner's dtypes.
+    max_staleness: how many policy versions a batch may lag behind the
+      weights it trains: 0 samples each batch with the latest weights (the
+      synchronous loop); s > 0 lets the engine sample the next s batches
+      while the learner trains on this one (asynchronous rollouts, one step
+      off-policy for s = 1), the importance ratios taken against the
+      sampler's own log-probabilities. Metrics record each batch's lag
+      (``rollout/version_lag``).
   """
 
   prompts_per_step: int = 64
@@ -245,9 +252,11 @@ class RolloutConfig:
   top_k: int = 0
   engine: str = "colocated"
   dtype: str = "auto"
+  max_staleness: int = 0
 
   def __post_init__(self):
     check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
+    _check("rollout", self, "max_staleness", ge=0)
     check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
     _check("rollout", self, "num_generations", ge=2)  # a group baseline

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import filelock
 import jax
 import jax.numpy as jnp
+import numpy as np
 import tqdm
 
 import logra_jax as logra
@@ -207,6 +211,15 @@ def _check_inputs(
         "rollout.engine=process runs the engine unsharded on "
         "the devices of its own process; it cannot be combined "
         "with a mesh yet (use rollout.engine=colocated)"
+    )
+  if config.rollout.max_staleness and (
+      mesh is not None or jax.process_count() > 1
+  ):
+    raise ValueError(
+        "rollout.max_staleness > 0 (asynchronous rollouts) runs the engine "
+        "beside the learner on one device or in its own process "
+        "(rollout.engine=process); it cannot be combined with a mesh or "
+        "several processes yet"
     )
   tracking.check_trackers(config.logging.trackers)
   if resume and not (out / "checkpoints").is_dir():
@@ -589,6 +602,15 @@ def _update(
   return params, opt_state, metrics, guard, skipped
 
 
+_NO_SYNC_YET = engine_lib.SyncStats(
+    message_bytes=0,
+    seconds=0.0,
+    resynced=False,
+    full_bfloat16_bytes=0,
+    sparse_delta_bytes=0,
+)
+
+
 def _sync_metrics(
     stats: engine_lib.SyncStats, resyncs: int
 ) -> dict[str, float]:
@@ -787,14 +809,74 @@ def _train(
   )
   key, history, first_step = loop.key, loop.history, loop.step
   wall_before = loop.extras.get("wall_seconds", 0.0)
+  staleness = config.rollout.max_staleness
+  # Asynchronous rollouts: one worker thread talks to the engine, in order
+  # (sample requests, sync messages, evaluations), while this thread trains.
+  worker = None
+  if staleness:
+    worker = concurrent.futures.ThreadPoolExecutor(1, "rollout")
+    closing.callback(worker.shutdown)
+  # Rollouts requested and not yet trained on: (future, the policy version
+  # the engine samples them with, the data position and key before them).
+  pending: collections.deque = collections.deque()
+  syncs: collections.deque = collections.deque()  # async sync futures
+  version = {"engine": first_step, "synced": None}
+
+  def rollout_job(examples, rollout_key):
+    seen = []
+    batch, metrics = engine.rollout(
+        examples, config, rewards, rollout_key, observe=seen.append
+    )
+    return batch, metrics, seen[0]
+
+  def request() -> None:
+    nonlocal key
+    position, key_before = batches.position, key
+    examples = next(batches)
+    key, rollout_key = jax.random.split(key)
+    if worker is None:
+      job = concurrent.futures.Future()
+      job.set_result(rollout_job(examples, rollout_key))
+    else:
+      job = worker.submit(rollout_job, examples, rollout_key)
+    pending.append((job, version["engine"], position, key_before))
+
+  def resume_point() -> tuple[int, jax.Array]:
+    """Data position and key before the first batch not yet trained on (a
+    resumed run samples the prefetched batches again)."""
+    if pending:
+      return pending[0][2], pending[0][3]
+    return batches.position, key
+
+  def collect_syncs(wait: bool) -> None:
+    """Records the asynchronous syncs that finished (all, with ``wait``); a
+    refused one is followed by a full message, once every request before
+    it is done."""
+    refused = False
+    while syncs and (wait or syncs[0].done()):
+      try:
+        version["synced"] = syncs.popleft().result()
+      except sync.SyncError:
+        refused = True
+    if refused:
+      for job, *_ in pending:
+        job.result()
+      for job in syncs:
+        job.exception()
+      syncs.clear()
+      version["synced"] = engine.sync(
+          sender.message(params, opt_state, full=True)
+      )
+      engine.resyncs += 1
 
   def save(
       step: int, eval_accuracy: Optional[float] = None, wait: bool = False
   ) -> None:
+    position, resume_key = resume_point()
     state = checkpoint.LoopState(
         step=step,
-        key=key,
-        data_position=batches.position,
+        key=resume_key,
+        data_position=position,
         history=history,
         extras={
             "eval_before": before,
@@ -811,6 +893,15 @@ def _train(
         eval_accuracy=eval_accuracy,
         wait=wait,
     )
+
+  def evaluate_now() -> dict[str, float]:
+    """Held-out accuracy with the engine's latest weights (after every
+    request before it)."""
+    if worker is None:
+      return engine.evaluate(eval_examples, rewards, max_new)
+    return worker.submit(
+        engine.evaluate, eval_examples, rewards, max_new
+    ).result()
 
   bar = tqdm.tqdm(
       range(first_step, config.steps),
@@ -832,10 +923,6 @@ def _train(
   )
   observed: dict[str, engine_lib.RolloutSamples] = {}
 
-  def observe(samples: engine_lib.RolloutSamples) -> None:
-    reward_warnings(samples.report)
-    observed["latest"] = samples
-
   stop = _StopSignals(log)
   with (
       stop,
@@ -850,12 +937,16 @@ def _train(
     for step in bar:
       done = step + 1
       step_start = time.perf_counter()
-      examples = next(batches)
-      key, rollout_key = jax.random.split(key)
-      with _explain_out_of_memory(done, memory_hint(examples)):
-        batch, metrics = engine.rollout(
-            examples, config, rewards, rollout_key, observe=observe
-        )
+      with _explain_out_of_memory(done, memory_hint(eval_examples)):
+        # The engine samples up to ``staleness`` batches ahead, each with
+        # the newest weights synced before its request.
+        while len(pending) <= staleness:
+          request()
+        job, sampled_version, *_ = pending.popleft()
+        batch, metrics, samples = job.result()
+        reward_warnings(samples.report)
+        observed["latest"] = samples
+        metrics["rollout/version_lag"] = float(step - sampled_version)
         batch = place_batch(batch)
         if fill_reference is not None:
           batch = fill_reference(ref_params, batch)
@@ -866,10 +957,23 @@ def _train(
         full = bool(
             config.sync.resync_every and done % config.sync.resync_every == 0
         )
-        synced = engine.sync(
-            sender.message(params, opt_state, full=full),
-            resync=lambda: sender.message(params, opt_state, full=True),
-        )
+        message = sender.message(params, opt_state, full=full)
+        if worker is None:
+          synced = engine.sync(
+              message,
+              resync=lambda: sender.message(params, opt_state, full=True),
+          )
+        else:
+          # On the host now: the next step donates the arrays it was made of.
+          message = dataclasses.replace(
+              message,
+              arrays={n: np.asarray(x) for n, x in message.arrays.items()},
+          )
+          syncs.append(worker.submit(engine.sync, message))
+          collect_syncs(wait=False)
+          # The figures of the latest sync that finished (none at first).
+          synced = version["synced"] or _NO_SYNC_YET
+        version["engine"] = done
       metrics.update({k: float(v) for k, v in step_metrics.items()})
       metrics["step"] = done
       metrics["skipped"] = float(bool(skipped))
@@ -878,7 +982,9 @@ def _train(
       metrics["time/rollout_s"] = rollout_seconds
       metrics["time/step_s"] = time.perf_counter() - step_start
       metrics["time/train_s"] = (
-          metrics["time/step_s"] - rollout_seconds - synced.seconds
+          metrics["time/step_s"]
+          - rollout_seconds
+          - (synced.seconds if worker is None else 0.0)
       )
       evaluated = bool(
           config.eval_every
@@ -886,9 +992,7 @@ def _train(
           and done < config.steps
       )
       if evaluated:
-        metrics["accuracy/eval"] = engine.evaluate(
-            eval_examples, rewards, max_new
-        )["accuracy"]
+        metrics["accuracy/eval"] = evaluate_now()["accuracy"]
       history.append(metrics)
       metrics_file.write(json.dumps(metrics) + "\n")
       metrics_file.flush()
@@ -926,7 +1030,8 @@ def _train(
       if "kl/predicted" in metrics:
         postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
       bar.set_postfix(postfix)
-    after = engine.evaluate(eval_examples, rewards, max_new)
+    collect_syncs(wait=True)
+    after = evaluate_now()
     if checkpointer.latest_step() != len(history):
       save(len(history), after["accuracy"], wait=True)
   summary.update(

@@ -1,0 +1,142 @@
+"""Asynchronous rollouts against the synchronous loop, the engine in its own
+process: step time and held-out accuracy over seeds.
+
+Each seed runs the same config twice with ``rollout.engine=process``: with
+``rollout.max_staleness=0`` (the engine samples each batch with the newest
+weights, the learner waits) and ``=1`` (the engine samples batch k+1 with
+policy version k-1 while the learner trains on batch k). Reports the median
+step time (steps after the first two, which compile), the held-out accuracy
+after training (mean and spread over seeds), the version lags seen, and
+whether the asynchronous accuracies fall within the synchronous seeds'
+range; writes ``async_rollouts.csv`` and ``async_rollouts.md`` to
+``--results``.
+
+Run: python experiments/async_rollouts.py [--quick] [--seeds 3]
+     [--out runs/async_rollouts] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+from logra_jax.configs import train as train_config
+from logra_jax.rl import trainer
+
+# A study small enough for a 2-core CPU: the tiny preset's task and policy,
+# fewer prompts per step.
+STUDY = [
+    "steps=60",
+    "eval_every=0",
+    "rollout.prompts_per_step=16",
+    "rollout.num_generations=8",
+    "task.eval_size=64",
+    "rollout.engine=process",
+    "logging.trackers=[]",
+    "logging.samples_every=0",
+]
+QUICK = ["steps=3", "task.eval_size=8"]
+
+
+def run_arm(
+    preset: str, overrides: list[str], out: pathlib.Path
+) -> dict[str, float]:
+  config = train_config.load_config(preset, [], overrides)
+  summary = trainer.train(config, out, progress=False, log=lambda text: None)
+  metrics = [
+      json.loads(line)
+      for line in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  steady = [m["time/step_s"] for m in metrics[2:]] or [
+      m["time/step_s"] for m in metrics
+  ]
+  return {
+      "accuracy_before": summary["eval_accuracy_before"],
+      "accuracy_after": summary["eval_accuracy_after"],
+      "step_s_median": statistics.median(steady),
+      "max_version_lag": max(m["rollout/version_lag"] for m in metrics),
+      "wall_s": summary["wall_seconds"],
+  }
+
+
+def spread(values: list[float]) -> str:
+  if len(values) < 2:
+    return f"{values[0]:.3f}"
+  return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--out", default="runs/async_rollouts")
+  parser.add_argument(
+      "--results",
+      default=str(pathlib.Path(__file__).parent / "results" / "async_rollouts"),
+  )
+  parser.add_argument("--set", action="append", default=[])
+  args = parser.parse_args()
+  preset, overrides = "tiny", STUDY + args.set
+  if args.quick:
+    preset, overrides = "smoke", STUDY + QUICK + args.set
+  if args.seeds < 1:
+    parser.error("--seeds must be >= 1")
+  out, results = pathlib.Path(args.out), pathlib.Path(args.results)
+  results.mkdir(parents=True, exist_ok=True)
+  rows = []
+  for seed in range(args.seeds):
+    for staleness in (0, 1):  # alternating, so load drifts hit both arms
+      arm = f"max_staleness={staleness}"
+      row = run_arm(
+          preset,
+          overrides + [f"seed={seed}", f"rollout.max_staleness={staleness}"],
+          out / f"seed{seed}-staleness{staleness}",
+      )
+      rows.append({"arm": arm, "seed": seed, **row})
+      print(json.dumps(rows[-1]), flush=True)
+  with open(results / "async_rollouts.csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  arms = {r["arm"]: [x for x in rows if x["arm"] == r["arm"]] for r in rows}
+  sync = arms["max_staleness=0"]
+  sync_acc = [r["accuracy_after"] for r in sync]
+  sync_step = statistics.median(r["step_s_median"] for r in sync)
+  lines = [
+      "| arm | held-out accuracy after (mean ± std over seeds) | median "
+      "s/step (vs sync) | max version lag |",
+      "|---|---|---|---|",
+  ]
+  for arm, runs in arms.items():
+    step = statistics.median(r["step_s_median"] for r in runs)
+    lines.append(
+        f"| {arm} | {spread([r['accuracy_after'] for r in runs])} | "
+        f"{step:.3f} ({step / sync_step:.2f}) | "
+        f"{max(r['max_version_lag'] for r in runs):.0f} |"
+    )
+  within = all(
+      min(sync_acc) <= r["accuracy_after"] <= max(sync_acc)
+      for r in arms["max_staleness=1"]
+  )
+  lines += [
+      "",
+      f"Asynchronous accuracies within the synchronous seeds' range "
+      f"[{min(sync_acc):.3f}, {max(sync_acc):.3f}]: {within}.",
+      "",
+      f"Command: `python experiments/async_rollouts.py"
+      f"{' --quick' if args.quick else ''} --seeds {args.seeds}"
+      f"{''.join(' --set ' + s for s in args.set)}`; "
+      f"{time.strftime('%Y-%m-%d')}, {platform.machine()} "
+      f"{platform.system()} CPU; overrides {' '.join(overrides)}.",
+  ]
+  (results / "async_rollouts.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
