@@ -8,11 +8,12 @@ policy version k-1 while the learner trains on batch k). Reports the median
 step time (steps after the first two, which compile), the held-out accuracy
 after training (mean and spread over seeds), the version lags seen, and
 whether the asynchronous accuracies fall within the synchronous seeds'
-range; writes ``async_rollouts.csv`` and ``async_rollouts.md`` to
+range and mean; writes ``async_rollouts.csv`` and ``async_rollouts.md`` to
 ``--results``.
 
 Run: python experiments/async_rollouts.py [--quick] [--seeds 3]
      [--out runs/async_rollouts] [--set key=value ...]
+     [--from-csv FILE]  (the report of an earlier run's CSV)
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def main() -> None:
       default=str(pathlib.Path(__file__).parent / "results" / "async_rollouts"),
   )
   parser.add_argument("--set", action="append", default=[])
+  parser.add_argument(
+      "--from-csv",
+      help="write the report of an earlier run's async_rollouts.csv "
+      "(with that run's --seeds/--set, for its command line) instead of "
+      "running",
+  )
   args = parser.parse_args()
   preset, overrides = "tiny", STUDY + args.set
   if args.quick:
@@ -88,6 +95,15 @@ def main() -> None:
     parser.error("--seeds must be >= 1")
   out, results = pathlib.Path(args.out), pathlib.Path(args.results)
   results.mkdir(parents=True, exist_ok=True)
+  if args.from_csv:
+    with open(args.from_csv, newline="") as f:
+      rows = list(csv.DictReader(f))
+    command = (
+        f"python experiments/async_rollouts.py --seeds {args.seeds}"
+        f"{''.join(' --set ' + s for s in args.set)}"
+    )
+    write_report(rows, results, command, overrides)
+    return
   rows = []
   for seed in range(args.seeds):
     for staleness in (0, 1):  # alternating, so load drifts hit both arms
@@ -103,36 +119,52 @@ def main() -> None:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+  command = (
+      f"python experiments/async_rollouts.py{' --quick' if args.quick else ''}"
+      f" --seeds {args.seeds}{''.join(' --set ' + s for s in args.set)}"
+  )
+  write_report(rows, results, command, overrides)
+
+
+def write_report(
+    rows: list[dict], results: pathlib.Path, command: str, overrides: list[str]
+) -> None:
+  """``async_rollouts.md``: the table of both arms and how the asynchronous
+  accuracies compare with the synchronous seeds'."""
   arms = {r["arm"]: [x for x in rows if x["arm"] == r["arm"]] for r in rows}
-  sync = arms["max_staleness=0"]
-  sync_acc = [r["accuracy_after"] for r in sync]
-  sync_step = statistics.median(r["step_s_median"] for r in sync)
+  sync_acc = [float(r["accuracy_after"]) for r in arms["max_staleness=0"]]
+  async_acc = [float(r["accuracy_after"]) for r in arms["max_staleness=1"]]
+  sync_step = statistics.median(
+      float(r["step_s_median"]) for r in arms["max_staleness=0"]
+  )
   lines = [
       "| arm | held-out accuracy after (mean ± std over seeds) | median "
       "s/step (vs sync) | max version lag |",
       "|---|---|---|---|",
   ]
   for arm, runs in arms.items():
-    step = statistics.median(r["step_s_median"] for r in runs)
+    step = statistics.median(float(r["step_s_median"]) for r in runs)
     lines.append(
-        f"| {arm} | {spread([r['accuracy_after'] for r in runs])} | "
+        f"| {arm} | {spread([float(r['accuracy_after']) for r in runs])} | "
         f"{step:.3f} ({step / sync_step:.2f}) | "
-        f"{max(r['max_version_lag'] for r in runs):.0f} |"
+        f"{max(float(r['max_version_lag']) for r in runs):.0f} |"
     )
-  within = all(
-      min(sync_acc) <= r["accuracy_after"] <= max(sync_acc)
-      for r in arms["max_staleness=1"]
+  low, high = min(sync_acc), max(sync_acc)
+  mean, std = statistics.mean(sync_acc), (
+      statistics.stdev(sync_acc) if len(sync_acc) > 1 else 0.0
   )
+  inside = sum(low <= a <= high for a in async_acc)
+  above = sum(a > high for a in async_acc)
   lines += [
       "",
-      f"Asynchronous accuracies within the synchronous seeds' range "
-      f"[{min(sync_acc):.3f}, {max(sync_acc):.3f}]: {within}.",
+      f"Asynchronous seeds within the synchronous seeds' range "
+      f"[{low:.3f}, {high:.3f}]: {inside} of {len(async_acc)} ({above} above "
+      f"it); asynchronous mean {statistics.mean(async_acc):.3f} against the "
+      f"synchronous mean ± std {mean:.3f} ± {std:.3f}.",
       "",
-      f"Command: `python experiments/async_rollouts.py"
-      f"{' --quick' if args.quick else ''} --seeds {args.seeds}"
-      f"{''.join(' --set ' + s for s in args.set)}`; "
-      f"{time.strftime('%Y-%m-%d')}, {platform.machine()} "
-      f"{platform.system()} CPU; overrides {' '.join(overrides)}.",
+      f"Command: `{command}`; {time.strftime('%Y-%m-%d')}, "
+      f"{platform.machine()} {platform.system()} CPU; overrides "
+      f"{' '.join(overrides)}.",
   ]
   (results / "async_rollouts.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))

@@ -52,14 +52,14 @@ def _export(args: argparse.Namespace) -> int:
   from logra_jax import checkpoint
   from logra_jax import parallel
 
-  parallel.join_from_environment()
-  # One folder: process 0 writes it while the others wait.
-  if parallel.is_leader():
-    out = checkpoint.export_policy(
-        args.checkpoint, args.out, step=args.step, overwrite=args.overwrite
-    )
-    print(f"policy written to {out}")
-  parallel.barrier("export")
+  # Export reads a checkpoint into one folder on one host: launched as
+  # several processes, process 0 alone does it (without joining the others).
+  if parallel.launched_process_id() != 0:
+    return 0
+  out = checkpoint.export_policy(
+      args.checkpoint, args.out, step=args.step, overwrite=args.overwrite
+  )
+  print(f"policy written to {out}")
   return 0
 
 

@@ -9,6 +9,7 @@ from logra_jax.parallel.distributed import host_value
 from logra_jax.parallel.distributed import initialize
 from logra_jax.parallel.distributed import is_leader
 from logra_jax.parallel.distributed import join_from_environment
+from logra_jax.parallel.distributed import launched_process_id
 from logra_jax.parallel.distributed import process_rows
 from logra_jax.parallel.distributed import sum_over_processes
 from logra_jax.parallel.sharding import batch_sharding

@@ -154,6 +154,34 @@ def join_from_environment(timeout_s: Optional[int] = None) -> bool:
   return True
 
 
+# Where launchers put a process's id: logra's own, SLURM's srun, Open MPI's
+# mpirun, Cloud TPU VMs.
+_PROCESS_ID_VARIABLES = (
+    "LOGRA_PROCESS_ID",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "TPU_WORKER_ID",
+)
+
+
+def launched_process_id() -> int:
+  """This process's id as its launcher set it in the environment (0 when
+  none did), read without joining a distributed run.
+
+  Example:
+    >>> launched_process_id()
+    0
+  """
+  for name in _PROCESS_ID_VARIABLES:
+    value = os.environ.get(name, "").strip()
+    if value:
+      try:
+        return int(value)
+      except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+  return 0
+
+
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
   """Returns once ``host:port`` accepts a connection; a ValueError naming it
   after ``timeout_s`` seconds of refusals."""

@@ -91,11 +91,32 @@ def test_two_processes_match_one_and_resume_across_layouts(tmp_path):
     for key in ("loss", "grad_norm", "update_norm", "entropy"):
       np.testing.assert_allclose(have[key], want[key], rtol=1e-4, atol=1e-6)
   ref = _exported(one, tmp_path / "one_policy")
-  new = _exported(two, tmp_path / "two_policy")
+  # logra export launched as two processes: process 0 writes the folder.
+  exported = tmp_path / "two_policy"
+  codes, logs = _finish(
+      _launch(["export", f"--checkpoint={two}", f"--out={exported}"])
+  )
+  assert codes == [0, 0], "\n".join(logs)[-4000:]
+  new = safetensors.numpy.load_file(exported / "model.safetensors")
   assert ref.keys() == new.keys()
   for name in ref:
     diff = np.linalg.norm(new[name] - ref[name])
     assert diff <= 1e-5 * np.linalg.norm(ref[name]), name
+  # logra eval as two processes (each scores half the examples) prints what
+  # one process prints.
+  evaluate = ["eval", "--preset=smoke", f"--policy={exported}"]
+  codes, logs = _finish(_launch(evaluate))
+  assert codes == [0, 0], "\n".join(logs)[-4000:]
+  result = [json.loads(x) for x in logs[0].splitlines() if x.startswith("{")]
+  assert not any(x.startswith("{") for x in logs[1].splitlines())
+  single = subprocess.run(
+      [sys.executable, "-m", "logra_jax.cli", *evaluate],
+      capture_output=True,
+      text=True,
+      check=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert result == [json.loads(single.stdout.splitlines()[-1])]
 
 
 def test_processes_given_different_configs_are_refused(tmp_path):

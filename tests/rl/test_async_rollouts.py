@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from logra_jax import parallel
+from logra_jax import sync
 from logra_jax.configs import train as train_config
 from logra_jax.rl import trainer
 
@@ -60,3 +61,30 @@ def test_bad_staleness_settings_are_refused_before_the_run(
     config = train_config.apply_overrides(SMOKE, overrides)
     trainer.train(config, tmp_path / "run", progress=False, mesh=mesh)
   assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_sync_is_followed_by_a_full_one(
+    policy_folder, tmp_path, monkeypatch
+):
+  """Message 2 is lost on the way (refused); message 3 then no longer fits
+  either. Once the requests before them are done, the learner sends one
+  full message, and the run goes on."""
+  apply = sync.PolicyReceiver.apply
+
+  def lossy(self, message):
+    if message.sequence == 2 and not message.full:
+      raise sync.SyncError("damaged on the way")
+    return apply(self, message)
+
+  monkeypatch.setattr(sync.PolicyReceiver, "apply", lossy)
+  config = train_config.apply_overrides(
+      SMOKE,
+      [f"policy.path={policy_folder}", "steps=4", "rollout.max_staleness=1"],
+  )
+  trainer.train(config, tmp_path, progress=False, log=lambda s: None)
+  rows = [
+      json.loads(line)
+      for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert len(rows) == 4
+  assert rows[-1]["sync/resyncs"] == 1.0
