@@ -99,15 +99,34 @@ class LeafPlan:
     """The parameter's layout under an explicitly sharded mesh, else None."""
     return PartitionSpec(*self.param_spec) if self.param_spec else None
 
-  def _matrix_entries(self) -> tuple[Any, Any, Any]:
-    """Mesh axes of the ``[batch, m, n]`` view: those of an axis that forms a
-    group alone (a group of several axes is gathered before the reshape)."""
+  def _group_axes(self) -> list[list[Any]]:
+    """Mesh axes of the transposed leaf's axes, by group (batch, rows,
+    columns); a group of several axes is gathered (None) before the reshape
+    to ``[batch, m, n]``, an axis alone keeps its split."""
     permuted = [self.param_spec[a] for a in self.perm]
-    entries, start = [], 0
+    groups, start = [], 0
     for size in self.groups:
-      entries.append(permuted[start] if size == 1 else None)
+      groups.append(
+          permuted[start : start + size] if size == 1 else [None] * size
+      )
       start += size
-    return tuple(entries)
+    return groups
+
+  @property
+  def matrix_spec(self) -> Optional[PartitionSpec]:
+    """Layout of the ``[batch, m, n]`` view; None without an explicit
+    layout."""
+    if not self.param_spec:
+      return None
+    return PartitionSpec(
+        *(g[0] if len(g) == 1 else None for g in self._group_axes())
+    )
+
+  def _permuted_spec(self) -> Optional[PartitionSpec]:
+    """Layout of the transposed leaf around the reshape to ``[batch, m, n]``."""
+    if not self.param_spec:
+      return None
+    return PartitionSpec(*(a for group in self._group_axes() for a in group))
 
   @property
   def projector_spec(self) -> Optional[PartitionSpec]:
@@ -115,7 +134,7 @@ class LeafPlan:
     like the parameter's; None without an explicit layout."""
     if not self.param_spec:
       return None
-    batch, m, n = self._matrix_entries()
+    batch, m, n = self.matrix_spec
     return PartitionSpec(batch, m if self.left else n, None)
 
   @property
@@ -124,7 +143,7 @@ class LeafPlan:
     short axis split like the parameter's; None without an explicit layout."""
     if not self.param_spec:
       return None
-    batch, m, n = self._matrix_entries()
+    batch, m, n = self.matrix_spec
     return PartitionSpec(batch, None, n if self.left else m)
 
   @property
@@ -133,7 +152,7 @@ class LeafPlan:
     split along the batch only; None without an explicit layout."""
     if not self.param_spec:
       return None
-    return PartitionSpec(self._matrix_entries()[0], None, None)
+    return PartitionSpec(self.matrix_spec[0], None, None)
 
   def to_long_view(self, x: jax.Array) -> jax.Array:
     """Reshapes a leaf to ``[batch, long, short]`` (transposed if wide)."""
@@ -169,8 +188,7 @@ class LeafPlan:
 
   def expand(self, p_BxLxR: jax.Array, n_BxRxS: jax.Array) -> jax.Array:
     """``P N`` back in the leaf's shape (the inverse map of :meth:`sketch`)."""
-    matrix = self._matrix_entries() if self.param_spec else None
-    spec = None if matrix is None else PartitionSpec(*matrix)
+    spec = self.matrix_spec
     if self.left:
       u_BxMxN = jnp.einsum("bmr,brn->bmn", p_BxLxR, n_BxRxS, out_sharding=spec)
     else:
@@ -182,18 +200,6 @@ class LeafPlan:
     u = jnp.transpose(u, np.argsort(self.perm))
     return u if spec is None else jax.sharding.reshard(u, self.dense_spec)
 
-  def _permuted_spec(self) -> Optional[PartitionSpec]:
-    """Layout of the transposed leaf around the reshape to ``[batch, m, n]``:
-    the parameter's, with the axes of multi-axis groups gathered."""
-    if not self.param_spec:
-      return None
-    permuted, start = [self.param_spec[a] for a in self.perm], 0
-    for size in self.groups:
-      if size > 1:
-        permuted[start : start + size] = [None] * size
-      start += size
-    return PartitionSpec(*permuted)
-
   def to_matrix(self, x: jax.Array) -> jax.Array:
     """Reshapes a leaf to ``[batch, m, n]`` without changing orientation."""
     x = jnp.transpose(x, self.perm)
@@ -203,7 +209,7 @@ class LeafPlan:
     return jax.lax.reshape(
         x,
         (self.batch, self.m, self.n),
-        out_sharding=PartitionSpec(*self._matrix_entries()),
+        out_sharding=self.matrix_spec,
     )
 
 

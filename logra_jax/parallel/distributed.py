@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 
@@ -223,8 +224,6 @@ def barrier(name: str) -> None:
   """Waits until every process reaches the barrier ``name`` (nothing to wait
   for in a one-process run)."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
     multihost_utils.sync_global_devices(name)
 
 
@@ -233,8 +232,6 @@ def check_same_everywhere(text: str, what: str) -> None:
   config): a ValueError naming ``what`` and the processes that differ."""
   if jax.process_count() == 1:
     return
-  from jax.experimental import multihost_utils
-
   digest = hashlib.sha256(text.encode()).digest()[:16]
   mine = np.frombuffer(digest, np.int32)
   every = np.asarray(multihost_utils.process_allgather(mine))
@@ -253,17 +250,20 @@ def host_value(x: jax.Array) -> np.ndarray:
   when other processes hold parts of it)."""
   if getattr(x, "is_fully_addressable", True):
     return np.asarray(x)
-  from jax.experimental import multihost_utils
-
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def process_rows(n: int) -> slice:
   """This process's share of ``n`` rows of host work (e.g. scoring), in
   process order: contiguous, sizes differing by at most one."""
-  count, index = jax.process_count(), jax.process_index()
-  bounds = np.linspace(0, n, count + 1).round().astype(int)
+  bounds = _row_bounds(n)
+  index = jax.process_index()
   return slice(int(bounds[index]), int(bounds[index + 1]))
+
+
+def _row_bounds(n: int) -> np.ndarray:
+  """Where each process's share of ``n`` rows starts, and the end."""
+  return np.linspace(0, n, jax.process_count() + 1).round().astype(int)
 
 
 def gather_rows(local: np.ndarray, n: int) -> np.ndarray:
@@ -272,16 +272,13 @@ def gather_rows(local: np.ndarray, n: int) -> np.ndarray:
   local = np.asarray(local)
   if jax.process_count() == 1:
     return local
-  from jax.experimental import multihost_utils
-
-  count = jax.process_count()
-  bounds = np.linspace(0, n, count + 1).round().astype(int)
+  bounds = _row_bounds(n)
   width = int(np.max(np.diff(bounds)))
   padded = np.zeros((width,) + local.shape[1:], local.dtype)
   padded[: len(local)] = local
   every = np.asarray(multihost_utils.process_allgather(padded))
   return np.concatenate(
-      [every[i, : bounds[i + 1] - bounds[i]] for i in range(count)]
+      [every[i, : bounds[i + 1] - bounds[i]] for i in range(len(every))]
   )
 
 
@@ -291,8 +288,6 @@ def sum_over_processes(value: np.ndarray) -> np.ndarray:
   value = np.asarray(value)
   if jax.process_count() == 1:
     return value
-  from jax.experimental import multihost_utils
-
   return np.asarray(multihost_utils.process_allgather(value)).sum(axis=0)
 
 

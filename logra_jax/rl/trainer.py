@@ -13,7 +13,7 @@ import shutil
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import filelock
 import jax
@@ -453,6 +453,19 @@ def train(
     )
 
 
+class _Learner(NamedTuple):
+  """What :func:`_learner_step` builds for a run."""
+
+  params: Any  # the policy's params, placed for the train step
+  tx: Any  # the optimizer
+  state_sharding: Any  # of the optimizer state
+  weights_sharding: Any  # of the learner's weights (learner.init_weights)
+  place_batch: Callable  # places a rollout batch
+  train_step: Callable
+  fill_reference: Optional[Callable]  # reference log-probs (loss.beta > 0)
+  params_sharding: Any  # of the dense params
+
+
 def _learner_step(
     config: TrainConfig,
     policy: engine_lib.Policy,
@@ -482,7 +495,7 @@ def _learner_step(
         if with_reference
         else None
     )
-    return (
+    return _Learner(
         params,
         tx,
         state_sharding,
@@ -534,7 +547,7 @@ def _learner_step(
       if with_reference
       else None
   )
-  return (
+  return _Learner(
       params,
       tx,
       state_sharding,
@@ -706,16 +719,12 @@ def _train(
       saved = None  # restore_latest falls back to an older checkpoint
     if saved is not None:
       checkpoint.check_resumable(saved, meta, allow_reshard)
-  (
-      params,
-      tx,
-      state_sharding,
-      weights_sharding,
-      place_batch,
-      train_step,
-      fill_reference,
-      params_sharding,
-  ) = _learner_step(config, policy, device_mesh)
+  learner = _learner_step(config, policy, device_mesh)
+  params, tx, fill_reference = (
+      learner.params,
+      learner.tx,
+      learner.fill_reference,
+  )
   # The frozen reference policy (loss.beta > 0): the initial weights, in
   # policy.reference_dtype, laid out like the params.
   ref_params = (
@@ -731,10 +740,10 @@ def _train(
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(
             learner_lib.abstract_weights(config.optimizer, tx, params),
-            weights_sharding,
+            learner.weights_sharding,
         ),
         opt_state=checkpoint.abstract_state(
-            jax.eval_shape(tx.init, params), state_sharding
+            jax.eval_shape(tx.init, params), learner.state_sharding
         ),
         ref_params=(
             None
@@ -761,10 +770,10 @@ def _train(
         f"({checkpointer.directory / str(restored.step)})"
     )
   else:
-    opt_state = jax.device_put(tx.init(params), state_sharding)
+    opt_state = jax.device_put(tx.init(params), learner.state_sharding)
     params = jax.device_put(
         learner_lib.init_weights(config.optimizer, params, opt_state),
-        weights_sharding,
+        learner.weights_sharding,
     )
     loop = checkpoint.LoopState(
         step=0, key=jax.random.key(config.seed), data_position=0
@@ -774,7 +783,14 @@ def _train(
   # rollout engine's copy follows them through sync messages.
   policy.params = None
   sender, engine = _start_engine(
-      config, policy, folder, out, params, opt_state, params_sharding, closing
+      config,
+      policy,
+      folder,
+      out,
+      params,
+      opt_state,
+      learner.params_sharding,
+      closing,
   )
   leader = parallel.is_leader()
   if leader:
@@ -947,12 +963,12 @@ def _train(
         reward_warnings(samples.report)
         observed["latest"] = samples
         metrics["rollout/version_lag"] = float(step - sampled_version)
-        batch = place_batch(batch)
+        batch = learner.place_batch(batch)
         if fill_reference is not None:
           batch = fill_reference(ref_params, batch)
         rollout_seconds = time.perf_counter() - step_start
         params, opt_state, step_metrics, guard, skipped = _update(
-            train_step, params, opt_state, batch, config.num_iterations
+            learner.train_step, params, opt_state, batch, config.num_iterations
         )
         full = bool(
             config.sync.resync_every and done % config.sync.resync_every == 0
