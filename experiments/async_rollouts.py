@@ -11,7 +11,12 @@ whether the asynchronous accuracies fall within the synchronous seeds'
 range and mean; writes ``async_rollouts.csv`` and ``async_rollouts.md`` to
 ``--results``.
 
-Run: python experiments/async_rollouts.py [--quick] [--seeds 3]
+``--gpu`` runs the accelerator study instead: the engine colocated with the
+learner on one device, a decoder of Qwen2.5-0.5B's body shape (896 wide, 24
+layers, 14 query and 2 key/value heads, MLP 4864; the task's own small
+vocabulary), 20 steps of 64 prompts x 8 completions, one seed.
+
+Run: python experiments/async_rollouts.py [--quick] [--gpu] [--seeds 3]
      [--out runs/async_rollouts] [--set key=value ...]
      [--from-csv FILE]  (the report of an earlier run's CSV)
 """
@@ -21,10 +26,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import pathlib
 import platform
 import statistics
 import time
+
+import jax
 
 from logra_jax.configs import train as train_config
 from logra_jax.rl import trainer
@@ -42,6 +50,20 @@ STUDY = [
     "logging.samples_every=0",
 ]
 QUICK = ["steps=3", "task.eval_size=8"]
+# The accelerator study: what the asynchronous loop overlaps when the engine
+# shares the learner's device (host work: decoding, scoring, batching).
+GPU = [
+    "rollout.engine=colocated",
+    "policy.hidden_size=896",
+    "policy.num_layers=24",
+    "policy.num_heads=14",
+    "policy.num_kv_heads=2",
+    "policy.intermediate_size=4864",
+    "policy.warm_start_steps=60",
+    "steps=20",
+    "rollout.prompts_per_step=64",
+    "task.eval_size=128",
+]
 
 
 def run_arm(
@@ -74,7 +96,14 @@ def spread(values: list[float]) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument(
+      "--gpu",
+      action="store_true",
+      help="the accelerator study (colocated engine, 0.5B body shape)",
+  )
+  parser.add_argument(
+      "--seeds", type=int, help="seeds per arm (default 3; 1 with --gpu)"
+  )
   parser.add_argument("--out", default="runs/async_rollouts")
   parser.add_argument(
       "--results",
@@ -88,9 +117,13 @@ def main() -> None:
       "running",
   )
   args = parser.parse_args()
-  preset, overrides = "tiny", STUDY + args.set
-  if args.quick:
-    preset, overrides = "smoke", STUDY + QUICK + args.set
+  if args.seeds is None:
+    args.seeds = 1 if args.gpu else 3
+  gpu = GPU if args.gpu else []
+  preset, overrides = "tiny", STUDY + gpu + args.set
+  if args.quick:  # with --gpu: its code path on the smoke policy's shape
+    gpu = [o for o in gpu if not o.startswith("policy.")]
+    preset, overrides = "smoke", STUDY + gpu + QUICK + args.set
   if args.seeds < 1:
     parser.error("--seeds must be >= 1")
   out, results = pathlib.Path(args.out), pathlib.Path(args.results)
@@ -98,11 +131,7 @@ def main() -> None:
   if args.from_csv:
     with open(args.from_csv, newline="") as f:
       rows = list(csv.DictReader(f))
-    command = (
-        f"python experiments/async_rollouts.py --seeds {args.seeds}"
-        f"{''.join(' --set ' + s for s in args.set)}"
-    )
-    write_report(rows, results, command, overrides)
+    write_report(rows, results, _command(args), overrides)
     return
   rows = []
   for seed in range(args.seeds):
@@ -119,11 +148,27 @@ def main() -> None:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  command = (
-      f"python experiments/async_rollouts.py{' --quick' if args.quick else ''}"
-      f" --seeds {args.seeds}{''.join(' --set ' + s for s in args.set)}"
+  write_report(rows, results, _command(args), overrides)
+
+
+def _command(args: argparse.Namespace) -> str:
+  """The command line that reproduces a run (``--from-csv`` aside)."""
+  flags = [flag for flag in ("quick", "gpu") if getattr(args, flag)]
+  return " ".join(
+      ["python experiments/async_rollouts.py"]
+      + [f"--{flag}" for flag in flags]
+      + [f"--seeds {args.seeds}"]
+      + [f"--set {s}" for s in args.set]
   )
-  write_report(rows, results, command, overrides)
+
+
+def _machine() -> str:
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return (
+        f"{platform.machine()} {platform.system()} CPU, {os.cpu_count()} cores"
+    )
+  return f"{jax.device_count()} x {device.device_kind}"
 
 
 def write_report(
@@ -163,7 +208,7 @@ def write_report(
       f"synchronous mean ± std {mean:.3f} ± {std:.3f}.",
       "",
       f"Command: `{command}`; {time.strftime('%Y-%m-%d')}, "
-      f"{platform.machine()} {platform.system()} CPU; overrides "
+      f"{_machine()}; overrides "
       f"{' '.join(overrides)}.",
   ]
   (results / "async_rollouts.md").write_text("\n".join(lines) + "\n")

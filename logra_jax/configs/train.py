@@ -228,8 +228,9 @@ class RolloutConfig:
     top_k: 0 disables.
     engine: where the rollout engine runs: ``"colocated"`` (the learner's
       process and devices) or ``"process"`` (a separate process on its own
-      devices, sent each sync message as bytes over a local socket). Its
-      weights are bit-identical either way, so the run's results are too.
+      devices, sent each sync message as bytes over a local socket; one
+      learner process, sharded or not). Its weights are bit-identical
+      either way, so the run's results are too.
     dtype: the dtype of the weights the engine samples with, cast from the
       synced policy once per message: ``"float32"``, ``"bfloat16"`` or
       ``"auto"`` (bfloat16 on GPU and TPU, float32 on CPU, whose bfloat16
@@ -241,7 +242,9 @@ class RolloutConfig:
       while the learner trains on this one (asynchronous rollouts, one step
       off-policy for s = 1), the importance ratios taken against the
       sampler's own log-probabilities. Metrics record each batch's lag
-      (``rollout/version_lag``).
+      (``rollout/version_lag``). With a mesh it needs
+      ``engine="process"``: a colocated engine would launch sharded programs
+      onto the learner's devices from a second thread.
   """
 
   prompts_per_step: int = 64

@@ -206,20 +206,24 @@ def _check_inputs(
   and the rewards. Returns the task, the rewards and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
-  if mesh is not None and config.rollout.engine == "process":
+  if config.rollout.engine == "process" and jax.process_count() > 1:
     raise ValueError(
-        "rollout.engine=process runs the engine unsharded on "
-        "the devices of its own process; it cannot be combined "
-        "with a mesh yet (use rollout.engine=colocated)"
+        "rollout.engine=process starts one engine beside one learner "
+        "process; with several processes use rollout.engine=colocated"
     )
-  if config.rollout.max_staleness and (
-      mesh is not None or jax.process_count() > 1
+  if (
+      config.rollout.max_staleness
+      and config.rollout.engine == "colocated"
+      and (mesh is not None or jax.process_count() > 1)
   ):
+    # Two threads launching sharded programs onto the same devices may
+    # enqueue them in different orders on different devices, and their
+    # collectives then wait on each other.
     raise ValueError(
-        "rollout.max_staleness > 0 (asynchronous rollouts) runs the engine "
-        "beside the learner on one device or in its own process "
-        "(rollout.engine=process); it cannot be combined with a mesh or "
-        "several processes yet"
+        "rollout.max_staleness > 0 (asynchronous rollouts) with a mesh needs "
+        "the engine in its own process (rollout.engine=process): a colocated "
+        "engine would launch sharded programs onto the learner's devices "
+        "from a second thread"
     )
   tracking.check_trackers(config.logging.trackers)
   if resume and not (out / "checkpoints").is_dir():

@@ -50,7 +50,7 @@ def test_one_step_off_policy_run(policy_folder, tmp_path):
         (
             ["rollout.max_staleness=1"],
             parallel.MeshConfig(fsdp=2),
-            "cannot be combined with a mesh",
+            "needs the engine in its own process",
         ),
     ],
 )

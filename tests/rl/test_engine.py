@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax import parallel
 from logra_jax import sync
 from logra_jax.configs import train as train_config
 from logra_jax.rl import learner, trainer
@@ -344,16 +343,13 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
   assert out.tokens.shape == (6, 4)
 
 
-def test_a_process_engine_with_a_mesh_is_refused_before_anything_is_written(
-    policy_folder, tmp_path
+def test_a_process_engine_with_several_processes_is_refused(
+    policy_folder, tmp_path, monkeypatch
 ):
+  """One engine process serves one learner process; a multi-process run
+  samples with the colocated engine (each process its own rows)."""
   config = _config(policy_folder, "rollout.engine=process")
-  with pytest.raises(ValueError, match="rollout.engine=process"):
-    trainer.train(
-        config,
-        tmp_path / "run",
-        progress=False,
-        log=QUIET,
-        mesh=parallel.MeshConfig(fsdp=2),
-    )
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="several processes"):
+    trainer._check_inputs(config, tmp_path / "run", None, resume=False)
   assert not (tmp_path / "run").exists()
