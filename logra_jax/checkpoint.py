@@ -1077,9 +1077,12 @@ def export_policy(
         params=abstract_state(
             learner.abstract_weights(optimizer, tx, abstract_params), one
         ),
-        opt_state=abstract_state(jax.eval_shape(tx.init, abstract_params), one),
+        opt_state=abstract_state(
+            learner.abstract_opt_state(optimizer, tx, abstract_params), one
+        ),
     )
-    # A factored policy is written as its weights W = c B + P A.
+    # A factored policy is written as its weights W = c B + P A, a LoRA one
+    # as W_0 + s D U.
     params = learner.dense_weights(restored.params, restored.opt_state)
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(

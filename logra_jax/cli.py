@@ -216,8 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
       default="fsdp=8",
       help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2",
   )
-  plan.add_argument("--optimizer", choices=["adam", "logra"], default="logra")
-  plan.add_argument("--rank", type=int, default=64)
+  plan.add_argument(
+      "--optimizer", choices=["adam", "logra", "lora"], default="logra"
+  )
+  plan.add_argument(
+      "--rank", type=int, default=64, help="LoGRA's projection or LoRA's rank"
+  )
   plan.add_argument(
       "--gradient-mode",
       choices=["sketch", "dense"],
@@ -234,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
       choices=["float32", "bfloat16"],
       default="float32",
       help="LoGRA, sketch gradients: dtype of the base B of the "
-      "factored weights W = c B + P A",
+      "factored weights W = c B + P A; LoRA: of the frozen weights",
   )
   plan.add_argument(
       "--reference-dtype",

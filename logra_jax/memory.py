@@ -34,6 +34,7 @@ from logra_jax.rl import algo
 from logra_jax.rl import learner
 
 GIB = 2**30
+OPTIMIZERS = ("adam", "logra", "lora")
 
 # Published configs (config.json fields that set the parameter shapes).
 _QWEN = dict(
@@ -360,8 +361,11 @@ def plan_memory(
     model: a preset name (:data:`MODEL_PRESETS`), a local ``config.json``,
       or a ``DecoderConfig``.
     mesh: the mesh; its size is the number of devices.
-    optimizer: ``"adam"`` (dense AdamW: float32 moments) or ``"logra"``.
-    rank: LoGRA's projection rank.
+    optimizer: ``"adam"`` (dense AdamW: float32 moments), ``"logra"`` or
+      ``"lora"`` (AdamW on adapters of every projection matrix, the rest
+      frozen: ``params`` counts the frozen weights and the adapters,
+      ``grads`` and the state the adapters' alone).
+    rank: LoGRA's projection rank; LoRA's adapter rank.
     seq_len: tokens per sequence (prompt and completion).
     micro_batch: sequences per data-parallel device per step.
     remat: ``"full"`` (recompute each block), ``"dots"`` (save matmul
@@ -385,7 +389,8 @@ def plan_memory(
       step. None: no reference (``loss.beta = 0``).
     base_dtype: LoGRA with sketch-direct gradients keeps each projected
       weight factored, ``W = c B + P A``: the dtype of ``B`` (``"float32"``
-      or ``"bfloat16"``); ``params`` counts ``B``, ``A`` and ``c``.
+      or ``"bfloat16"``); ``params`` counts ``B``, ``A`` and ``c``. LoRA:
+      the dtype of the frozen weights under the adapters.
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
@@ -398,8 +403,10 @@ def plan_memory(
     >>> report.total > report.params > 0
     True
   """
-  if optimizer not in ("adam", "logra"):
-    raise ValueError(f"optimizer must be 'adam' or 'logra', got {optimizer!r}")
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(
+        f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}"
+    )
   sketch = optimizer == "logra" and gradient_mode == "sketch"
   if remat not in REMAT_POLICIES:
     raise ValueError(
@@ -450,13 +457,16 @@ def plan_memory(
   params_sharding = parallel.param_shardings(params, device_mesh)
 
   tx = learner.make_optimizer(opt_config, params)
-  state = jax.eval_shape(tx.init, params)
-  state_sharding = parallel.optimizer_state_shardings(
-      tx, params, params_sharding, device_mesh
-  )
+  state = learner.abstract_opt_state(opt_config, tx, params)
   weights = learner.abstract_weights(opt_config, tx, params)
   weights_sharding = parallel.weight_shardings(
       weights, params_sharding, device_mesh
+  )
+  state_sharding = parallel.optimizer_state_shardings(
+      tx,
+      learner.optimized(weights, params),
+      learner.optimized(weights_sharding, params_sharding),
+      device_mesh,
   )
 
   rows = micro_batch * mesh.dp * mesh.fsdp
@@ -498,11 +508,15 @@ def plan_memory(
   )
 
   params_bytes = _sharded_bytes(weights, weights_sharding)
-  grads_bytes = (
-      _sketched_gradient_bytes(state, params, params_sharding)
-      if sketch
-      else params_bytes
-  )
+  if sketch:
+    grads_bytes = _sketched_gradient_bytes(state, params, params_sharding)
+  elif optimizer == "lora":  # float32 adapters' gradients
+    grads_bytes = _sharded_bytes(
+        learner.optimized(weights, params),
+        learner.optimized(weights_sharding, params_sharding),
+    )
+  else:
+    grads_bytes = params_bytes
   state_bytes = _sharded_bytes(state, state_sharding)
   batch_bytes = _sharded_bytes(batch, batch_sharding)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -539,6 +553,8 @@ def plan_memory(
       + (
           f" rank {rank}, {gradient_mode} gradients"
           if optimizer == "logra"
+          else f" rank {rank}"
+          if optimizer == "lora"
           else ""
       )
       + (", embeddings projected" if project_embeddings else "")

@@ -13,6 +13,9 @@ same program and the same rounding bits (:func:`factored.merge`). A
   factors, not the step's own factor: the same size, and a message applies
   exactly, with no float arithmetic on the receiver);
 * the dense leaves' new values;
+* with LoRA adapters (:mod:`logra_jax.optim.lora`) instead of a factored
+  policy: every adapter's ``D`` and ``U``; the frozen weights travel only in
+  full messages;
 * at a refresh, the step of the merge and the new window's projectors ``P``;
 * a checksum of every array the receiver must end with
   (:func:`logra_jax.checkpoint.leaf_checksums`, computed on the device), a
@@ -60,19 +63,25 @@ import optax
 from logra_jax import checkpoint
 from logra_jax import sketch_grad
 from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import transforms
 
 FORMAT_VERSION = 1
 _MAGIC = b"LOGRASYN"
 _HEADER = struct.Struct("<8sIQI")  # magic, format, payload length, CRC-32
 
-BASE, COORDS, SCALE, PROJECTOR, DENSE = (
+BASE, COORDS, SCALE, PROJECTOR, DENSE, ADAPTER, FROZEN = (
     "base",
     "coords",
     "scale",
     "projector",
     "dense",
+    "adapter",
+    "frozen",
 )
+# The kinds of array every message carries (the others: full messages, and
+# projectors after a merge).
+_EVERY_STEP = (COORDS, SCALE, DENSE, ADAPTER)
 
 
 class SyncError(ValueError):
@@ -113,10 +122,11 @@ class SyncMessage:
 def policy_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
   """What a receiver holds: the weights and, when they are factored, the
   window's projectors (``transforms.window_projectors``; None elsewhere).
-  Weights that are not factored (another optimizer) are all dense leaves,
-  sent whole every step."""
+  Weights of another optimizer are dense leaves, sent whole every step;
+  LoRA weights send their adapters every step, the frozen rest in full
+  messages."""
   if sketch_grad.project_state(opt_state) is None:
-    projectors = jax.tree.map(lambda _: None, weights)
+    projectors = jax.tree.map(lambda _: None, weights, is_leaf=_is_structured)
   else:
     projectors = transforms.window_projectors(opt_state)
   return {"weights": weights, "projectors": projectors}
@@ -126,19 +136,27 @@ def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
   """``{name: (kind, array)}`` of a :func:`policy_state`.
 
   Names are the leaves' key paths (``jax.tree_util.keystr``) with the part of
-  a factored weight appended (``.base``, ``.coords``, ``.scale``); a
-  projector's name is its weight's, prefixed ``projector:``. Kinds:
-  ``"base"``, ``"coords"``, ``"scale"``, ``"projector"``, ``"dense"``.
+  a factored weight appended (``.base``, ``.coords``, ``.scale``) or of a
+  LoRA weight (``.base``, ``.down``, ``.up``); a projector's name is its
+  weight's, prefixed ``projector:``. Kinds: ``"base"``, ``"coords"``,
+  ``"scale"``, ``"projector"``, ``"dense"``, ``"adapter"`` and, beside
+  adapters, ``"frozen"`` (every other leaf).
   """
   out = {}
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=factored_lib.is_factored
+      state["weights"], is_leaf=_is_structured
   )
   projectors = treedef.flatten_up_to(state["projectors"])
+  other = FROZEN if lora_lib.has_adapters(state["weights"]) else DENSE
   for (path, w), p in zip(flat, projectors):
     name = jax.tree_util.keystr(path)
+    if lora_lib.is_lora(w):
+      out[f"{name}.base"] = (BASE, w.base)
+      out[f"{name}.down"] = (ADAPTER, w.down)
+      out[f"{name}.up"] = (ADAPTER, w.up)
+      continue
     if not factored_lib.is_factored(w):
-      out[name] = (DENSE, w)
+      out[name] = (other, w)
       continue
     out[f"{name}.base"] = (BASE, w.base)
     out[f"{name}.coords"] = (COORDS, w.coords)
@@ -146,6 +164,10 @@ def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
       out[f"{name}.scale"] = (SCALE, w.scale)
     out[f"projector:{name}"] = (PROJECTOR, p)
   return out
+
+
+def _is_structured(x) -> bool:
+  return factored_lib.is_factored(x) or lora_lib.is_lora(x)
 
 
 def signature(state: dict[str, Any], **fields: Any) -> str:
@@ -245,9 +267,7 @@ class PolicySender:
     )
     merge_step = merges[-1] if merges else -1
     sent = lambda kind: (
-        full
-        or kind in (COORDS, SCALE, DENSE)
-        or (kind == PROJECTOR and merge_step >= 0)
+        full or kind in _EVERY_STEP or (kind == PROJECTOR and merge_step >= 0)
     )
     self.sequence += 1
     self._count = None if project is None else int(project.count)
@@ -352,7 +372,7 @@ class PolicyReceiver:
         n
         for n, (kind, _) in named.items()
         if message.full
-        or kind in (COORDS, SCALE, DENSE)
+        or kind in _EVERY_STEP
         or (kind == PROJECTOR and message.merge_step >= 0)
     }
     missing = sorted(expected - set(message.arrays))
@@ -387,8 +407,10 @@ class PolicyReceiver:
 
 def materialize(state: dict[str, Any], dtype: Any = None) -> Any:
   """The dense weights of a :func:`policy_state`, ``c B + P A`` for factored
-  ones (``factored.effective_weights``), each in its parameter's dtype or
-  ``dtype``."""
+  ones (``factored.effective_weights``), ``W_0 + s D U`` for LoRA ones
+  (``lora.merge``), each in its parameter's dtype or ``dtype``."""
+  if lora_lib.has_adapters(state["weights"]):
+    return lora_lib.merge(state["weights"], dtype)
   return factored_lib.effective_weights(
       state["weights"], state["projectors"], dtype
   )
@@ -420,12 +442,23 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
     return jax.device_put(new, sharding, may_alias=False)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=factored_lib.is_factored
+      state["weights"], is_leaf=_is_structured
   )
   projectors = treedef.flatten_up_to(state["projectors"])
   weights, new_projectors = [], []
   for (path, w), p in zip(flat, projectors):
     name = jax.tree_util.keystr(path)
+    if lora_lib.is_lora(w):
+      weights.append(
+          dataclasses.replace(
+              w,
+              base=take(f"{name}.base", w.base),
+              down=take(f"{name}.down", w.down),
+              up=take(f"{name}.up", w.up),
+          )
+      )
+      new_projectors.append(p)
+      continue
     if not factored_lib.is_factored(w):
       weights.append(take(name, w))
       new_projectors.append(p)

@@ -30,10 +30,11 @@ from omegaconf import OmegaConf
 from logra_jax.checks import check_choice, check_range
 from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
+from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
 from logra_jax.optim.projectors import KINDS
 from logra_jax.optim.transforms import MOMENT_POLICIES
 
-OPTIMIZERS = ("logra", "adam", "galore")
+OPTIMIZERS = ("logra", "adam", "galore", "lora")
 GRADIENT_MODES = ("sketch", "dense")
 ROLLOUT_ENGINES = ("colocated", "process")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
@@ -273,11 +274,12 @@ class OptimizerConfig:
   """The optimizer of the policy.
 
   Attributes:
-    name: ``"logra"`` (default), ``"adam"`` (dense baseline) or ``"galore"``
-      (``optax.contrib.galore``).
+    name: ``"logra"`` (default), ``"adam"`` (dense baseline), ``"galore"``
+      (``optax.contrib.galore``) or ``"lora"`` (AdamW on low-rank adapters
+      of the frozen policy, :mod:`logra_jax.optim.lora`).
     learning_rate: peak learning rate (constant after warmup).
     warmup_steps: linear warmup.
-    rank: projection rank (logra, galore).
+    rank: projection rank (logra, galore); the adapters' rank (lora).
     kind: projector kind of logra: ``"range"``, ``"random"`` or ``"svd"``.
     refresh_every: steps between projector refreshes (logra, galore).
     moment_policy: logra's moments on refresh.
@@ -303,7 +305,13 @@ class OptimizerConfig:
       (:mod:`logra_jax.optim.factored`): ``"float32"`` (default) or
       ``"bfloat16"`` (half the bytes; the window is merged into ``B`` with
       stochastic rounding at each refresh, and no float32 copy of the
-      weight exists). Dense leaves keep the policy's dtype.
+      weight exists). Dense leaves keep the policy's dtype. Under lora: the
+      dtype of the frozen weights the adapters sit on.
+    lora_alpha: the adapters' scale numerator, ``s = lora_alpha / rank``
+      (lora; a fixed alpha keeps the best learning rate about the same
+      across ranks).
+    lora_targets: names of the matrices that get adapters (lora); the
+      default is every attention and MLP projection.
   """
 
   name: str = "logra"
@@ -323,6 +331,10 @@ class OptimizerConfig:
   gradient_mode: str = "sketch"
   project_embeddings: bool = False
   base_dtype: str = "float32"
+  lora_alpha: float = 32.0
+  lora_targets: list[str] = dataclasses.field(
+      default_factory=lambda: list(LORA_TARGETS)
+  )
 
   def __post_init__(self):
     check_choice("optimizer.name", self.name, OPTIMIZERS)
@@ -330,24 +342,37 @@ class OptimizerConfig:
     check_choice("optimizer.moment_policy", self.moment_policy, MOMENT_POLICIES)
     check_choice("optimizer.kl_mode", self.kl_mode, KL_MODES)
     check_choice("optimizer.gradient_mode", self.gradient_mode, GRADIENT_MODES)
-    _check("optimizer", self, "learning_rate target_kl", gt=0)
+    _check("optimizer", self, "learning_rate target_kl lora_alpha", gt=0)
+    if not self.lora_targets or len(set(self.lora_targets)) != len(
+        self.lora_targets
+    ):
+      raise ValueError(
+          "optimizer.lora_targets must name at least one matrix, each once; "
+          f"got {list(self.lora_targets)}"
+      )
     _check("optimizer", self, "rank refresh_every kl_subsample", ge=1)
     _check("optimizer", self, "warmup_steps weight_decay max_grad_norm", ge=0)
     _check("optimizer", self, "b1 b2", ge=0, lt=1)
-    if self.project_embeddings and self.name == "adam":
+    if self.project_embeddings and self.name in ("adam", "lora"):
       raise ValueError(
-          "optimizer.project_embeddings applies to logra and "
-          "galore; adam keeps dense moments of every parameter"
+          "optimizer.project_embeddings applies to logra and galore; "
+          f"{self.name} "
+          + (
+              "keeps dense moments of every parameter"
+              if self.name == "adam"
+              else "adapts the matrices of optimizer.lora_targets"
+          )
       )
     check_choice("optimizer.base_dtype", self.base_dtype, BASE_DTYPES)
     if self.base_dtype != "float32" and not (
-        self.name == "logra" and self.gradient_mode == "sketch"
+        self.name == "lora"
+        or (self.name == "logra" and self.gradient_mode == "sketch")
     ):
       raise ValueError(
-          f"optimizer.base_dtype={self.base_dtype!r} needs the factored "
-          "policy of optimizer.name='logra' with optimizer.gradient_mode="
-          f"'sketch'; got name={self.name!r}, gradient_mode="
-          f"{self.gradient_mode!r}"
+          f"optimizer.base_dtype={self.base_dtype!r} needs the frozen base "
+          "of optimizer.name='lora' or the factored policy of "
+          "optimizer.name='logra' with optimizer.gradient_mode='sketch'; "
+          f"got name={self.name!r}, gradient_mode={self.gradient_mode!r}"
       )
 
 

@@ -16,7 +16,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_DTYPES = ("float32", "bfloat16", "float16")
+# float64 only under jax_enable_x64, for reference computations in tests.
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _REMAT = ("none", "block", "dots_saveable")
 
 
@@ -86,7 +87,9 @@ class DecoderConfig:
       tokens are processed at once (training, prefill): the score matrix is
       at most `attention_chunk x S` per (batch, head) and each block is
       recomputed in the backward pass.
-    dtype: compute dtype ("float32" or "bfloat16"); logits are always float32.
+    dtype: compute dtype ("float32" or "bfloat16"; "float16", and "float64"
+      under ``jax_enable_x64`` for reference computations); logits are
+      always float32 or wider.
     param_dtype: storage dtype of parameters.
 
   Example:

@@ -125,6 +125,7 @@ def make_kl_predictor(
     token_mask: Optional[jax.Array] = None,
     subsample: Optional[int] = None,
     chunk_size: int = 128,
+    frozen_unembedding: bool = False,
 ) -> KLPredictor:
   r"""Builds the predicted-KL function of updates for one batch.
 
@@ -160,6 +161,11 @@ def make_kl_predictor(
     subsample: if set, predict on this many rows of the batch (evenly
       strided, so every GRPO group is represented), cutting the cost.
     chunk_size: positions per vocabulary chunk in the pair form.
+    frozen_unembedding: in the pair form, the unembedding does not move with
+      ``params`` (e.g. a frozen LM head under LoRA): its tangent term
+      ``hidden @ d_unembedding`` is left out (one ``[B, T, V]`` product less
+      per chunk, and no product with a constant zero, which XLA:CPU has
+      been seen to compile, fused with the softmax, to NaN).
 
   Returns:
     A :class:`KLPredictor`: call it on an update (a pytree like ``params``;
@@ -225,9 +231,14 @@ def make_kl_predictor(
         )
         tangent = jnp.einsum(
             "bcd,dv->bcv", dh_BxCxD, w_DxV, preferred_element_type=jnp.float32
-        ) + jnp.einsum(
-            "bcd,dv->bcv", h_BxCxD, d_w_DxV, preferred_element_type=jnp.float32
         )
+        if not frozen_unembedding:
+          tangent += jnp.einsum(
+              "bcd,dv->bcv",
+              h_BxCxD,
+              d_w_DxV,
+              preferred_element_type=jnp.float32,
+          )
         return _token_variance(logits, tangent)
 
       var_nxBxC = jax.lax.map(

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import lora as lora_lib
 
 MESH_AXES = ("dp", "fsdp", "tp")
 
@@ -303,8 +304,12 @@ def weight_shardings(
   base ``B`` laid out like its parameter; its coordinates ``A``
   (``[batch, rank, short]``) split the short axis like the parameter's
   hidden axis (``"embed"``) where that divides it, else are replicated, and
-  its per-matrix scales are replicated. Other leaves keep the parameter's
-  sharding.
+  its per-matrix scales are replicated. A LoRA weight
+  (``logra_jax.optim.lora.LoraWeight``) keeps its base laid out like its
+  parameter, its down projection ``[*layers, in, rank]`` split like the
+  parameter's input axis and its up projection ``[*layers, rank, out]``
+  like its output axis (the rank replicated). Other leaves keep the
+  parameter's sharding.
 
   Args:
     weights: the learner's weights (concrete or abstract).
@@ -321,7 +326,20 @@ def weight_shardings(
       return replicated
     return NamedSharding(mesh, PartitionSpec(None, None, axes))
 
+  def lora_leaf(w, sharding):
+    spec = tuple(sharding.spec) + (None,) * (
+        len(w.base.shape) - len(sharding.spec)
+    )
+    return dataclasses.replace(
+        w,
+        base=sharding,
+        down=NamedSharding(mesh, PartitionSpec(*spec[:-1], None)),
+        up=NamedSharding(mesh, PartitionSpec(*spec[:-2], None, spec[-1])),
+    )
+
   def leaf(w, sharding):
+    if lora_lib.is_lora(w):
+      return lora_leaf(w, sharding)
     if not factored_lib.is_factored(w):
       return sharding
     return dataclasses.replace(
@@ -331,7 +349,10 @@ def weight_shardings(
         scale=None if w.scale is None else replicated,
     )
 
-  flat, treedef = jax.tree.flatten(weights, is_leaf=factored_lib.is_factored)
+  flat, treedef = jax.tree.flatten(
+      weights,
+      is_leaf=lambda x: factored_lib.is_factored(x) or lora_lib.is_lora(x),
+  )
   return treedef.unflatten(
       [
           leaf(w, s)

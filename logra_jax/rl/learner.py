@@ -25,6 +25,7 @@ from logra_jax import sync
 from logra_jax.configs.train import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
 from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import transforms
 from logra_jax.optim.transforms import find_states
 from logra_jax.rl import algo
@@ -43,7 +44,9 @@ def make_optimizer(
   every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
   Adam with KL control is available as an ablation). The whole chain is
   wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
-  gradient, predicted KL or result leaves params unchanged.
+  gradient, predicted KL or result leaves params unchanged. Under
+  ``"lora"`` the chain is AdamW on the adapters (:func:`init_train_state`
+  initializes it on :func:`logra_jax.optim.lora.trainable`).
   """
   schedule = (
       optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
@@ -68,7 +71,7 @@ def make_optimizer(
         kl_mode=config.kl_mode,
         factored=factored_policy(config),
     )
-  elif config.name == "adam":
+  elif config.name in ("adam", "lora"):
     core = optax.adamw(
         schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay
     )
@@ -114,23 +117,18 @@ def factored_policy(config: OptimizerConfig) -> bool:
   return config.name == "logra" and config.gradient_mode == "sketch"
 
 
-def init_weights(
-    config: OptimizerConfig, params: Any, opt_state: optax.OptState
-) -> Any:
-  """The learner's weights from dense ``params``: factored (base in
-  ``config.base_dtype``) under :func:`factored_policy`, else ``params``."""
-  if not factored_policy(config):
-    return params
-  return factored_lib.factor(
-      params, opt_state, config.base_dtype, decay=config.weight_decay > 0
-  )
-
-
 def init_train_state(
-    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+    config: OptimizerConfig,
+    tx: optax.GradientTransformation,
+    params: Any,
+    seed: int = 0,
 ) -> tuple[Any, optax.OptState]:
   """``(weights, opt_state)`` to start :func:`make_train_step` from dense
-  ``params``: ``tx.init(params)`` and :func:`init_weights`.
+  ``params``: the weights are ``params``, factored (base in
+  ``config.base_dtype``) under :func:`factored_policy`, or with adapters
+  under ``"lora"`` (:func:`logra_jax.optim.lora.add_adapters`, drawn from
+  ``seed``); the state is ``tx.init`` of what the optimizer moves (the
+  params, or the adapters).
 
   Example:
     >>> from logra_jax.configs.train import OptimizerConfig
@@ -142,16 +140,49 @@ def init_train_state(
     >>> type(weights["layers"]["q_proj"].value).__name__
     'FactoredWeight'
   """
+  if config.name == "lora":
+    weights = lora_lib.add_adapters(
+        params,
+        rank=config.rank,
+        alpha=config.lora_alpha,
+        targets=config.lora_targets,
+        base_dtype=config.base_dtype,
+        seed=seed,
+    )
+    return weights, tx.init(lora_lib.trainable(weights))
   opt_state = tx.init(params)
-  return init_weights(config, params, opt_state), opt_state
+  if not factored_policy(config):
+    return params, opt_state
+  weights = factored_lib.factor(
+      params, opt_state, config.base_dtype, decay=config.weight_decay > 0
+  )
+  return weights, opt_state
 
 
 def abstract_weights(
     config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
 ) -> Any:
-  """The shapes and dtypes (``jax.ShapeDtypeStruct``) of
-  :func:`init_weights` for ``params``, without computing anything."""
+  """The shapes and dtypes (``jax.ShapeDtypeStruct``) of the weights of
+  :func:`init_train_state` for ``params``, without computing anything."""
   return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
+
+
+def abstract_opt_state(
+    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+) -> Any:
+  """The shapes and dtypes of the optimizer state of
+  :func:`init_train_state` for ``params``, without computing anything."""
+  return jax.eval_shape(lambda p: init_train_state(config, tx, p)[1], params)
+
+
+def optimized(weights: Any, params: Any) -> Any:
+  """What the optimizer moves (``tx.init``'s argument in
+  :func:`init_train_state`), given the weights it made from ``params``: the
+  adapters of LoRA weights (:func:`logra_jax.optim.lora.trainable`), else
+  ``params``. Works on trees of shapes or of shardings too."""
+  if lora_lib.has_adapters(weights):
+    return lora_lib.trainable(weights)
+  return params
 
 
 def abstract_policy_state(
@@ -173,7 +204,13 @@ def dense_weights(
     weights: Any, opt_state: optax.OptState, dtype: Any = None
 ) -> Any:
   """The learner's weights materialized as dense arrays (``W = c B + P A``
-  for factored ones, in the parameter's dtype or ``dtype``)."""
+  for factored ones, ``W_0 + s D U`` for adapted ones, in the parameter's
+  dtype or ``dtype``)."""
+  if lora_lib.has_adapters(weights):
+    return jax.tree.map(
+        lambda w: w if dtype is None else w.astype(dtype),
+        lora_lib.merge(weights),
+    )
   if not _has_factored(weights):
     return (
         weights
@@ -399,7 +436,9 @@ def make_train_step(
   ``B``, the gradients are differentiated directly as low-rank sketches
   (:func:`logra.value_and_sketch_grad`; micro-batches sum sketches, no full
   gradient of a projected weight exists) and the step updates only ``A``,
-  ``c`` and the dense leaves. ``grad_norm`` (and the global-norm clip) then
+  ``c`` and the dense leaves. Weights with LoRA adapters
+  (:mod:`logra_jax.optim.lora`) get gradients and updates of the adapters
+  alone. ``grad_norm`` (and the global-norm clip) then
   measure the sketched gradient ``P^T G``, whose norm is at most that of
   ``G``. The loss is also handed to
   the optimizer (extra argument ``loss``) for the non-finite guard of
@@ -423,6 +462,11 @@ def make_train_step(
   """
   temperature = config.rollout.temperature
   kl_control = config.optimizer.target_kl is not None
+  # Under LoRA the unembedding (the LM head, or the tied embedding) moves
+  # only when adapted.
+  lm_head_adapted = bool(
+      {"lm_head", "embed"} & set(config.optimizer.lora_targets)
+  )
   sketch_mode = config.optimizer.gradient_mode == "sketch"
 
   def logprobs(params, batch, with_entropy=False):
@@ -438,10 +482,14 @@ def make_train_step(
     )
 
   def kl_predictor(
-      params, batch: algo.RolloutBatch, view: Callable = lambda params: params
+      params,
+      batch: algo.RolloutBatch,
+      view: Callable = lambda params: params,
+      frozen_unembedding: bool = False,
   ):
     """The predictor of updates of ``params``; ``view`` maps them to what the
-    model takes (the factored view, whose coordinates the updates move)."""
+    model takes (the factored view, whose coordinates the updates move, or
+    the adapters completed with the frozen weights)."""
     scale = completion_logits_scale(temperature)
 
     def features(params, batch):
@@ -461,6 +509,7 @@ def make_train_step(
         batch,
         token_mask=batch.completion_mask_BxT,
         subsample=config.optimizer.kl_subsample,
+        frozen_unembedding=frozen_unembedding,
     )
 
   def micro_loss(params, micro):
@@ -503,6 +552,8 @@ def make_train_step(
       )
     if factored:
       return factored_train_step(params, opt_state, batch, micro)
+    if lora_lib.has_adapters(params):
+      return lora_train_step(params, opt_state, batch, micro)
     extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
     loss, grads, metrics, logp_before = totals(
         *sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(params, micro)
@@ -590,6 +641,51 @@ def make_train_step(
             logp_before,
             logprobs(view(new_params), batch),
             True,
+        ),
+    )
+
+  def lora_train_step(params, opt_state, batch, micro):
+    """The step on adapted weights: the gradients and the update of the
+    adapters alone, taken through the model's low-rank weight op (no
+    ``in x out`` gradient)."""
+    adapters = lora_lib.trainable(params)
+    view = lambda adapters: lora_lib.view(
+        lora_lib.with_frozen(adapters, params)
+    )
+    loss, grads, metrics, logp_before = totals(
+        *sketch_grad.value_and_grad_sum(
+            lambda adapters, micro: micro_loss(view(adapters), micro),
+            has_aux=True,
+        )(adapters, micro)
+    )
+    extra = (
+        {
+            "kl_predictor": kl_predictor(
+                adapters, batch, view, frozen_unembedding=not lm_head_adapted
+            )
+        }
+        if kl_control
+        else {}
+    )
+    updates, opt_state = tx.update(
+        grads, opt_state, adapters, loss=loss, **extra
+    )
+    new_params = lora_lib.with_frozen(
+        optax.apply_updates(adapters, updates), params
+    )
+    return (
+        new_params,
+        opt_state,
+        step_metrics(
+            batch,
+            opt_state,
+            loss,
+            grads,
+            optax.global_norm(updates),
+            metrics,
+            logp_before,
+            logprobs(lora_lib.view(new_params), batch),
+            False,
         ),
     )
 

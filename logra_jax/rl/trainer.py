@@ -463,7 +463,7 @@ class _Learner(NamedTuple):
   params: Any  # the policy's params, placed for the train step
   tx: Any  # the optimizer
   state_sharding: Any  # of the optimizer state
-  weights_sharding: Any  # of the learner's weights (learner.init_weights)
+  weights_sharding: Any  # of the learner's weights (learner.init_train_state)
   place_batch: Callable  # places a rollout batch
   train_step: Callable
   fill_reference: Optional[Callable]  # reference log-probs (loss.beta > 0)
@@ -477,7 +477,7 @@ def _learner_step(
 ):
   """The optimizer and the jitted train step of a run, with the policy's
   params placed for it, the shardings of the optimizer state and of the
-  learner's weights (:func:`learner_lib.init_weights`), a function that
+  learner's weights (:func:`learner_lib.init_train_state`), a function that
   places a rollout batch and, when ``config.loss.beta > 0``, the function
   that fills in its reference log-probabilities (else None)."""
   params = policy.params
@@ -510,12 +510,13 @@ def _learner_step(
         state_sharding,
     )
   params_sharding = parallel.param_shardings(params, mesh)
+  weights = learner_lib.abstract_weights(config.optimizer, tx, params)
+  weights_sharding = parallel.weight_shardings(weights, params_sharding, mesh)
+  # The state follows what the optimizer moves: the params or the adapters.
   state_sharding = parallel.optimizer_state_shardings(
-      tx, params, params_sharding, mesh
-  )
-  weights_sharding = parallel.weight_shardings(
-      learner_lib.abstract_weights(config.optimizer, tx, params),
-      params_sharding,
+      tx,
+      learner_lib.optimized(weights, params),
+      learner_lib.optimized(weights_sharding, params_sharding),
       mesh,
   )
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
@@ -747,7 +748,8 @@ def _train(
             learner.weights_sharding,
         ),
         opt_state=checkpoint.abstract_state(
-            jax.eval_shape(tx.init, params), learner.state_sharding
+            learner_lib.abstract_opt_state(config.optimizer, tx, params),
+            learner.state_sharding,
         ),
         ref_params=(
             None
@@ -774,11 +776,11 @@ def _train(
         f"({checkpointer.directory / str(restored.step)})"
     )
   else:
-    opt_state = jax.device_put(tx.init(params), learner.state_sharding)
-    params = jax.device_put(
-        learner_lib.init_weights(config.optimizer, params, opt_state),
-        learner.weights_sharding,
+    weights, opt_state = learner_lib.init_train_state(
+        config.optimizer, tx, params, seed=config.seed
     )
+    opt_state = jax.device_put(opt_state, learner.state_sharding)
+    params = jax.device_put(weights, learner.weights_sharding)
     loop = checkpoint.LoopState(
         step=0, key=jax.random.key(config.seed), data_position=0
     )
@@ -802,6 +804,9 @@ def _train(
   summary: dict[str, Any] = {
       "optimizer": config.optimizer.name,
       "optimizer_state_bytes": logra.optimizer_state_bytes(opt_state),
+      # The learner's weights as held: dense, factored (B, A, c) or frozen
+      # with adapters.
+      "weights_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
       "dense_adam_state_bytes": dense_adam_bytes,
       "num_params": num_params,
       "reference_bytes": sum(x.nbytes for x in jax.tree.leaves(ref_params)),

@@ -1,6 +1,7 @@
 """`logra train --mesh M` on the default task, for every kind of mesh, on 8
-CPU devices; the memory planner lays out the same mesh. On ``dp=8`` the
-rollout engine runs in its own process, one batch ahead of the learner."""
+CPU devices; on ``fsdp=8`` it equals the unsharded run and the memory
+planner lays out the same mesh. On ``dp=8`` the rollout engine runs in its
+own process, one batch ahead of the learner."""
 
 import json
 import math
@@ -38,6 +39,16 @@ def test_logra_train_runs_on_every_mesh(mesh, tmp_path):
   assert summary["checkpoint_steps"] == [2]
   if mesh != "fsdp=8":
     return
+  # The same run on one device: the same samples (the sampler's logits
+  # split the vocabulary, not a reduction), losses up to summation order.
+  one = tmp_path / "one"
+  argv = ["train", "--preset=smoke", "--no-progress", f"--out={one}"]
+  assert cli_main(argv + ["steps=2", "task.eval_size=8"]) == 0
+  for row, reference in zip(
+      rows, map(json.loads, (one / "metrics.jsonl").read_text().splitlines())
+  ):
+    assert row["reward/total"] == reference["reward/total"]
+    assert row["loss"] == pytest.approx(reference["loss"], rel=1e-4, abs=1e-6)
   # The planner compiles the same step on the same layout (it once planned
   # this one, which the run then failed to lay out: the vocabulary of 100
   # does not divide 8).

@@ -20,8 +20,8 @@ from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
 
 SMOKE = train_config.get_preset("smoke")
-STEPS = 300
-REFRESH = 25  # 12 windows: 11 merges after the first
+STEPS = 144
+REFRESH = 12  # 12 windows: 11 merges after the first
 QUIET = lambda message: None
 
 
