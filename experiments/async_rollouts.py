@@ -102,7 +102,9 @@ def main() -> None:
       help="the accelerator study (colocated engine, 0.5B body shape)",
   )
   parser.add_argument(
-      "--seeds", type=int, help="seeds per arm (default 3; 1 with --gpu)"
+      "--seeds",
+      type=int,
+      help="seeds per arm (default 3; 1 with --gpu or --quick)",
   )
   parser.add_argument("--out", default="runs/async_rollouts")
   parser.add_argument(
@@ -118,7 +120,7 @@ def main() -> None:
   )
   args = parser.parse_args()
   if args.seeds is None:
-    args.seeds = 1 if args.gpu else 3
+    args.seeds = 1 if args.gpu or args.quick else 3
   gpu = GPU if args.gpu else []
   preset, overrides = "tiny", STUDY + gpu + args.set
   if args.quick:  # with --gpu: its code path on the smoke policy's shape

@@ -1,4 +1,4 @@
-"""Per-device train-step memory of dense Adam vs LoGRA on an 8-device mesh.
+"""Per-device train-step memory of dense Adam, LoRA and LoGRA on an 8-device mesh.
 
 For each model preset (and `tiny`, the main job's model), compiles the real
 train step (abstract inputs, 8 CPU devices unless 8 accelerators are present)
@@ -8,8 +8,10 @@ remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
 in sketch mode with the embedding table and LM head projected too, and that
 with a bfloat16 base (factored weights `W = c B + P A`). The
 colocated-rollout columns add bf16 inference weights and the KV cache of 64
-sequences x 8192 tokens, spread over the 8 devices. Writes `memory_table.md`
-and `memory_table.csv`.
+sequences x 8192 tokens, spread over the 8 devices. LoRA (AdamW on rank-64
+adapters of every attention and MLP matrix, everything else frozen) runs on
+a float32 and on a bfloat16 frozen base. Writes `memory_table.md` and
+`memory_table.csv`.
 
 `--check` instead compares the planner with the peak resident memory measured
 while the same step runs on this machine's CPU (one device), for a small
@@ -195,6 +197,8 @@ def main() -> None:
       ("logra", "logra", "sketch", False, "float32"),
       ("logra-embeddings", "logra", "sketch", True, "float32"),
       ("logra-bf16-base", "logra", "sketch", True, "bfloat16"),
+      ("lora", "lora", "dense", False, "float32"),
+      ("lora-bf16-base", "lora", "dense", False, "bfloat16"),
   )
   for name in args.models:
     model = TINY if name == "tiny" else name
@@ -251,11 +255,13 @@ def main() -> None:
       "temp + unaliased output: dense -> sketch gradients | train step vs "
       "Adam: LoGRA (sketch) / embeddings projected / + bfloat16 base | "
       "+ rollout: Adam | + rollout: LoGRA (sketch) / embeddings projected / "
-      "+ bfloat16 base |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "+ bfloat16 base | LoRA: params / state / temps / train step | LoRA, "
+      "bfloat16 base: same | train step vs Adam: LoRA / LoRA, bfloat16 base "
+      "|",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name in args.models:
-    adam, dense, sketch, embeddings, bf16 = (
+    adam, dense, sketch, embeddings, bf16, lora, lora_bf16 = (
         next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
         for arm, *_ in arms
     )
@@ -275,16 +281,18 @@ def main() -> None:
     change = lambda r: (
         f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
     )
-    base = (
-        f"{gib(bf16['params'])} / {gib(bf16['optimizer_state'])} / "
-        f"{gib(bf16['temporaries'])} / **{gib(bf16['train_total'])}**"
+    with_params = lambda r: (
+        f"{gib(r['params'])} / {gib(r['optimizer_state'])} / "
+        f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**"
     )
+    base = with_params(bf16)
     lines.append(
         f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
         f"{cell(embeddings)} | {base} | {gib(step(dense))} -> "
         f"{gib(step(sketch))} | {change(sketch)} / {change(embeddings)} / "
         f"{change(bf16)} | {fits(adam)} | {fits(sketch)} / {fits(embeddings)} "
-        f"/ {fits(bf16)} |"
+        f"/ {fits(bf16)} | {with_params(lora)} | {with_params(lora_bf16)} | "
+        f"{change(lora)} / {change(lora_bf16)} |"
     )
   table = "\n".join(lines)
   (out / "memory_table.md").write_text(table + "\n")

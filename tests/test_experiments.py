@@ -1,0 +1,131 @@
+"""The studies in experiments/ run in their --quick modes and write
+well-formed reports (files present, columns and rows complete, values
+finite); their conclusions are the full runs' business. Bad names and a
+results folder of other settings are refused before anything runs."""
+
+import csv
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXPERIMENTS = pathlib.Path(__file__).parent.parent / "experiments"
+
+
+def _study(name, *args, tmp_path):
+  return subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / f"{name}.py"),
+          "--quick",
+          f"--out={tmp_path / 'runs'}",
+          f"--results={tmp_path / 'results'}",
+          *args,
+      ],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+
+
+def _rows(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def _assert_finite(rows, columns):
+  for row in rows:
+    for column in columns:
+      assert math.isfinite(float(row[column])), (column, row)
+
+
+@pytest.mark.parametrize(
+    "name, arms, tasks",
+    [
+        (
+            "parity",
+            ["adam", "galore", "lora", "logra", "logra-bf16"],
+            ["tiny", "products", "count_bits"],
+        ),
+        (
+            "ablations",
+            [
+                "default",
+                "rank=8",
+                "rank=128",
+                "refresh_every=10",
+                "refresh_every=200",
+                "kind=random",
+                "kind=svd",
+                "moment_policy=keep",
+                "moment_policy=reset",
+            ],
+            ["tiny"],
+        ),
+    ],
+)
+def test_quick_study_writes_its_reports(name, arms, tasks, tmp_path):
+  done = _study(name, tmp_path=tmp_path)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  rows = _rows(results / f"{name}.csv")
+  assert {(r["task"], r["arm"]) for r in rows} == {
+      (t, a) for t in tasks for a in arms
+  }
+  _assert_finite(
+      rows,
+      ["eval_accuracy_before", "eval_accuracy_after", "optimizer_state_bytes"],
+  )
+  table = (results / f"{name}.md").read_text()
+  assert all(f"| {arm} |" in table for arm in arms)
+  assert "Command: `python experiments/" in table and "--quick" in table
+  assert (results / f"{name}.png").stat().st_size > 0
+  if name == "parity":
+    assert all(f"{task}: LoGRA " in table for task in tasks)
+    _assert_finite(rows, ["weights_bytes", "wall_seconds"])
+
+
+def test_async_study_quick(tmp_path):
+  done = _study("async_rollouts", tmp_path=tmp_path)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = _rows(tmp_path / "results" / "async_rollouts.csv")
+  assert [r["arm"] for r in rows] == ["max_staleness=0", "max_staleness=1"]
+  _assert_finite(rows, ["accuracy_after", "step_s_median"])
+  assert (
+      "max_staleness=1"
+      in (tmp_path / "results" / "async_rollouts.md").read_text()
+  )
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("parity", ["--arms", "logra", "sgd"], "unknown arms ['sgd']"),
+        ("parity", ["--tasks", "gsm9k"], "unknown tasks ['gsm9k']"),
+        ("parity", ["--arms", "adam"], "must include logra"),
+        ("ablations", ["--arms", "rank=7"], "unknown arms ['rank=7']"),
+        ("parity", ["--seeds", "0"], "--seeds must be >= 1"),
+    ],
+)
+def test_bad_names_are_refused_before_running(name, args, message, tmp_path):
+  done = _study(name, *args, tmp_path=tmp_path)
+  assert done.returncode == 2 and message in done.stderr
+  assert not (tmp_path / "runs").exists()
+
+
+def test_results_of_other_settings_are_not_overwritten(tmp_path):
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "study.json").write_text(
+      '{"arms": ["logra"], "quick": true, "seeds": 1, "set": [], '
+      '"tasks": ["tiny"]}\n'
+  )
+  (results / "parity.md").write_text("earlier\n")
+  done = _study("parity", "--arms", "logra", "adam", tmp_path=tmp_path)
+  assert done.returncode == 1
+  assert "holds the results of other settings (arms differ" in done.stderr
+  assert "--overwrite" in done.stderr
+  assert (results / "parity.md").read_text() == "earlier\n"
+  assert not (tmp_path / "runs").exists()
