@@ -306,9 +306,10 @@ def weight_shardings(
   hidden axis (``"embed"``) where that divides it, else are replicated, and
   its per-matrix scales are replicated. A LoRA weight
   (``logra_jax.optim.lora.LoraWeight``) keeps its base laid out like its
-  parameter, its down projection ``[*layers, in, rank]`` split like the
-  parameter's input axis and its up projection ``[*layers, rank, out]``
-  like its output axis (the rank replicated). Other leaves keep the
+  parameter, its down projection ``[*layers, in, rank]`` split along
+  ``in`` and its up projection ``[*layers, rank, out]`` along ``out``, each
+  over the mesh axes of that side of the parameter, or of its other side
+  where that one alone is split (the rank replicated). Other leaves keep the
   parameter's sharding.
 
   Args:
@@ -330,11 +331,26 @@ def weight_shardings(
     spec = tuple(sharding.spec) + (None,) * (
         len(w.base.shape) - len(sharding.spec)
     )
+    layers, rows, cols = spec[:-2], spec[-2], spec[-1]
+
+    def long_side(own, other, size):
+      """The mesh axes of an adapter's long side: its weight's on that side,
+      else the weight's other side's (where they divide it), so that both
+      adapters are split even when the weight is split along one side."""
+      if own is not None or other is None:
+        return own
+      return None if size % _mesh_axes_size(mesh, other) else other
+
+    m, n = w.base.shape[-2:]
     return dataclasses.replace(
         w,
         base=sharding,
-        down=NamedSharding(mesh, PartitionSpec(*spec[:-1], None)),
-        up=NamedSharding(mesh, PartitionSpec(*spec[:-2], None, spec[-1])),
+        down=NamedSharding(
+            mesh, PartitionSpec(*layers, long_side(rows, cols, m), None)
+        ),
+        up=NamedSharding(
+            mesh, PartitionSpec(*layers, None, long_side(cols, rows, n))
+        ),
     )
 
   def leaf(w, sharding):
