@@ -69,17 +69,7 @@ def main() -> None:
   study.check_names(parser, "tasks", args.tasks, study.TASKS)
   if DEFAULT not in args.arms:
     parser.error(f"the arms must include {DEFAULT!r} (the reference)")
-  results = study.results_folder(
-      args,
-      "ablations",
-      {
-          "arms": args.arms,
-          "tasks": args.tasks,
-          "seeds": args.seeds,
-          "set": args.set,
-          "quick": args.quick,
-      },
-  )
+  results = study.results_folder(args, "ablations")
   rows, curves = [], {}
   for task in args.tasks:
     for arm in args.arms:
@@ -126,14 +116,7 @@ def main() -> None:
             f"{runs[0]['optimizer_state_bytes'] / 2**10:.0f} | "
             f"{step:.3f} ({step / reference:.2f}) |"
         )
-  command = " ".join(
-      ["python experiments/ablations.py"]
-      + (["--quick"] if args.quick else [])
-      + [f"--seeds {args.seeds}", "--arms", *args.arms]
-      + ["--tasks", *args.tasks]
-      + [f"--set {s}" for s in args.set]
-  )
-  lines += ["", study.footer(command)]
+  lines += ["", study.footer(study.command("ablations", args))]
   (results / "ablations.md").write_text("\n".join(lines) + "\n")
   study.plot_bands(
       [

@@ -81,17 +81,7 @@ def main() -> None:
   study.check_names(parser, "tasks", args.tasks, study.TASKS)
   if "logra" not in args.arms:
     parser.error("the arms must include logra (the verdicts compare to it)")
-  results = study.results_folder(
-      args,
-      "parity",
-      {
-          "arms": args.arms,
-          "tasks": args.tasks,
-          "seeds": args.seeds,
-          "set": args.set,
-          "quick": args.quick,
-      },
-  )
+  results = study.results_folder(args, "parity")
   rows, curves = [], {}
   for task in args.tasks:
     for arm in args.arms:
@@ -140,13 +130,7 @@ def main() -> None:
           f"{mib(memory[arm])}{versus} |"
       )
   lines += ["", *(verdict(rows, task, args.arms) for task in args.tasks)]
-  command = " ".join(
-      ["python experiments/parity.py"]
-      + (["--quick"] if args.quick else [])
-      + [f"--seeds {args.seeds}", "--arms", *args.arms, "--tasks", *args.tasks]
-      + [f"--set {s}" for s in args.set]
-  )
-  lines += ["", study.footer(command)]
+  lines += ["", study.footer(study.command("parity", args))]
   (results / "parity.md").write_text("\n".join(lines) + "\n")
   study.plot_bands(
       [(task, curves[task]) for task in args.tasks],

@@ -113,12 +113,18 @@ def check_names(
     parser.error(f"{kind} named twice: {list(names)}")
 
 
-def results_folder(
-    args: argparse.Namespace, study: str, settings: dict[str, Any]
-) -> pathlib.Path:
-  """The results folder, claimed for ``settings`` (written to its
-  ``study.json``). A folder holding results of other settings is refused
-  (SystemExit naming both) unless ``--overwrite``."""
+def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
+  """The results folder, claimed for the run's settings (arms, tasks,
+  seeds, overrides, quick; written to its ``study.json``). A folder holding
+  results of other settings is refused (SystemExit naming both) unless
+  ``--overwrite``."""
+  settings = {
+      "arms": args.arms,
+      "tasks": args.tasks,
+      "seeds": args.seeds,
+      "set": args.set,
+      "quick": args.quick,
+  }
   default = RESULTS / (f"{study}-quick" if args.quick else study)
   folder = pathlib.Path(args.results) if args.results else default
   record = folder / "study.json"
@@ -176,6 +182,16 @@ def run(
       flush=True,
   )
   return {"summary": summary, "history": history, "overrides": overrides}
+
+
+def command(study: str, args: argparse.Namespace) -> str:
+  """The command line that reproduces a study's results."""
+  return " ".join(
+      [f"python experiments/{study}.py"]
+      + (["--quick"] if args.quick else [])
+      + [f"--seeds {args.seeds}", "--arms", *args.arms, "--tasks", *args.tasks]
+      + [f"--set {s}" for s in args.set]
+  )
 
 
 def mean_std(values: Sequence[float]) -> str:

@@ -552,11 +552,28 @@ def make_train_step(
       )
     if factored:
       return factored_train_step(params, opt_state, batch, micro)
-    if lora_lib.has_adapters(params):
-      return lora_train_step(params, opt_state, batch, micro)
-    extra = {"kl_predictor": kl_predictor(params, batch)} if kl_control else {}
+    # What the optimizer moves: the params, or only the adapters of LoRA
+    # weights (then completed with the frozen rest for the model).
+    adapted = lora_lib.has_adapters(params)
+    trainable = lora_lib.trainable(params) if adapted else params
+    complete = lambda t: lora_lib.with_frozen(t, params) if adapted else t
+    view = lambda t: lora_lib.view(complete(t))
+    extra = (
+        {
+            "kl_predictor": kl_predictor(
+                trainable,
+                batch,
+                view,
+                frozen_unembedding=adapted and not lm_head_adapted,
+            )
+        }
+        if kl_control
+        else {}
+    )
     loss, grads, metrics, logp_before = totals(
-        *sketch_grad.value_and_grad_sum(micro_loss, has_aux=True)(params, micro)
+        *sketch_grad.value_and_grad_sum(
+            lambda t, micro: micro_loss(view(t), micro), has_aux=True
+        )(trainable, micro)
     )
     if low_rank:
       # LoGRA's updates P N are expanded and applied inside the guard, leaf by
@@ -576,9 +593,9 @@ def make_train_step(
       )
     else:
       updates, opt_state = tx.update(
-          grads, opt_state, params, loss=loss, **extra
+          grads, opt_state, trainable, loss=loss, **extra
       )
-      new_params = optax.apply_updates(params, updates)
+      new_params = complete(optax.apply_updates(trainable, updates))
       update_norm = optax.global_norm(updates)
 
     return (
@@ -592,7 +609,7 @@ def make_train_step(
             update_norm,
             metrics,
             logp_before,
-            logprobs(new_params, batch),
+            logprobs(lora_lib.view(new_params), batch),
             low_rank,
         ),
     )
@@ -641,51 +658,6 @@ def make_train_step(
             logp_before,
             logprobs(view(new_params), batch),
             True,
-        ),
-    )
-
-  def lora_train_step(params, opt_state, batch, micro):
-    """The step on adapted weights: the gradients and the update of the
-    adapters alone, taken through the model's low-rank weight op (no
-    ``in x out`` gradient)."""
-    adapters = lora_lib.trainable(params)
-    view = lambda adapters: lora_lib.view(
-        lora_lib.with_frozen(adapters, params)
-    )
-    loss, grads, metrics, logp_before = totals(
-        *sketch_grad.value_and_grad_sum(
-            lambda adapters, micro: micro_loss(view(adapters), micro),
-            has_aux=True,
-        )(adapters, micro)
-    )
-    extra = (
-        {
-            "kl_predictor": kl_predictor(
-                adapters, batch, view, frozen_unembedding=not lm_head_adapted
-            )
-        }
-        if kl_control
-        else {}
-    )
-    updates, opt_state = tx.update(
-        grads, opt_state, adapters, loss=loss, **extra
-    )
-    new_params = lora_lib.with_frozen(
-        optax.apply_updates(adapters, updates), params
-    )
-    return (
-        new_params,
-        opt_state,
-        step_metrics(
-            batch,
-            opt_state,
-            loss,
-            grads,
-            optax.global_norm(updates),
-            metrics,
-            logp_before,
-            logprobs(lora_lib.view(new_params), batch),
-            False,
         ),
     )
 
