@@ -244,7 +244,9 @@ def main() -> None:
   args = parser.parse_args()
   out = pathlib.Path(args.out)
   base = train_config.apply_overrides(
-      train_config.get_preset(args.preset), args.set + [f"steps={args.steps}"]
+      train_config.get_preset(args.preset),
+      # The realized KL of every step, beside the predicted one.
+      ["logging.realized_kl_every=1"] + args.set + [f"steps={args.steps}"],
   )
   lr = args.lr_multiplier * base.optimizer.learning_rate
   histories: dict[str, list[tuple[list[dict], list]]] = {}

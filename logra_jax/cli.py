@@ -87,6 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
       args.policy,
       chat_template=config.task.chat_template,
       system_prompt=config.task.system_prompt,
+      attention=config.policy.attention,
   )
   result = engine.evaluate(
       policy,

@@ -129,10 +129,14 @@ def _final_state(run, config, step=None):
 
 
 def _metrics(run):
-  """metrics.jsonl without the timings."""
+  """metrics.jsonl without the timings and compilation counts."""
   lines = (run / "metrics.jsonl").read_text().splitlines()
   return [
-      {k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+      {
+          k: v
+          for k, v in json.loads(line).items()
+          if not k.startswith(("time/", "compile/"))
+      }
       for line in lines
   ]
 

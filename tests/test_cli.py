@@ -47,6 +47,16 @@ def _run_folder(folder):
         (["--set=policy.num_heads=3"], "policy.num_heads=3 must divide"),
         (["--set=seed=-1"], "seed must be in [0, 9223372036854775807], got -1"),
         (
+            ["--set=policy.attention=flash"],
+            "policy.attention must be one of ('auto', 'chunked', 'xla', "
+            "'cudnn'), got 'flash'",
+        ),
+        (
+            ["--set=policy.attention=cudnn"],
+            "policy.attention='cudnn' runs on GPUs with a bfloat16 or float16 "
+            "compute dtype; here the platform is cpu and the dtype float32",
+        ),
+        (
             ["--mesh=fsdp=8,fsdp=1"],
             "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)",
         ),

@@ -115,3 +115,34 @@ def test_results_of_other_settings_are_not_overwritten(tmp_path):
   assert "--overwrite" in done.stderr
   assert (results / "parity.md").read_text() == "earlier\n"
   assert not (tmp_path / "runs").exists()
+
+
+def test_quick_gpu_bench_writes_its_tables(tmp_path):
+  """The accelerator benchmark's programs at tiny shapes, on this machine:
+  every figure finite (MFU, peak memory and the bandwidth bound need a
+  known accelerator, so they may be absent here)."""
+  import json
+
+  done = subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / "gpu_bench.py"),
+          "--quick",
+          f"--results={tmp_path}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((tmp_path / "gpu_bench.json").read_text())
+  assert [r["arm"] for r in results["train"]] == ["adam", "logra-bf16"]
+  for row in results["train"]:
+    assert row["loss_finite"]
+    for key in ("compile_s", "step_s", "tflops_per_s"):
+      assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+  for row in results["decode"]:
+    for key in ("seconds", "tokens_per_s", "step_bytes"):
+      assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+  table = (tmp_path / "gpu_bench.md").read_text()
+  assert "| tiny (128 tokens) | adam |" in table and "Command:" in table

@@ -28,6 +28,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from logra_jax.checks import check_choice, check_range
+from logra_jax.models.config import ATTENTION
 from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
@@ -168,6 +169,12 @@ class PolicyConfig:
     reference_dtype: dtype of the frozen reference policy that a KL penalty
       (``loss.beta > 0``) compares against: ``"bfloat16"`` (2 bytes per
       parameter) or ``"float32"``.
+    attention: how the policy computes attention in training and prefill:
+      ``"auto"`` (cuDNN's fused kernel on GPUs with a bfloat16 policy, else
+      the chunked einsums, with a one-line notice on an accelerator),
+      ``"chunked"``, ``"xla"`` or ``"cudnn"``
+      (``jax.nn.dot_product_attention``); see
+      ``models.attention_implementation``.
   """
 
   path: str = ""
@@ -183,9 +190,11 @@ class PolicyConfig:
   warm_start_examples: int = 1000
   cache_dir: str = "~/.cache/logra_jax/warm_start"
   reference_dtype: str = "bfloat16"
+  attention: str = "auto"
 
   def __post_init__(self):
     check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
+    check_choice("policy.attention", self.attention, ATTENTION)
     check_choice(
         "policy.reference_dtype", self.reference_dtype, ("float32", "bfloat16")
     )
@@ -487,6 +496,11 @@ class LoggingConfig:
       under ``<out>/tensorboard``) and ``"wandb"`` (Weights & Biases, the
       ``wandb`` extra; its project, entity and offline mode are read from
       ``WANDB_PROJECT``, ``WANDB_ENTITY`` and ``WANDB_MODE``).
+    realized_kl_every: the KL between the policy before and after an update
+      (``kl/realized``, ``kl/realized_k3``) is measured on the first update
+      and every this many, by one more forward pass over the batch (1:
+      every update, as KL-control studies want; the predicted KL of
+      ``optimizer.target_kl`` needs none).
   """
 
   samples_every: int = 25
@@ -494,9 +508,11 @@ class LoggingConfig:
   trackers: list[str] = dataclasses.field(
       default_factory=lambda: ["tensorboard"]
   )
+  realized_kl_every: int = 10
 
   def __post_init__(self):
     _check("logging", self, "samples_every", ge=0)
+    _check("logging", self, "realized_kl_every", ge=1)
     _check("logging", self, "samples_shown", ge=1)
     for tracker in self.trackers:
       check_choice("logging.trackers", tracker, TRACKERS)

@@ -1,5 +1,7 @@
 """Flax NNX decoder (Llama / Qwen2 / Qwen3), HF I/O, sampler and log-probs."""
 
+from logra_jax.models.config import ATTENTION
+from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
 from logra_jax.models.config import RopeScaling
 from logra_jax.models.decoder import Decoder

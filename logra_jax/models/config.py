@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 
 Family = Literal["llama", "qwen2", "qwen3"]
@@ -19,6 +20,9 @@ HF_ARCHITECTURES: dict[str, str] = {
 # float64 only under jax_enable_x64, for reference computations in tests.
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _REMAT = ("none", "block", "dots_saveable")
+# DecoderConfig.attention: the setting, or the implementation it names.
+ATTENTION = ("auto", "chunked", "xla", "cudnn")
+_FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash kernel takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,14 @@ class DecoderConfig:
       tokens are processed at once (training, prefill): the score matrix is
       at most `attention_chunk x S` per (batch, head) and each block is
       recomputed in the backward pass.
+    attention: how attention over more than one query is computed:
+      "chunked" (einsums over query blocks of `attention_chunk`, the
+      portable path and the reference), "xla" or "cudnn"
+      (`jax.nn.dot_product_attention` with that implementation; "cudnn" is
+      the fused flash kernel, on GPUs with a bfloat16 or float16 compute
+      dtype) or "auto" ("cudnn" where it runs, else "chunked"; see
+      `attention_implementation`). Decoding one token always uses the
+      chunked path's in-place reduction over the cache.
     dtype: compute dtype ("float32" or "bfloat16"; "float16", and "float64"
       under ``jax_enable_x64`` for reference computations); logits are
       always float32 or wider.
@@ -120,6 +132,7 @@ class DecoderConfig:
   initializer_range: float = 0.02
   remat: RematPolicy = "none"
   attention_chunk: int = 512
+  attention: str = "auto"
   dtype: str = "float32"
   param_dtype: str = "float32"
 
@@ -152,6 +165,10 @@ class DecoderConfig:
       )
     if self.remat not in _REMAT:
       raise ValueError(f"remat must be one of {_REMAT}, got {self.remat!r}.")
+    if self.attention not in ATTENTION:
+      raise ValueError(
+          f"attention must be one of {ATTENTION}, got {self.attention!r}."
+      )
     if self.attention_chunk < 1:
       raise ValueError(
           f"attention_chunk must be >= 1, got {self.attention_chunk}."
@@ -206,7 +223,7 @@ class DecoderConfig:
     Args:
       hf_config: a `LlamaConfig`, `Qwen2Config` or `Qwen3Config`.
       **overrides: fields not stored by HF (`remat`, `attention_chunk`,
-        `dtype`, `param_dtype`).
+        `attention`, `dtype`, `param_dtype`).
 
     Returns:
       The config.
@@ -393,3 +410,65 @@ class DecoderConfig:
         "qwen3": transformers.Qwen3Config,
     }[self.family]
     return cls(**kwargs)
+
+
+def attention_implementation(
+    attention: str,
+    dtype: str,
+    platform: str | None = None,
+    setting: str = "attention",
+) -> tuple[str, str | None]:
+  """The attention path that `attention` (`DecoderConfig.attention`)
+  selects for compute dtype `dtype` on `platform` (default: JAX's default
+  backend), and a one-line notice when "auto" falls back.
+
+  "auto" is "cudnn" on a GPU with a bfloat16 or float16 compute dtype and
+  "chunked" elsewhere; on a GPU or TPU that fallback comes with a notice
+  saying why (TPU's fused Pallas kernels are not wired in).
+
+  Args:
+    attention: "auto", "chunked", "xla" or "cudnn".
+    dtype: the compute dtype's name.
+    platform: "cpu", "gpu" or "tpu".
+    setting: the setting's name in messages (e.g. "policy.attention").
+
+  Returns:
+    `(implementation, notice)`: one of "chunked", "xla", "cudnn", and a
+    string or None.
+
+  Raises:
+    ValueError: an unknown setting, or "cudnn" where it cannot run (not a
+      GPU, or a float32 compute dtype), naming the setting and the platform.
+
+  Example:
+    >>> attention_implementation("auto", "float32", "cpu")
+    ('chunked', None)
+    >>> attention_implementation("auto", "bfloat16", "gpu")
+    ('cudnn', None)
+  """
+  if attention not in ATTENTION:
+    raise ValueError(
+        f"{setting} must be one of {ATTENTION}, got {attention!r}."
+    )
+  platform = platform or jax.default_backend()
+  dtype = jnp.dtype(dtype).name
+  fused = platform in ("gpu", "cuda") and dtype in _FUSED_DTYPES
+  if attention == "auto":
+    if fused:
+      return "cudnn", None
+    notice = None
+    if platform != "cpu":
+      notice = f"{setting}=auto: chunked attention on {platform} (" + (
+          f"cuDNN's fused kernel needs a bfloat16 or float16 compute dtype, "
+          f"not {dtype})"
+          if platform in ("gpu", "cuda")
+          else "the fused kernels wired in are cuDNN's, for GPUs)"
+      )
+    return "chunked", notice
+  if attention == "cudnn" and not fused:
+    raise ValueError(
+        f"{setting}='cudnn' runs on GPUs with a bfloat16 or float16 compute "
+        f"dtype; here the platform is {platform} and the dtype {dtype} (use "
+        f"'auto', 'xla' or 'chunked')"
+    )
+  return attention, None

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
 from logra_jax.optim import DimensionNumbers
 from logra_jax.parallel.sharding import constrain
@@ -219,6 +220,58 @@ def _apply_rope(
   return out.astype(x_BxTxNxh.dtype)
 
 
+def _fused_attention(
+    q_BxTxHxh: jax.Array,
+    blocks: list[tuple[jax.Array, jax.Array]],
+    mask_BxTxS: jax.Array,
+    lengths_B: jax.Array | None,
+    implementation: str,
+) -> jax.Array:
+  """Attention by `jax.nn.dot_product_attention` (`[B, T, H, h]`).
+
+  Packed rows (`lengths_B`): causal over each row's first `lengths_B` keys,
+  given as sequence lengths, so no mask is materialized and cuDNN's flash
+  kernel skips the masked blocks. Otherwise (a prefill into a cache) the
+  boolean mask over `[past; new]` keys.
+  """
+  to_BxSxKxh = lambda x_BxKxSxh: x_BxKxSxh.transpose(0, 2, 1, 3)
+  if lengths_B is not None:
+    ((k_BxKxTxh, v_BxKxTxh),) = blocks
+    return jax.nn.dot_product_attention(
+        q_BxTxHxh,
+        to_BxSxKxh(k_BxKxTxh),
+        to_BxSxKxh(v_BxKxTxh),
+        is_causal=True,
+        query_seq_lengths=lengths_B,
+        key_value_seq_lengths=lengths_B,
+        implementation=implementation,
+    )
+  keys_BxSxKxh, values_BxSxKxh = (
+      jnp.concatenate([to_BxSxKxh(block[i]) for block in blocks], axis=1)
+      for i in (0, 1)
+  )
+  return jax.nn.dot_product_attention(
+      q_BxTxHxh,
+      keys_BxSxKxh,
+      values_BxSxKxh,
+      mask=mask_BxTxS[:, None],
+      implementation=implementation,
+  )
+
+
+def _pack(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The order that moves each row's real tokens to its front, keeping their
+  order (`[B, T]` indices), and its inverse."""
+  order_BxT = jnp.argsort(~mask_BxT, axis=1, stable=True)
+  return order_BxT, jnp.argsort(order_BxT, axis=1)
+
+
+def _gather_rows(x_BxTx_: jax.Array, index_BxT: jax.Array) -> jax.Array:
+  """`x[b, index[b, t]]` along the second axis."""
+  index = index_BxT.reshape(index_BxT.shape + (1,) * (x_BxTx_.ndim - 2))
+  return jnp.take_along_axis(x_BxTx_, index, axis=1)
+
+
 def _remat(fn, policy: str):
   """Wraps the block function with the configured checkpoint policy."""
   if policy == "none":
@@ -241,10 +294,14 @@ def _block(
     mask_BxTxS: jax.Array,
     past_k_BxKxSxh: jax.Array | None,
     past_v_BxKxSxh: jax.Array | None,
+    implementation: str = "chunked",
+    lengths_B: jax.Array | None = None,
 ):
   """One pre-norm block; returns (x, new keys `[B, K, T, h]`, new values).
 
-  The mask covers `[past; new]` keys: S = past length + T.
+  The mask covers `[past; new]` keys: S = past length + T. With
+  `lengths_B` (no cache), the rows are packed (real tokens first, in order)
+  and attention is causal over the first `lengths_B` tokens of each row.
   """
   c = config
   dt = x_BxTxD.dtype
@@ -330,7 +387,15 @@ def _block(
     return attn_BxKxGxTxh
 
   C = c.attention_chunk
-  if T <= C:
+  if implementation != "chunked" and T > 1:
+    attn_BxTxKxGxh = _fused_attention(
+        q_BxTxHxh,
+        blocks,
+        mask_BxTxS,
+        lengths_B,
+        implementation,
+    ).reshape(B, T, K, H // K, h)
+  elif T <= C:
     attn_BxKxGxTxh = attend(q_BxKxGxTxh, mask_BxTxS)
   else:
     # Query blocks: each sees every key, so the result is exact; only one
@@ -353,7 +418,8 @@ def _block(
     attn_BxKxGxTxh = attn_nxBxKxGxCxh.transpose(1, 2, 3, 0, 4, 5).reshape(
         B, K, H // K, n * C, h
     )[:, :, :, :T]
-  attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
+  if implementation == "chunked" or T == 1:
+    attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
   out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
   if c.attention_out_bias:
     out_BxTxD = out_BxTxD + w["o_bias"].astype(dt)
@@ -419,12 +485,33 @@ def forward_hidden(
   x_BxTxD = constrain(
       take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
   )
+  implementation, _ = attention_implementation(c.attention, c.dtype)
+  # Fused attention without a cache: each row's real tokens packed to its
+  # front (positions are already taken), so causal attention over their
+  # count is exact for any padding; the hidden states are unpacked after.
+  packed = implementation != "chunked" and cache is None and T > 1
+  lengths_B = None
+  if packed:
+    order_BxT, unpack_BxT = _pack(attention_mask_BxT)
+    lengths_B = jnp.sum(attention_mask_BxT, axis=1, dtype=jnp.int32)
+    x_BxTxD, cos_BxTxr, sin_BxTxr = (
+        _gather_rows(a, order_BxT) for a in (x_BxTxD, cos_BxTxr, sin_BxTxr)
+    )
 
   def body(x_BxTxD, layer):
     w, past_k, past_v = layer
     x_BxTxD = constrain(x_BxTxD, ("batch", None, None))
     x_BxTxD, k_BxKxTxh, v_BxKxTxh = _block(
-        c, x_BxTxD, w, cos_BxTxr, sin_BxTxr, mask_BxTxS, past_k, past_v
+        c,
+        x_BxTxD,
+        w,
+        cos_BxTxr,
+        sin_BxTxr,
+        mask_BxTxS,
+        past_k,
+        past_v,
+        implementation,
+        lengths_B,
     )
     new_kv = None if cache is None else (k_BxKxTxh, v_BxKxTxh)
     return x_BxTxD, new_kv
@@ -432,6 +519,8 @@ def forward_hidden(
   body = _remat(body, c.remat)
   past = (cache.k, cache.v) if cache is not None else (None, None)
   x_BxTxD, new_kv = jax.lax.scan(body, x_BxTxD, (weights["layers"], *past))
+  if packed:
+    x_BxTxD = _gather_rows(x_BxTxD, unpack_BxT)
   hidden_BxTxD = _rms_norm(x_BxTxD, weights["final_norm"], c.rms_norm_eps)
   if cache is None:
     return hidden_BxTxD, None

@@ -446,3 +446,65 @@ class RolloutBatch:
     return jax.tree.map(
         lambda x: x.reshape((num_micro_batches, -1) + x.shape[1:]), self
     )
+
+  def trimmed(self, prompt_width: int, completion_width: int) -> RolloutBatch:
+    """The batch cut to its last ``prompt_width`` prompt columns and its
+    first ``completion_width`` completion columns: prompts are left-padded
+    and completions right-padded, so only padding may go (positions count
+    real tokens only, so log-probabilities do not change).
+
+    Args:
+      prompt_width: ``P' <= P``, at least the longest prompt.
+      completion_width: ``T' <= T``, at least the longest completion.
+
+    Returns:
+      The same rollouts, ``P'`` and ``T'`` columns wide.
+
+    Example:
+      >>> z = jnp.zeros((2, 8))
+      >>> batch = RolloutBatch(
+      ...     prompt_tokens_BxP=z, prompt_mask_BxP=z, completion_tokens_BxT=z,
+      ...     completion_mask_BxT=z, old_logp_BxT=z, advantages_B=z[:, 0], num_generations=2)
+      >>> trimmed = batch.trimmed(6, 4)
+      >>> trimmed.prompt_tokens_BxP.shape, trimmed.old_logp_BxT.shape
+      ((2, 6), (2, 4))
+    """
+    for name, width, total in (
+        ("prompt_width", prompt_width, self.prompt_tokens_BxP.shape[1]),
+        (
+            "completion_width",
+            completion_width,
+            self.completion_tokens_BxT.shape[1],
+        ),
+    ):
+      if not 1 <= width <= total:
+        raise ValueError(f"{name}={width} must be in [1, {total}]")
+    left = lambda x_BxP: x_BxP[:, x_BxP.shape[1] - prompt_width :]
+    right = lambda x_BxT: None if x_BxT is None else x_BxT[:, :completion_width]
+    return self.replace(
+        prompt_tokens_BxP=left(self.prompt_tokens_BxP),
+        prompt_mask_BxP=left(self.prompt_mask_BxP),
+        completion_tokens_BxT=right(self.completion_tokens_BxT),
+        completion_mask_BxT=right(self.completion_mask_BxT),
+        old_logp_BxT=right(self.old_logp_BxT),
+        ref_logp_BxT=right(self.ref_logp_BxT),
+    )
+
+
+def bucket_width(longest: int, limit: int) -> int:
+  """The learner's width for rows at most ``longest`` tokens long: the next
+  of 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them), at most
+  ``limit``. Padding stays under a third of the width beyond 4 tokens, and a
+  run compiles its train step for a few widths only (about
+  ``2 log2(limit / 4) + 1`` per dimension).
+
+  Example:
+    >>> [bucket_width(n, 100) for n in (1, 5, 7, 9, 13, 33, 97)]
+    [4, 6, 8, 12, 16, 48, 100]
+  """
+  if not 0 <= longest <= limit:
+    raise ValueError(f"longest={longest} must be in [0, limit={limit}]")
+  width = 4
+  while width < longest:
+    width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+  return min(width, limit)

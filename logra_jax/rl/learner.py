@@ -445,7 +445,10 @@ def make_train_step(
   :func:`make_optimizer`. Metrics include the gradient
   norm, the entropy of the policy and ``kl/realized``: the mean over the
   batch's tokens of ``log pi_old - log pi_new`` between the params before and
-  after this update. With ``config.optimizer.target_kl``, a KL predictor is
+  after this update (and ``kl/realized_k3``, the k3 estimate), measured by
+  one more forward pass on the first update and every
+  ``config.logging.realized_kl_every``-th (the optimizer's update count),
+  NaN on the others. With ``config.optimizer.target_kl``, a KL predictor is
   built on the same batch (or ``kl_subsample`` of its sequences) and handed to
   the optimizer; then ``kl/predicted`` is the predicted KL of the applied
   (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
@@ -609,7 +612,7 @@ def make_train_step(
             update_norm,
             metrics,
             logp_before,
-            logprobs(lora_lib.view(new_params), batch),
+            lambda: logprobs(lora_lib.view(new_params), batch),
             low_rank,
         ),
     )
@@ -656,7 +659,7 @@ def make_train_step(
             update_norm,
             metrics,
             logp_before,
-            logprobs(view(new_params), batch),
+            lambda: logprobs(view(new_params), batch),
             True,
         ),
     )
@@ -682,11 +685,19 @@ def make_train_step(
       update_norm,
       metrics,
       logp_before,
-      logp_after_BxT,
+      logp_after,
       low_rank,
   ):
+    """The step's metrics; ``logp_after()``, a forward pass of the updated
+    weights, runs only on the steps that measure the realized KL."""
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
     logp_before_BxT = logp_before.reshape(mask_BxT.shape)
+    update = opt_state.count  # 1 for the first update
+    logp_after_BxT = jax.lax.cond(
+        (update == 1) | (update % config.logging.realized_kl_every == 0),
+        logp_after,
+        lambda: jnp.full(mask_BxT.shape, jnp.nan),
+    )
     tokens = jnp.maximum(mask_BxT.sum(), 1.0)
     log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
     out = algo.finalize_metrics(metrics)

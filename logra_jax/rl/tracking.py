@@ -1,5 +1,6 @@
 """Where a run's numbers and samples go besides ``metrics.jsonl``: trackers
-(TensorBoard, Weights & Biases) and tables of sampled completions.
+(TensorBoard, Weights & Biases), tables of sampled completions and counts of
+XLA compilations.
 
 Each tracker is its own library's writer (``tensorboardX.SummaryWriter``,
 ``wandb.init``/``log``); :func:`check_trackers` refuses a tracker whose
@@ -14,10 +15,12 @@ import importlib.util
 import io
 import json
 import pathlib
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import rich.console
 import rich.table
@@ -29,6 +32,58 @@ _LIBRARIES = {
     "tensorboard": ("tensorboardX", "tensorboardX"),
     "wandb": ("wandb", "'logra-jax[wandb]'"),
 }
+
+
+# What JAX reports once per XLA compilation, with the jitted function's name.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class Compilations:
+  """Counts the XLA compilations of this process while open (a context
+  manager), from JAX's monitoring events: a train step compiled again for
+  each new batch shape shows here.
+
+  :meth:`metrics` gives ``compile/train_step`` (programs compiled of the
+  learner's train step), ``compile/count`` (all programs) and
+  ``compile/seconds`` (their XLA compile time).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> with Compilations() as compiled:
+    ...   train_step = jax.jit(lambda x: 2 * x)
+    ...   _ = train_step(jnp.ones(3)), train_step(jnp.ones(4))
+    >>> compiled.metrics()["compile/count"] >= 2
+    True
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()  # the rollout thread compiles too
+    self._count = self._train_step = 0
+    self._seconds = 0.0
+
+  def _observe(self, event: str, seconds: float, **kwargs) -> None:
+    if event != _COMPILE_EVENT:
+      return
+    with self._lock:
+      self._count += 1
+      self._seconds += seconds
+      self._train_step += "train_step" in kwargs.get("fun_name", "")
+
+  def __enter__(self) -> "Compilations":
+    jax.monitoring.register_event_duration_secs_listener(self._observe)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._observe)
+
+  def metrics(self) -> dict[str, float]:
+    """The counts so far."""
+    with self._lock:
+      return {
+          "compile/train_step": float(self._train_step),
+          "compile/count": float(self._count),
+          "compile/seconds": self._seconds,
+      }
 
 
 def check_trackers(names: Sequence[str]) -> None:

@@ -23,6 +23,7 @@ import tqdm
 
 import logra_jax as logra
 from logra_jax import checkpoint
+from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
 from logra_jax.configs.train import (
@@ -206,6 +207,9 @@ def _check_inputs(
   and the rewards. Returns the task, the rewards and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
+  models.attention_implementation(
+      config.policy.attention, config.policy.dtype, setting="policy.attention"
+  )
   if config.rollout.engine == "process" and jax.process_count() > 1:
     raise ValueError(
         "rollout.engine=process starts one engine beside one learner "
@@ -620,6 +624,10 @@ def _update(
   return params, opt_state, metrics, guard, skipped
 
 
+# The realized KL's metrics (kl/realized, kl/realized_k3), recorded on the
+# steps that measure it (logging.realized_kl_every).
+REALIZED = "kl/realized"
+
 _NO_SYNC_YET = engine_lib.SyncStats(
     message_bytes=0,
     seconds=0.0,
@@ -686,6 +694,7 @@ def _train(
 ) -> dict[str, Any]:
   """:func:`train` with its inputs checked and its folder locked; what it
   opens (the rollout engine) is closed by ``closing``."""
+  compilations = closing.enter_context(tracking.Compilations())
   if resume and checkpointer.latest_step() is None:
     raise checkpoint.CheckpointError(
         f"nothing to resume in {out}: no finished checkpoint in "
@@ -707,7 +716,13 @@ def _train(
       mesh=device_mesh,
       chat_template=config.task.chat_template,
       system_prompt=config.task.system_prompt,
+      attention=config.policy.attention,
   )
+  _, notice = models.attention_implementation(
+      config.policy.attention, config.policy.dtype, setting="policy.attention"
+  )
+  if notice:
+    log(notice)
   reward_warnings = rewards_lib.RewardFailureWarnings(log)
   max_new = config.rollout.max_new_tokens
 
@@ -999,7 +1014,14 @@ def _train(
           # The figures of the latest sync that finished (none at first).
           synced = version["synced"] or _NO_SYNC_YET
         version["engine"] = done
-      metrics.update({k: float(v) for k, v in step_metrics.items()})
+      metrics.update(
+          {
+              k: float(v)
+              for k, v in step_metrics.items()
+              if not (k.startswith(REALIZED) and np.isnan(v))
+          }
+      )
+      metrics.update(compilations.metrics())
       metrics["step"] = done
       metrics["skipped"] = float(bool(skipped))
       metrics["skipped/total"] = float(guard.skipped_steps)
@@ -1050,8 +1072,9 @@ def _train(
       postfix = {
           "reward": f"{metrics['reward/total']:.3f}",
           "acc": f"{metrics['accuracy/train']:.2f}",
-          "kl": f"{metrics['kl/realized']:.1e}",
       }
+      if REALIZED in metrics:
+        postfix["kl"] = f"{metrics[REALIZED]:.1e}"
       if "kl/predicted" in metrics:
         postfix["kl_pred"] = f"{metrics['kl/predicted']:.1e}"
       bar.set_postfix(postfix)
@@ -1150,9 +1173,11 @@ def plot_curves(
   axes[0].plot(*zip(*evals), "o-", label="held-out accuracy")
   axes[0].set_title("reward and accuracy")
   axes[0].legend()
-  axes[1].plot(
-      steps, [h["kl/realized_k3"] for h in history], label="realized (k3)"
-  )
+  realized = [
+      (h["step"], h["kl/realized_k3"]) for h in history if REALIZED in h
+  ]
+  if realized:
+    axes[1].plot(*zip(*realized), "o-", label="realized (k3)")
   if "kl/predicted" in history[0]:
     axes[1].plot(
         steps,

@@ -89,14 +89,16 @@ class Policy:
       *,
       chat_template: str = "auto",
       system_prompt: Optional[str] = None,
+      attention: str = "auto",
   ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.
 
     ``chat_template`` (``task.chat_template``): ``"auto"`` applies the
-    tokenizer's chat template when it has one, ``"none"`` never does."""
+    tokenizer's chat template when it has one, ``"none"`` never does.
+    ``attention``: ``policy.attention`` (``DecoderConfig.attention``)."""
     folder = check_policy_folder(folder)
-    model = models.load_pretrained(folder, dtype=dtype)
+    model = models.load_pretrained(folder, dtype=dtype, attention=attention)
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
     if mesh is not None:
@@ -283,7 +285,10 @@ def rollout(
 ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   """Samples ``num_generations`` completions per prompt, scores them and
   computes group advantages; ``observe`` (e.g. a sample log) sees each
-  batch's :class:`RolloutSamples`."""
+  batch's :class:`RolloutSamples`. The batch is cut to
+  :func:`algo.bucket_width` of its longest prompt and completion (metrics
+  ``batch/prompt_width``, ``batch/completion_width``), so the learner's
+  step costs what the rollouts need, not what ``max_new_tokens`` allows."""
   return _rollout(
       policy,
       functools.partial(policy.sampler.sample, params),
@@ -306,8 +311,9 @@ def _rollout(
 ) -> tuple[algo.RolloutBatch, dict[str, float]]:
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
+  prompt_ids = policy.encode(prompts)
   out = sample(
-      policy.encode(prompts),
+      prompt_ids,
       key,
       max_new_tokens=config.rollout.max_new_tokens,
       temperature=config.rollout.temperature,
@@ -320,6 +326,7 @@ def _rollout(
   if observe is not None:
     observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
+  lengths = parallel.host_value(out.lengths)
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=out.prompt_ids,
       prompt_mask_BxP=out.prompt_mask,
@@ -329,10 +336,21 @@ def _rollout(
       advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
       num_generations=group,
   )
+  # The learner's batch is no wider than its longest prompt and completion,
+  # rounded up to one of a few widths (each compiles the train step once).
+  batch = batch.trimmed(
+      algo.bucket_width(
+          max(map(len, prompt_ids)), batch.prompt_tokens_BxP.shape[1]
+      ),
+      algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
+  )
   metrics = report.metrics()
   metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
-  metrics["completion_length"] = float(
-      np.mean(parallel.host_value(out.lengths))
+  metrics["completion_length"] = float(np.mean(lengths))
+  metrics["completion_length/max"] = float(lengths.max())
+  metrics["batch/prompt_width"] = float(batch.prompt_tokens_BxP.shape[1])
+  metrics["batch/completion_width"] = float(
+      batch.completion_tokens_BxT.shape[1]
   )
   return batch, metrics
 

@@ -171,7 +171,9 @@ class _Server:
       config = from_dict(json.loads(request["config"]))
       folder = pathlib.Path(request["folder"])
       policy = engine_lib.Policy.load(
-          folder, dtype=jnp.dtype(config.policy.dtype)
+          folder,
+          dtype=jnp.dtype(config.policy.dtype),
+          attention=config.policy.attention,
       )
       # The learner's layout, from the config alone (lazily: rl/ builds on
       # rollout/, not the other way; only this child needs the learner).

@@ -154,7 +154,8 @@ def test_presets_are_the_package_yaml_files():
         (
             "logging.colour=1",
             "unknown config key logging.colour; valid keys "
-            "there: ['samples_every', 'samples_shown', 'trackers']",
+            "there: ['realized_kl_every', 'samples_every', "
+            "'samples_shown', 'trackers']",
         ),
         (
             "optimizer.rank=abc",

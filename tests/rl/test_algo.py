@@ -1,5 +1,7 @@
 """Tests for logra_jax.rl.algo against hand-computed values."""
 
+import hypothesis
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,3 +340,36 @@ def test_rollout_batch_is_a_pytree_with_static_generations():
   assert len(jax.tree.leaves(no_ref.micro_batches(2))) == 6
   with pytest.raises(ValueError, match="divide the batch size 8"):
     batch.micro_batches(3)
+
+
+@hypothesis.settings(deadline=None, max_examples=200)
+@hypothesis.given(limit=st.integers(1, 5000), fraction=st.floats(0.0, 1.0))
+def test_bucket_widths_fit_the_rows_with_little_padding(limit, fraction):
+  longest = int(fraction * limit)
+  width = algo.bucket_width(longest, limit)
+  assert longest <= width <= limit
+  # Beyond 4 tokens, padding stays under a third of the width (each bucket
+  # is at most 1.5 times the one before it).
+  if width < limit and longest > 4:
+    assert width - longest < width / 3
+  # Widths are few: one of 4, 6, 8, 12, 16, ... or the limit.
+  assert width == limit or width in {m << k for m in (4, 6) for k in range(12)}
+  # Longer rows never get a narrower batch.
+  assert algo.bucket_width(min(longest + 1, limit), limit) >= width
+
+
+def test_a_trimmed_batch_keeps_the_last_prompt_and_first_completion_columns():
+  batch, _ = _random_batch()  # [8, 5] completions
+  batch = batch.replace(
+      prompt_tokens_BxP=jnp.array([[0, 0, 7, 8]] * 8),
+      prompt_mask_BxP=jnp.array([[0, 0, 1, 1]] * 8),
+  )
+  trimmed = batch.trimmed(3, 4)
+  np.testing.assert_array_equal(trimmed.prompt_tokens_BxP, [[0, 7, 8]] * 8)
+  np.testing.assert_array_equal(trimmed.old_logp_BxT, batch.old_logp_BxT[:, :4])
+  assert trimmed.ref_logp_BxT.shape == (8, 4)
+  for widths, name in (((0, 4), "prompt_width"), ((3, 6), "completion_width")):
+    with pytest.raises(ValueError, match=name):
+      batch.trimmed(*widths)
+  with pytest.raises(ValueError, match="longest=9"):
+    algo.bucket_width(9, 8)

@@ -95,6 +95,67 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
     )
 
 
+def test_a_step_on_the_trimmed_batch_equals_the_step_on_the_padded_one(
+    rollout_batch,
+):
+  policy, batch, metrics = rollout_batch
+  # The rollout cut the batch to its longest prompt and completion.
+  assert batch.prompt_tokens_BxP.shape[1] == metrics["batch/prompt_width"]
+  assert batch.completion_tokens_BxT.shape[1] == (
+      metrics["batch/completion_width"]
+  )
+  assert int(batch.completion_mask_BxT.sum(1).max()) <= (
+      metrics["batch/completion_width"]
+  )
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
+  # The same rollouts padded with 5 more prompt and 7 more completion columns.
+  pad = lambda x, left, right: jnp.pad(x, ((0, 0), (left, right)))
+  padded = batch.replace(
+      prompt_tokens_BxP=pad(batch.prompt_tokens_BxP, 5, 0),
+      prompt_mask_BxP=pad(batch.prompt_mask_BxP, 5, 0),
+      completion_tokens_BxT=pad(batch.completion_tokens_BxT, 0, 7),
+      completion_mask_BxT=pad(batch.completion_mask_BxT, 0, 7),
+      old_logp_BxT=pad(batch.old_logp_BxT, 0, 7),
+  )
+  tx = learner.skip_non_finite(optax.sgd(1.0))
+  step = learner.make_train_step(policy.graphdef, tx, SMOKE)
+  (p1, _, m1), (p2, _, m2) = (
+      step(jax.tree.map(jnp.copy, policy.params), tx.init(policy.params), b)
+      for b in (batch, padded)
+  )
+  # Padding adds exact zeros to each sum, in another order: the padded
+  # length's reductions bound the difference (as for micro-batches).
+  config = models.load_pretrained(policy.folder).config
+  length = (
+      padded.prompt_tokens_BxP.shape[1] + padded.completion_tokens_BxT.shape[1]
+  )
+  n = 2 * decoder_reduction_length(config, length) + batch.batch_size * length
+  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p1, p2))):
+    atol = 2 * float_tolerance(np.float32, n) * float(jnp.abs(b - p0).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=atol + 1e-30)
+  for name in ("loss", "grad_norm", "kl/realized", "entropy"):
+    np.testing.assert_allclose(m1[name], m2[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_realized_kl_is_measured_on_the_first_and_every_nth_update(
+    rollout_batch,
+):
+  policy, batch, _ = rollout_batch
+  batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
+  config = train_config.apply_overrides(SMOKE, ["logging.realized_kl_every=3"])
+  tx = learner.skip_non_finite(optax.sgd(0.1))
+  step = learner.make_train_step(policy.graphdef, tx, config)
+  params = jax.tree.map(jnp.copy, policy.params)
+  state = tx.init(params)
+  measured = []
+  for _ in range(6):
+    params, state, metrics = step(params, state, batch)
+    kl = float(metrics["kl/realized_k3"])
+    assert np.isnan(kl) or kl > 0
+    measured.append(not np.isnan(kl))
+  assert measured == [True, False, True, False, False, True]
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "logra", "galore"])
 def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   policy, batch, _ = rollout_batch
@@ -254,6 +315,14 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   assert len(lines) == 2 == summary["steps"]
   assert (tmp_path / "curves.png").stat().st_size > 0
   assert {"reward/total", "kl/realized", "loss"} <= set(json.loads(lines[0]))
+  # The realized KL is measured on the first step and every 10th.
+  assert "kl/realized" not in json.loads(lines[1])
+  # The train step compiled once per batch shape, and no more.
+  shapes = {
+      (m["batch/prompt_width"], m["batch/completion_width"])
+      for m in map(json.loads, lines)
+  }
+  assert json.loads(lines[-1])["compile/train_step"] == len(shapes)
   # The rollout engine followed the learner through every sync message (a
   # message whose result differs from the learner's weights by one bit
   # would have been counted as a resync).

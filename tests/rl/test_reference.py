@@ -146,7 +146,11 @@ def straight(config, tmp_path_factory):
 
 def _metrics(run):
   return [
-      {k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+      {
+          k: v
+          for k, v in json.loads(line).items()
+          if not k.startswith(("time/", "compile/"))
+      }
       for line in (run / "metrics.jsonl").read_text().splitlines()
   ]
 
