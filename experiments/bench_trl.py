@@ -218,7 +218,11 @@ def _table(results: dict, args: argparse.Namespace) -> str:
   head = ["arm"] + [
       f"{tokens} new tokens: s/step (vs TRL)" for tokens in args.tokens
   ]
-  head += ["first step, s", "peak RSS, GiB", "train / rollout s per step"]
+  head += [
+      "first step, s",
+      "peak RSS, GiB",
+      "train + rollout, s/step",
+  ]
   lines = [
       "| " + " | ".join(head) + " |",
       "|" + "---|" * len(head),
@@ -247,7 +251,7 @@ def _table(results: dict, args: argparse.Namespace) -> str:
     )
     cells.append(
         " / ".join(
-            f"{median(results[arm][str(t)], 'median_train_s'):.3f} / "
+            f"{median(results[arm][str(t)], 'median_train_s'):.3f} + "
             f"{median(results[arm][str(t)], 'median_rollout_s'):.3f}"
             for t in args.tokens
         )
