@@ -48,12 +48,16 @@ TASKS: dict[str, list[str]] = {
         "max_digits: 1}",
         "task.template={expression}=",
         "task.size=5000",
+        # 100 distinct products: 20 held out.
+        "task.eval_size=20",
     ],
     "count_bits": [
         "task.name=count_bits",
         "task.options={min_n: 1, max_n: 255}",
         "task.template=bits({number})=",
         "task.size=5000",
+        # 255 distinct numbers: 50 held out.
+        "task.eval_size=50",
     ],
 }
 
@@ -225,9 +229,11 @@ def plot_bands(
     metric: Callable[[dict], float],
     ylabel: str,
     path: pathlib.Path,
+    yscale: str = "linear",
 ) -> None:
   """One panel per ``(title, {arm: [history per seed]})``: ``metric`` of each
-  step, mean over seeds with a band of one standard deviation."""
+  step, mean over seeds with a band of one standard deviation, on a
+  ``yscale`` axis."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -252,6 +258,7 @@ def plot_bands(
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
+    ax.set_yscale(yscale)
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=8)
   fig.tight_layout()

@@ -48,6 +48,7 @@ def _assert_finite(rows, columns):
     [
         ("parity", ["lora", "logra"], ["tiny", "count_bits"]),
         ("ablations", ["default", "rank=8", "kind=random"], ["tiny"]),
+        ("kl_control", ["logra+kl", "lora"], ["tiny"]),
     ],
 )
 def test_quick_study_writes_its_reports(name, arms, tasks, tmp_path):
@@ -69,6 +70,11 @@ def test_quick_study_writes_its_reports(name, arms, tasks, tmp_path):
   if name == "parity":
     assert all(f"{task}: LoGRA " in table for task in tasks)
     _assert_finite(rows, ["weights_bytes", "wall_seconds"])
+  if name == "kl_control":
+    _assert_finite(rows, ["kl_k3_median", "k3_within_2x"])
+    controlled = [r for r in rows if r["arm"].endswith("+kl")]
+    _assert_finite(controlled, ["predicted_over_k3_median", "scale_median"])
+    assert "| train step + predictor" in table
 
 
 def test_async_study_quick(tmp_path):
@@ -90,6 +96,7 @@ def test_async_study_quick(tmp_path):
         ("parity", ["--tasks", "gsm9k"], "unknown tasks ['gsm9k']"),
         ("parity", ["--arms", "adam"], "must include logra"),
         ("ablations", ["--arms", "rank=7"], "unknown arms ['rank=7']"),
+        ("kl_control", ["--arms", "sgd+kl"], "unknown arms ['sgd+kl']"),
         ("parity", ["--seeds", "0"], "--seeds must be >= 1"),
     ],
 )
