@@ -11,8 +11,9 @@ over `--refresh-every` steps). Against: a full
 broadcast of the bfloat16 weights (2 bytes per parameter, what TRL and
 OpenRLHF send) and a sparse delta of the bfloat16 values that changed
 (int32 index + bfloat16 value, 6 bytes per changed value, as verl-style
-delta sync sends) at 1% and 3% changed values. Writes nothing; prints a
-markdown table.
+delta sync sends) at 1% and 3% changed values; and LoRA's message at the
+same ranks (its float32 adapters every step, which the engine merges into
+its copy of the frozen weights). Writes nothing; prints a markdown table.
 
 With ``--run DIR`` (a finished ``logra train`` folder), also the run's
 measured figures from its ``metrics.jsonl``: mean message bytes per step, a
@@ -51,10 +52,11 @@ SPARSE_BYTES_PER_VALUE = 4 + 2  # int32 index + bfloat16 value
 
 
 def model_policy_state(
-    model: str, rank: int, project_embeddings: bool
+    model: str, rank: int, project_embeddings: bool, optimizer: str = "logra"
 ) -> tuple[dict, int]:
   """The shapes of the learner's :func:`sync.policy_state` for ``model``
-  (float32 weights, default optimizer settings) and its parameter count."""
+  (float32 weights, default settings of ``optimizer``, "logra" or "lora")
+  and its parameter count."""
   config = dataclasses.replace(
       memory.load_model_config(model), dtype="bfloat16", param_dtype="float32"
   )
@@ -62,7 +64,9 @@ def model_policy_state(
       jax.eval_shape(lambda: models.init_model(config, rngs=0))
   )
   opt_config = train_config.OptimizerConfig(
-      rank=rank, project_embeddings=project_embeddings
+      name=optimizer,
+      rank=rank,
+      project_embeddings=project_embeddings and optimizer == "logra",
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   return learner.abstract_policy_state(opt_config, params), count
@@ -78,10 +82,10 @@ def checksum_temp_bytes(state: dict) -> int:
 
 
 def message_bytes(
-    model: str, rank: int, project_embeddings: bool
+    model: str, rank: int, project_embeddings: bool, optimizer: str = "logra"
 ) -> dict[str, int]:
   """Bytes a sync message carries, by kind of array, and the parameters."""
-  state, count = model_policy_state(model, rank, project_embeddings)
+  state, count = model_policy_state(model, rank, project_embeddings, optimizer)
   named = sync.named_arrays(state)
   out = {
       kind: 0
@@ -91,6 +95,8 @@ def message_bytes(
           sync.SCALE,
           sync.PROJECTOR,
           sync.DENSE,
+          sync.ADAPTER,
+          sync.FROZEN,
       )
   }
   for kind, x in named.values():
@@ -186,6 +192,20 @@ def main() -> None:
             f"{sparse(0.01) / mean:.1f}x |",
             flush=True,
         )
+    # LoRA at the same rank: its adapters (float32) every step, merged by
+    # the engine into its copy of the frozen weights.
+    for rank in args.ranks:
+      b = message_bytes(model, rank, False, "lora")
+      step = b[sync.ADAPTER] + b[sync.DENSE]
+      full = 2 * b["params"]
+      sparse = lambda f: f * b["params"] * SPARSE_BYTES_PER_VALUE
+      print(
+          f"| {model} | LoRA adapters | {rank} | {mb(step)} | - | {mb(step)}"
+          f" | {mb(full)} | {mb(sparse(0.01))} | {mb(sparse(0.03))} |"
+          + ("" if run is None else f" {mb(sparse(run['changed']))} |")
+          + f" {full / step:,.0f}x | {sparse(0.01) / step:.1f}x |",
+          flush=True,
+      )
   for model in args.models:
     state, count = model_policy_state(model, min(args.ranks), True)
     print(
