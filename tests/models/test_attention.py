@@ -2,7 +2,6 @@
 einsums it replaces: every mask, GQA ratio, dtype and a sharded mesh; the
 sampler's greedy outputs; settings a platform cannot run."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -401,13 +401,27 @@ def test_inject_hyperparams_and_multisteps():
   base = logra.logra(1e-2, rank=4, refresh_every=100)
   multi = optax.MultiSteps(base, every_k_schedule=2)
   m_state, b_state = multi.init(params), base.init(params)
-  g0, g1 = _grads(params, 0), _grads(params, 1)
+  # Gradients on a grid of 2^-6, so that MultiSteps' running mean and
+  # (g0 + g1) / 2 are both exact: the step then sees the same gradient, and
+  # LoGRA's range finder (whose projector is as sensitive to a rounding of
+  # its input as the singular gaps are small) the same matrix.
+  grid = lambda g: jax.tree.map(lambda x: jnp.round(64 * x) / 64, g)
+  g0, g1 = grid(_grads(params, 0)), grid(_grads(params, 1))
   u0, m_state = jax.jit(multi.update)(g0, m_state, params)
   chex.assert_trees_all_equal(u0, jax.tree.map(jnp.zeros_like, params))
   u1, m_state = jax.jit(multi.update)(g1, m_state, params)
   mean = jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
-  expected, _ = base.update(mean, b_state, params)
-  chex.assert_trees_all_close(u1, expected, rtol=1e-5, atol=1e-7)
+  expected, _ = jax.jit(base.update)(mean, b_state, params)
+  # The same math compiled inside MultiSteps' cond: other fusions, so the
+  # projector's chain of reductions (range finder, QR and the projection,
+  # over the 32 x 16 matrix) runs in another order.
+  n = 4 * (32 + 16)
+  atol = (
+      2
+      * float_tolerance(np.float32, n)
+      * max(float(jnp.abs(x).max()) for x in jax.tree.leaves(expected))
+  )
+  chex.assert_trees_all_close(u1, expected, rtol=0, atol=atol)
 
 
 def test_masked_and_multi_transform():
