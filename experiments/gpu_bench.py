@@ -22,10 +22,12 @@ the same programs at tiny shapes on any device (in the tests). The full run
 takes under 8 minutes on one H200.
 
 Writes `gpu_bench.json` and `gpu_bench.md` to `experiments/results/gpu_bench/`
-(`--results`; `--quick` to `gpu_bench-quick/`).
+(`--results`; `--quick` to `gpu_bench-quick/`; one section alone to
+`gpu_bench-train.*` or `gpu_bench-decode.*`).
 
 Usage:
   python experiments/gpu_bench.py [--quick] [--results DIR]
+      [--sections train decode]
 """
 
 from __future__ import annotations
@@ -246,6 +248,9 @@ def decode_worker(model: str, batch: int, quick: bool) -> dict:
 
 
 def _in_fresh_process(args: list[str]) -> dict:
+  """One program's figures, or ``{"error": ...}`` (its last line of
+  stderr) when it fails: the others still run, as accelerator time is
+  scarce."""
   out = subprocess.run(
       [sys.executable, __file__, "--worker", *args],
       capture_output=True,
@@ -253,7 +258,9 @@ def _in_fresh_process(args: list[str]) -> dict:
       check=False,
   )
   if out.returncode:
-    raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-4000:]}")
+    print(out.stderr[-4000:], file=sys.stderr, flush=True)
+    lines = out.stderr.strip().splitlines() or ["(no output)"]
+    return {"error": f"exit {out.returncode}: {lines[-1][:300]}"}
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -269,6 +276,9 @@ def report(results: dict, command: str) -> str:
       "|---|---|---|---|---|---|---|",
   ]
   for row in results["train"]:
+    if "error" in row:
+      lines.append(f"| {row['model']} | {row['arm']} | {row['error']} |||||")
+      continue
     lines.append(
         f"| {row['model']} ({row['tokens']} tokens) | {row['arm']} "
         f"| {row['step_s']:.3f} | {row['compile_s']:.1f} "
@@ -282,6 +292,9 @@ def report(results: dict, command: str) -> str:
       "|---|---|---|---|---|---|",
   ]
   for row in results["decode"]:
+    if "error" in row:
+      lines.append(f"| {row['model']} | {row['batch']} | {row['error']} ||||")
+      continue
     lines.append(
         f"| {row['model']} | {row['batch']} | {row['tokens_per_s']:.0f} "
         f"| {_fmt(row['bound_tokens_per_s'], '.0f')} "
@@ -294,6 +307,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--results", type=pathlib.Path)
+  parser.add_argument(
+      "--sections",
+      nargs="+",
+      choices=("train", "decode"),
+      default=["train", "decode"],
+      help="what to measure (both by default; one each to split the run)",
+  )
   parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
@@ -313,7 +333,7 @@ def main() -> None:
   models_rows = TRAIN_MODELS[:1] if args.quick else TRAIN_MODELS
   results: dict = {"train": [], "decode": []}
   start = time.perf_counter()
-  for model, rows in models_rows:
+  for model, rows in models_rows if "train" in args.sections else []:
     rows = QUICK["rows"] if args.quick else rows
     for arm in QUICK["arms"] if args.quick else TRAIN_ARMS:
       row = _in_fresh_process(["train", model, arm, str(rows), mode])
@@ -321,23 +341,29 @@ def main() -> None:
       results["train"].append({"model": label, "arm": arm, **row})
       print(json.dumps(results["train"][-1]), flush=True)
   batches = QUICK["batches"] if args.quick else DECODE_BATCHES
-  for model in DECODE_MODELS[:1] if args.quick else DECODE_MODELS:
+  decode_models = DECODE_MODELS[:1] if args.quick else DECODE_MODELS
+  for model in decode_models if "decode" in args.sections else []:
     for batch in batches:
       row = _in_fresh_process(["decode", model, str(batch), mode])
       label = "tiny" if args.quick else model
       results["decode"].append({"model": label, "batch": batch, **row})
       print(json.dumps(results["decode"][-1]), flush=True)
   results["seconds"] = time.perf_counter() - start
-  command = "python experiments/gpu_bench.py" + (
-      " --quick" if args.quick else ""
-  )
+  command = " ".join(["python experiments/gpu_bench.py"] + sys.argv[1:])
   results_dir.mkdir(parents=True, exist_ok=True)
-  (results_dir / "gpu_bench.json").write_text(
+  # A run of one section writes files of its own, beside the other's.
+  stem = "gpu_bench" + (
+      "" if len(args.sections) == 2 else f"-{args.sections[0]}"
+  )
+  (results_dir / f"{stem}.json").write_text(
       json.dumps({"command": command, **results}, indent=1) + "\n"
   )
   table = report(results, command)
-  (results_dir / "gpu_bench.md").write_text(table)
+  (results_dir / f"{stem}.md").write_text(table)
   print(table)
+  failed = [r for r in results["train"] + results["decode"] if "error" in r]
+  if failed:
+    raise SystemExit(f"{len(failed)} program(s) failed; see the tables")
 
 
 if __name__ == "__main__":
