@@ -496,10 +496,10 @@ class LoggingConfig:
       under ``<out>/tensorboard``) and ``"wandb"`` (Weights & Biases, the
       ``wandb`` extra; its project, entity and offline mode are read from
       ``WANDB_PROJECT``, ``WANDB_ENTITY`` and ``WANDB_MODE``).
-    realized_kl_every: the KL between the policy before and after an update
-      (``kl/realized``, ``kl/realized_k3``) is measured on the first update
-      and every this many, by one more forward pass over the batch (1:
-      every update, as KL-control studies want; the predicted KL of
+    realized_kl_every: the KL between the policy before and after a step's
+      last update (``kl/realized``, ``kl/realized_k3``) is measured on step 1
+      and every this many steps, by one more forward pass over the batch (1:
+      every step, as KL-control studies want; the predicted KL of
       ``optimizer.target_kl`` needs none).
   """
 

@@ -446,11 +446,11 @@ def make_train_step(
   norm, the entropy of the policy and ``kl/realized``: the mean over the
   batch's tokens of ``log pi_old - log pi_new`` between the params before and
   after this update (and ``kl/realized_k3``, the k3 estimate), measured by
-  one more forward pass on the first update and every
-  ``config.logging.realized_kl_every``-th (the optimizer's update count),
-  NaN on the others. With ``config.optimizer.target_kl``, a KL predictor is
-  built on the same batch (or ``kl_subsample`` of its sequences) and handed to
-  the optimizer; then ``kl/predicted`` is the predicted KL of the applied
+  one more forward pass on the last update of step 1 and of every
+  ``config.logging.realized_kl_every``-th step (``config.num_iterations``
+  updates per step, by the optimizer's update count), NaN on the others.
+  With ``config.optimizer.target_kl``, a KL predictor is built on the same
+  batch (or ``kl_subsample`` of its sequences) and handed to the optimizer; then ``kl/predicted`` is the predicted KL of the applied
   (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
   dropped so far for an invalid prediction. Under LoGRA,
   ``projector/non_finite`` counts the refreshed projectors refused so far
@@ -692,9 +692,13 @@ def make_train_step(
     weights, runs only on the steps that measure the realized KL."""
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
     logp_before_BxT = logp_before.reshape(mask_BxT.shape)
-    update = opt_state.count  # 1 for the first update
+    # The last of a step's num_iterations updates (whose metrics the
+    # trainer records) on step 1 and every realized_kl_every-th step.
+    update, iterations = opt_state.count, config.num_iterations
+    step = update // iterations
     logp_after_BxT = jax.lax.cond(
-        (update == 1) | (update % config.logging.realized_kl_every == 0),
+        (update % iterations == 0)
+        & ((step == 1) | (step % config.logging.realized_kl_every == 0)),
         logp_after,
         lambda: jnp.full(mask_BxT.shape, jnp.nan),
     )

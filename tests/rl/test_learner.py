@@ -137,7 +137,7 @@ def test_a_step_on_the_trimmed_batch_equals_the_step_on_the_padded_one(
     np.testing.assert_allclose(m1[name], m2[name], rtol=1e-4, atol=1e-6)
 
 
-def test_the_realized_kl_is_measured_on_the_first_and_every_nth_update(
+def test_the_realized_kl_is_measured_on_the_first_and_every_nth_step(
     rollout_batch,
 ):
   policy, batch, _ = rollout_batch
@@ -154,6 +154,15 @@ def test_the_realized_kl_is_measured_on_the_first_and_every_nth_update(
     assert np.isnan(kl) or kl > 0
     measured.append(not np.isnan(kl))
   assert measured == [True, False, True, False, False, True]
+  # Two updates per step: the last one of steps 1, 3, 6.
+  config = dataclasses.replace(config, num_iterations=2)
+  step = learner.make_train_step(policy.graphdef, tx, config)
+  state = tx.init(params)
+  measured = []
+  for _ in range(12):
+    params, state, metrics = step(params, state, batch)
+    measured.append(not np.isnan(float(metrics["kl/realized_k3"])))
+  assert [i + 1 for i, m in enumerate(measured) if m] == [2, 6, 12]
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "logra", "galore"])
