@@ -450,11 +450,12 @@ def make_train_step(
   ``config.logging.realized_kl_every``-th step (``config.num_iterations``
   updates per step, by the optimizer's update count), NaN on the others.
   With ``config.optimizer.target_kl``, a KL predictor is built on the same
-  batch (or ``kl_subsample`` of its sequences) and handed to the optimizer; then ``kl/predicted`` is the predicted KL of the applied
-  (scaled) step, ``kl/scale`` the scale, and ``kl/skipped`` counts the steps
-  dropped so far for an invalid prediction. Under LoGRA,
-  ``projector/non_finite`` counts the refreshed projectors refused so far
-  for not being finite (``logra.project``).
+  batch (or ``kl_subsample`` of its sequences) and handed to the optimizer;
+  then ``kl/predicted`` is the predicted KL of the applied (scaled) step,
+  ``kl/scale`` the scale, and ``kl/skipped`` counts the steps dropped so far
+  for an invalid prediction. Under LoGRA, ``projector/non_finite`` counts the
+  refreshed projectors refused so far for not being finite
+  (``logra.project``).
 
   With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
   from :mod:`logra_jax.parallel`), the step is jitted with those explicit
