@@ -87,7 +87,10 @@ def kl_statistics(
       "k3_in_half_to_2x": float(
           np.mean((k3 >= target_kl / 2) & (k3 <= 2 * target_kl))
       ),
-      "predicted_over_k3_median": float(np.median(predicted / k3)),
+      # Over the steps that moved the policy (a skipped step has k3 = 0).
+      "predicted_over_k3_median": float(
+          np.median(predicted[k3 > 0] / k3[k3 > 0])
+      ),
       "scale_median": (
           float(np.median([h["kl/scale"] for h in history]))
           if controlled
