@@ -268,38 +268,65 @@ def _fmt(value, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
 
+def _table(
+    head: list[str], rows: list[dict], key: list[str], cells
+) -> list[str]:
+  """A markdown table: ``key`` columns of each row, then ``cells(row)``, or
+  the row's error across the rest."""
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for row in rows:
+    rest = (
+        [row["error"]] + [""] * (len(head) - len(key) - 1)
+        if "error" in row
+        else cells(row)
+    )
+    lines.append("| " + " | ".join([str(row[k]) for k in key] + rest) + " |")
+  return lines
+
+
 def report(results: dict, command: str) -> str:
   """The markdown tables."""
-  lines = [
-      "| model | optimizer | step, s | compile, s | peak memory, GiB "
-      "| TFLOP/s | MFU |",
-      "|---|---|---|---|---|---|---|",
-  ]
-  for row in results["train"]:
-    if "error" in row:
-      lines.append(f"| {row['model']} | {row['arm']} | {row['error']} |||||")
-      continue
-    lines.append(
-        f"| {row['model']} ({row['tokens']} tokens) | {row['arm']} "
-        f"| {row['step_s']:.3f} | {row['compile_s']:.1f} "
-        f"| {_fmt(row['peak_memory_gib'], '.1f')} "
-        f"| {row['tflops_per_s']:.1f} | {_fmt(row['mfu'], '.1%')} |"
-    )
-  lines += [
-      "",
-      "| model | batch | tokens/s | bandwidth bound, tokens/s | of the bound "
-      "| compile, s |",
-      "|---|---|---|---|---|---|",
-  ]
-  for row in results["decode"]:
-    if "error" in row:
-      lines.append(f"| {row['model']} | {row['batch']} | {row['error']} ||||")
-      continue
-    lines.append(
-        f"| {row['model']} | {row['batch']} | {row['tokens_per_s']:.0f} "
-        f"| {_fmt(row['bound_tokens_per_s'], '.0f')} "
-        f"| {_fmt(row['fraction_of_bound'], '.1%')} | {row['compile_s']:.1f} |"
-    )
+  train = _table(
+      [
+          "model",
+          "optimizer",
+          "tokens",
+          "step, s",
+          "compile, s",
+          "peak memory, GiB",
+          "TFLOP/s",
+          "MFU",
+      ],
+      results["train"],
+      ["model", "arm"],
+      lambda row: [
+          str(row["tokens"]),
+          f"{row['step_s']:.3f}",
+          f"{row['compile_s']:.1f}",
+          _fmt(row["peak_memory_gib"], ".1f"),
+          f"{row['tflops_per_s']:.1f}",
+          _fmt(row["mfu"], ".1%"),
+      ],
+  )
+  decode = _table(
+      [
+          "model",
+          "batch",
+          "tokens/s",
+          "bandwidth bound, tokens/s",
+          "of the bound",
+          "compile, s",
+      ],
+      results["decode"],
+      ["model", "batch"],
+      lambda row: [
+          f"{row['tokens_per_s']:.0f}",
+          _fmt(row["bound_tokens_per_s"], ".0f"),
+          _fmt(row["fraction_of_bound"], ".1%"),
+          f"{row['compile_s']:.1f}",
+      ],
+  )
+  lines = train + [""] + decode
   return "\n".join(lines) + f"\n\n{study.footer(command)}\n"
 
 

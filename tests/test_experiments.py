@@ -152,4 +152,4 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
     for key in ("seconds", "tokens_per_s", "step_bytes"):
       assert math.isfinite(row[key]) and row[key] > 0, (key, row)
   table = (tmp_path / "gpu_bench.md").read_text()
-  assert "| tiny (128 tokens) | adam |" in table and "Command:" in table
+  assert "| tiny | adam | 128 |" in table and "Command:" in table

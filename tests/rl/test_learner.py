@@ -59,6 +59,24 @@ def test_recomputed_old_logprobs_equal_the_samplers(rollout_batch):
   )
 
 
+def _assert_same_sgd_step(policy, batch, first, second, metric_names):
+  """Two SGD(1.0) steps from the policy's weights that sum the same tokens of
+  ``batch`` in other groupings or orders, as ``(params, metrics)``: the
+  updates agree within 2 gamma_n of the largest one, n the forward and
+  backward chains plus the B x T tokens; the metrics within rounding."""
+  (p1, m1), (p2, m2) = first, second
+  config = models.load_pretrained(policy.folder).config
+  length = (
+      batch.prompt_tokens_BxP.shape[1] + batch.completion_tokens_BxT.shape[1]
+  )
+  n = 2 * decoder_reduction_length(config, length) + batch.batch_size * length
+  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p1, p2))):
+    atol = 2 * float_tolerance(np.float32, n) * float(jnp.abs(b - p0).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=atol + 1e-30)
+  for name in metric_names:
+    np.testing.assert_allclose(m1[name], m2[name], rtol=1e-4, atol=1e-6)
+
+
 def test_micro_batched_step_equals_full_batch(rollout_batch):
   policy, batch, _ = rollout_batch
   # Non-trivial advantages, so that the gradient is not zero.
@@ -71,18 +89,13 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
     step = learner.make_train_step(policy.graphdef, tx, config)
     results.append(step(params, tx.init(params), batch))
   (p1, _, m1), (p4, _, m4) = results
-  # The gradients sum the same tokens in two groupings: forward and backward
-  # chains plus the B x T tokens, 2 gamma_n of the largest update.
-  config = models.load_pretrained(policy.folder).config
-  length = (
-      batch.prompt_tokens_BxP.shape[1] + batch.completion_tokens_BxT.shape[1]
+  _assert_same_sgd_step(
+      policy,
+      batch,
+      (p1, m1),
+      (p4, m4),
+      ("loss", "grad_norm", "kl/realized", "clip_fraction", "entropy"),
   )
-  n = 2 * decoder_reduction_length(config, length) + batch.batch_size * length
-  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p1, p4))):
-    atol = 2 * float_tolerance(np.float32, n) * float(jnp.abs(b - p0).max())
-    np.testing.assert_allclose(a, b, rtol=0, atol=atol + 1e-30)
-  for name in ("loss", "grad_norm", "kl/realized", "clip_fraction", "entropy"):
-    np.testing.assert_allclose(m1[name], m4[name], rtol=1e-4, atol=1e-6)
   assert float(m1["grad_norm"]) > 0
   # The step applies updates inside the non-finite guard; it says so when
   # the optimizer has none.
@@ -125,16 +138,13 @@ def test_a_step_on_the_trimmed_batch_equals_the_step_on_the_padded_one(
   )
   # Padding adds exact zeros to each sum, in another order: the padded
   # length's reductions bound the difference (as for micro-batches).
-  config = models.load_pretrained(policy.folder).config
-  length = (
-      padded.prompt_tokens_BxP.shape[1] + padded.completion_tokens_BxT.shape[1]
+  _assert_same_sgd_step(
+      policy,
+      padded,
+      (p1, m1),
+      (p2, m2),
+      ("loss", "grad_norm", "kl/realized", "entropy"),
   )
-  n = 2 * decoder_reduction_length(config, length) + batch.batch_size * length
-  for p0, a, b in zip(*(jax.tree.leaves(t) for t in (policy.params, p1, p2))):
-    atol = 2 * float_tolerance(np.float32, n) * float(jnp.abs(b - p0).max())
-    np.testing.assert_allclose(a, b, rtol=0, atol=atol + 1e-30)
-  for name in ("loss", "grad_norm", "kl/realized", "entropy"):
-    np.testing.assert_allclose(m1[name], m2[name], rtol=1e-4, atol=1e-6)
 
 
 def test_the_realized_kl_is_measured_on_the_first_and_every_nth_step(
