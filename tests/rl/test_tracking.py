@@ -110,11 +110,15 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
 
 
 def test_wandb_offline_run_records_the_metrics(tmp_path, monkeypatch):
-  pytest.importorskip("wandb")
+  wandb = pytest.importorskip("wandb")
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
   with tracking.Trackers(["wandb"], tmp_path, {"steps": 3}) as trackers:
     trackers.log({"reward/total": 0.625}, step=1)
+  # run.finish() can return before W&B's service process has written the
+  # run's records out; shutting the service down waits for it (as the
+  # exit of a `logra train` process does).
+  wandb.teardown()
   run_id = (tmp_path / "wandb-run-id").read_text()
   [record] = (tmp_path / "wandb").glob(
       f"offline-run-*-{run_id}/run-{run_id}.wandb"
