@@ -395,8 +395,10 @@ def plan_memory(
   Returns:
     A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
     weights plus the KV cache
-    (:math:`2 \cdot L \cdot K \cdot h \cdot 2\,\mathrm{B}` per token), spread
-    over all devices.
+    (:math:`2 \cdot L \cdot K \cdot h \cdot 2\,\mathrm{B}` per token); the
+    weights spread over all devices, the cache as the sampler lays it out
+    (sequences over the data axes, key/value heads over ``tp`` where ``tp``
+    divides them).
 
   Example:
     >>> report = plan_memory(models.DecoderConfig.tiny(), seq_len=64)
@@ -533,11 +535,13 @@ def plan_memory(
   kv_per_token = (
       2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
   )
+  # The engine's cache is laid out as the sampler's: sequences over the data
+  # axes, the key/value heads over tp where tp divides them.
+  kv_parts = mesh.tp if config.num_kv_heads % mesh.tp == 0 else 1
+  seqs_per_device = -(-rollout_seqs // (mesh.dp * mesh.fsdp))
   rollout = (
-      -(
-          -(2 * num_params + kv_per_token * rollout_seqs * rollout_tokens)
-          // mesh.size
-      )
+      -(-2 * num_params // mesh.size)
+      + -(-kv_per_token * seqs_per_device * rollout_tokens // kv_parts)
       if rollout_seqs
       else 0
   )

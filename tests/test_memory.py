@@ -128,17 +128,22 @@ def test_sketch_gradients_plan_no_more_than_dense_ones():
   assert sketch.total <= dense.total
 
 
-def test_rollout_reservation_is_weights_plus_kv_cache():
+@pytest.mark.parametrize("mesh, kv_parts", [("fsdp=8", 8), ("fsdp=2,tp=4", 2)])
+def test_rollout_reservation_is_weights_plus_kv_cache(mesh, kv_parts):
+  """bfloat16 weights over every device; the KV cache as the sampler lays
+  it out: sequences over the data axes, TINY's 2 key/value heads over tp
+  where tp divides them (tp=4 does not: they stay whole)."""
   report = memory.plan_memory(
       TINY,
-      mesh=FSDP8,
+      mesh=parallel.MeshConfig.parse(mesh),
       seq_len=32,
-      rollout_seqs=4,
+      rollout_seqs=8,
       rollout_tokens=128,
       device_memory_gib=1e-6,
   )
-  kv = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2 * 4 * 128
-  assert report.rollout == -(-(2 * report.num_params + kv) // 8)
+  kv = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2 * 8 * 128
+  assert TINY.num_kv_heads == 2
+  assert report.rollout == -(-2 * report.num_params // 8) + kv // kv_parts
   assert report.fits is False and "NO, over by" in report.summary()
 
 

@@ -157,11 +157,25 @@ def init_cache(
       config.head_dim,
   )
   dtype = dtype or config.dtype
-  return KVCache(
-      k=jnp.zeros(shape, dtype),
-      v=jnp.zeros(shape, dtype),
-      mask=jnp.zeros((batch_size, max_length), bool),
-      index=jnp.zeros((), jnp.int32),
+  return _constrain_cache(
+      KVCache(
+          k=jnp.zeros(shape, dtype),
+          v=jnp.zeros(shape, dtype),
+          mask=jnp.zeros((batch_size, max_length), bool),
+          index=jnp.zeros((), jnp.int32),
+      )
+  )
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+  """The cache laid out like the activations that fill it: rows split along
+  the batch axes, keys and values along the key/value heads (under
+  `parallel.activation_sharding`; unchanged outside it)."""
+  heads = (None, "batch", "kv_heads", None, None)
+  return cache._replace(
+      k=constrain(cache.k, heads),
+      v=constrain(cache.v, heads),
+      mask=constrain(cache.mask, ("batch", None)),
   )
 
 
@@ -526,17 +540,19 @@ def forward_hidden(
     return hidden_BxTxD, None
   k_LxBxKxTxh, v_LxBxKxTxh = new_kv
   at = (0, 0, 0, cache.index, 0)
-  new_cache = KVCache(
-      k=jax.lax.dynamic_update_slice(
-          cache.k, k_LxBxKxTxh.astype(cache.k.dtype), at
-      ),
-      v=jax.lax.dynamic_update_slice(
-          cache.v, v_LxBxKxTxh.astype(cache.v.dtype), at
-      ),
-      mask=jax.lax.dynamic_update_slice(
-          cache.mask, attention_mask_BxT, (0, cache.index)
-      ),
-      index=cache.index + T,
+  new_cache = _constrain_cache(
+      KVCache(
+          k=jax.lax.dynamic_update_slice(
+              cache.k, k_LxBxKxTxh.astype(cache.k.dtype), at
+          ),
+          v=jax.lax.dynamic_update_slice(
+              cache.v, v_LxBxKxTxh.astype(cache.v.dtype), at
+          ),
+          mask=jax.lax.dynamic_update_slice(
+              cache.mask, attention_mask_BxT, (0, cache.index)
+          ),
+          index=cache.index + T,
+      )
   )
   return hidden_BxTxD, new_cache
 

@@ -50,9 +50,12 @@ PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
 }
 
 # Used for a dimension that its PARTITION_RULES axes do not divide (e.g.
-# GPT-2's 50257 tokens over fsdp=8); the dimension is then split as here.
+# GPT-2's 50257 tokens over fsdp=8); the dimension is then split as here:
+# the vocabulary over tp only, a grouped-query model's few key/value heads
+# (e.g. 2 over tp=4, in its KV cache) not at all.
 FALLBACK_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "vocab": "tp",
+    "kv_heads": None,
 }
 
 

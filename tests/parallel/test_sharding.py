@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +234,38 @@ def test_sampler_runs_sharded():
       mesh, jax.sharding.PartitionSpec(("dp", "fsdp"), None)
   )
   assert out.tokens.sharding.is_equivalent_to(rows, 2)
+
+
+@pytest.mark.parametrize(
+    "mesh, heads_axis", [("fsdp=4,tp=2", "tp"), ("fsdp=2,tp=4", None)]
+)
+def test_kv_cache_is_split_like_the_rows_and_kv_heads(mesh, heads_axis):
+  """The cache a prefill writes (and the sampler's loop carries) is laid out
+  like the activations that fill it: rows over the data axes, the key/value
+  heads over tp where tp divides them (2 heads over tp=4: not split)."""
+  device_mesh = parallel.make_mesh(parallel.MeshConfig.parse(mesh))
+  model = models.init_model(CONFIG, rngs=0)
+  graphdef, params = models.split_model(model)
+
+  @jax.jit
+  def prefill(params, ids_BxT):
+    with parallel.activation_sharding(device_mesh, parallel.PARTITION_RULES):
+      cache = models.init_cache(CONFIG, batch_size=8, max_length=12)
+      model = nnx.merge(graphdef, params)
+      return model.hidden_states(ids_BxT, cache=cache)[1]
+
+  cache = prefill(
+      jax.device_put(params, parallel.param_shardings(params, device_mesh)),
+      jnp.full((8, 5), 3, jnp.int32),
+  )
+  P = jax.sharding.PartitionSpec
+  heads = jax.sharding.NamedSharding(
+      device_mesh, P(None, "fsdp", heads_axis, None, None)
+  )
+  assert cache.k.sharding.is_equivalent_to(heads, 5)
+  assert cache.v.sharding.is_equivalent_to(heads, 5)
+  rows = jax.sharding.NamedSharding(device_mesh, P("fsdp", None))
+  assert cache.mask.sharding.is_equivalent_to(rows, 2)
 
 
 @pytest.mark.parametrize(
