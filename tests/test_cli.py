@@ -52,6 +52,11 @@ def _run_folder(folder):
             "'cudnn'), got 'flash'",
         ),
         (
+            ["--set=policy.remat=full"],
+            "policy.remat must be one of ('none', 'block', 'dots_saveable'), "
+            "got 'full'",
+        ),
+        (
             ["--set=policy.attention=cudnn"],
             "policy.attention='cudnn' runs on GPUs with a bfloat16 or float16 "
             "compute dtype; here the platform is cpu and the dtype float32",

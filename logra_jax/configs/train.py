@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from logra_jax.checks import check_choice, check_range
 from logra_jax.models.config import ATTENTION
+from logra_jax.models.config import REMAT
 from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
@@ -175,6 +176,13 @@ class PolicyConfig:
       ``"chunked"``, ``"xla"`` or ``"cudnn"``
       (``jax.nn.dot_product_attention``); see
       ``models.attention_implementation``.
+    remat: activation checkpointing of each decoder block in the train
+      step (``DecoderConfig.remat``): ``"block"`` keeps each block's input
+      and recomputes the block in the backward pass (activation memory of
+      one block per layer; on CPU also the faster step for the tiny model,
+      whose backward pass then skips the per-layer residual buffers),
+      ``"dots_saveable"`` also keeps the matmul outputs, ``"none"`` keeps
+      everything.
   """
 
   path: str = ""
@@ -191,10 +199,12 @@ class PolicyConfig:
   cache_dir: str = "~/.cache/logra_jax/warm_start"
   reference_dtype: str = "bfloat16"
   attention: str = "auto"
+  remat: str = "block"
 
   def __post_init__(self):
     check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
     check_choice("policy.attention", self.attention, ATTENTION)
+    check_choice("policy.remat", self.remat, REMAT)
     check_choice(
         "policy.reference_dtype", self.reference_dtype, ("float32", "bfloat16")
     )

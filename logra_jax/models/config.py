@@ -19,7 +19,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 # float64 only under jax_enable_x64, for reference computations in tests.
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
-_REMAT = ("none", "block", "dots_saveable")
+REMAT = ("none", "block", "dots_saveable")
 # DecoderConfig.attention: the setting, or the implementation it names.
 ATTENTION = ("auto", "chunked", "xla", "cudnn")
 _FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash kernel takes
@@ -163,8 +163,8 @@ class DecoderConfig:
           f"family must be one of {sorted(HF_ARCHITECTURES)}, got "
           f"{self.family!r}."
       )
-    if self.remat not in _REMAT:
-      raise ValueError(f"remat must be one of {_REMAT}, got {self.remat!r}.")
+    if self.remat not in REMAT:
+      raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}.")
     if self.attention not in ATTENTION:
       raise ValueError(
           f"attention must be one of {ATTENTION}, got {self.attention!r}."

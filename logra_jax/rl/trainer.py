@@ -717,6 +717,7 @@ def _train(
       chat_template=config.task.chat_template,
       system_prompt=config.task.system_prompt,
       attention=config.policy.attention,
+      remat=config.policy.remat,
   )
   _, notice = models.attention_implementation(
       config.policy.attention, config.policy.dtype, setting="policy.attention"

@@ -63,9 +63,12 @@ def tiny_decoder_config(
 def cache_folder(
     policy: PolicyConfig, examples: Sequence[dict], seed: int
 ) -> pathlib.Path:
-  """The cache folder of a warm start: a hash of everything it depends on."""
+  """The cache folder of a warm start: a hash of everything it depends on
+  (not of the policy fields that only shape training: attention, remat and
+  the reference's dtype)."""
   fields = dataclasses.asdict(policy)
-  fields.pop("cache_dir")
+  for name in ("cache_dir", "attention", "remat", "reference_dtype"):
+    fields.pop(name)
   blob = json.dumps(
       {
           "policy": fields,

@@ -90,15 +90,19 @@ class Policy:
       chat_template: str = "auto",
       system_prompt: Optional[str] = None,
       attention: str = "auto",
+      remat: str = "none",
   ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.
 
     ``chat_template`` (``task.chat_template``): ``"auto"`` applies the
     tokenizer's chat template when it has one, ``"none"`` never does.
-    ``attention``: ``policy.attention`` (``DecoderConfig.attention``)."""
+    ``attention``, ``remat``: ``policy.attention``, ``policy.remat``
+    (``DecoderConfig.attention``, ``DecoderConfig.remat``)."""
     folder = check_policy_folder(folder)
-    model = models.load_pretrained(folder, dtype=dtype, attention=attention)
+    model = models.load_pretrained(
+        folder, dtype=dtype, attention=attention, remat=remat
+    )
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
     if mesh is not None:
