@@ -83,6 +83,7 @@ RESUMABLE_FIELDS = (
     "max_consecutive_skips",
     "policy.path",
     "policy.cache_dir",
+    "policy.remat",
     "rollout.engine",
     "sync",
 )

@@ -318,6 +318,58 @@ def _sharded_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
+def rollout_reservation(
+    config: models.DecoderConfig,
+    mesh: parallel.MeshConfig,
+    seqs: int,
+    tokens: int,
+) -> int:
+  r"""Per-device bytes of a colocated rollout engine.
+
+  Its bfloat16 weights laid out like the params (split over ``fsdp`` and
+  ``tp``, whole on each ``dp`` replica) and its bfloat16 KV cache,
+  :math:`2 \cdot L \cdot K \cdot h \cdot 2\,\mathrm{B}` per token, as the
+  sampler lays it out (``models.init_cache``): sequences over the data axes
+  (padded up to a multiple of them), key/value heads over ``tp`` where
+  ``tp`` divides them.
+
+  Args:
+    config: the decoder.
+    mesh: the mesh.
+    seqs: sequences in the cache (0: the weights alone).
+    tokens: slots per sequence.
+
+  Example:
+    >>> config = models.DecoderConfig.tiny()
+    >>> one = parallel.MeshConfig()
+    >>> rollout_reservation(config, one, 1, 8) - rollout_reservation(
+    ...     config, one, 0, 8)  # 2 (k, v) x 2 layers x 2 heads x 8 x 16 x 2 B
+    2048
+  """
+  device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
+  _, params = models.split_model(
+      nnx.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
+  weights = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), params
+  )
+  data = mesh.dp * mesh.fsdp
+  shape = (
+      config.num_layers,
+      -(-seqs // data) * data,
+      config.num_kv_heads,
+      tokens,
+      config.head_dim,
+  )
+  layout = parallel.logical_to_mesh(
+      (None, "batch", "cache_kv_heads", None, None), device_mesh, shape=shape
+  )
+  cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  return _sharded_bytes(
+      weights, parallel.param_shardings(params, device_mesh)
+  ) + 2 * _sharded_bytes(cache, layout)
+
+
 def _sketched_gradient_bytes(
     state: Any, params: Any, params_sharding: Any
 ) -> int:
@@ -393,12 +445,9 @@ def plan_memory(
       the dtype of the frozen weights under the adapters.
 
   Returns:
-    A :class:`MemoryReport`; the rollout reservation is bfloat16 inference
-    weights plus the KV cache
-    (:math:`2 \cdot L \cdot K \cdot h \cdot 2\,\mathrm{B}` per token); the
-    weights spread over all devices, the cache as the sampler lays it out
-    (sequences over the data axes, key/value heads over ``tp`` where ``tp``
-    divides them).
+    A :class:`MemoryReport`; the rollout reservation is
+    :func:`rollout_reservation`: bfloat16 inference weights laid out like
+    the params plus the KV cache as the sampler lays it out.
 
   Example:
     >>> report = plan_memory(models.DecoderConfig.tiny(), seq_len=64)
@@ -532,16 +581,8 @@ def plan_memory(
           params_sharding,
       )
   )
-  kv_per_token = (
-      2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
-  )
-  # The engine's cache is laid out as the sampler's: sequences over the data
-  # axes, the key/value heads over tp where tp divides them.
-  kv_parts = mesh.tp if config.num_kv_heads % mesh.tp == 0 else 1
-  seqs_per_device = -(-rollout_seqs // (mesh.dp * mesh.fsdp))
   rollout = (
-      -(-2 * num_params // mesh.size)
-      + -(-kv_per_token * seqs_per_device * rollout_tokens // kv_parts)
+      rollout_reservation(config, mesh, rollout_seqs, rollout_tokens)
       if rollout_seqs
       else 0
   )

@@ -437,6 +437,7 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
           "checkpoint.async_save=false",
           "max_consecutive_skips=9",
           "policy.path=/elsewhere",
+          "policy.remat=none",
           "rollout.engine=process",
           "sync.resync_every=3",
       ],
@@ -471,6 +472,10 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
   old = meta(SMOKE)
   del old["config"]["max_consecutive_skips"]
   checkpoint.check_resumable(old, meta(SMOKE))
+  # One saved before policy.remat existed resumes under any setting of it.
+  del old["config"]["policy"]["remat"]
+  no_remat = train_config.apply_overrides(SMOKE, ["policy.remat=none"])
+  checkpoint.check_resumable(old, meta(no_remat))
   old["format"] = 99
   with pytest.raises(checkpoint.CheckpointError, match="format 99"):
     checkpoint.check_resumable(old, meta(SMOKE))

@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import pytest
 
 from logra_jax import memory
@@ -128,23 +129,50 @@ def test_sketch_gradients_plan_no_more_than_dense_ones():
   assert sketch.total <= dense.total
 
 
-@pytest.mark.parametrize("mesh, kv_parts", [("fsdp=8", 8), ("fsdp=2,tp=4", 2)])
-def test_rollout_reservation_is_weights_plus_kv_cache(mesh, kv_parts):
-  """bfloat16 weights over every device; the KV cache as the sampler lays
-  it out: sequences over the data axes, TINY's 2 key/value heads over tp
-  where tp divides them (tp=4 does not: they stay whole)."""
+def test_rollout_reservation_is_in_the_total():
   report = memory.plan_memory(
       TINY,
-      mesh=parallel.MeshConfig.parse(mesh),
+      mesh=FSDP8,
       seq_len=32,
       rollout_seqs=8,
       rollout_tokens=128,
       device_memory_gib=1e-6,
   )
-  kv = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2 * 8 * 128
-  assert TINY.num_kv_heads == 2
-  assert report.rollout == -(-2 * report.num_params // 8) + kv // kv_parts
+  assert report.rollout == memory.rollout_reservation(TINY, FSDP8, 8, 128)
+  assert report.rollout > 0 and report.total > report.rollout
   assert report.fits is False and "NO, over by" in report.summary()
+
+
+@pytest.mark.parametrize(
+    "mesh, data, kv_parts",
+    [("fsdp=8", 8, 1), ("fsdp=4,tp=2", 4, 2), ("fsdp=2,tp=4", 2, 1)],
+)
+def test_rollout_kv_cache_is_laid_out_as_the_sampler_lays_it(
+    mesh, data, kv_parts
+):
+  """Sequences over the data axes, padded up to a multiple of them; TINY's 2
+  key/value heads over tp where tp divides them (tp=4 does not: whole)."""
+  mesh = parallel.MeshConfig.parse(mesh)
+  reserve = lambda seqs: memory.rollout_reservation(TINY, mesh, seqs, 128)
+  per_sequence = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 2
+  per_sequence *= 128
+  assert TINY.num_kv_heads == 2
+  assert reserve(1) == reserve(data)  # one row per data shard, padded
+  assert reserve(data + 1) - reserve(data) == per_sequence // kv_parts
+  assert reserve(1) - reserve(0) == per_sequence // kv_parts
+
+
+def test_rollout_weights_are_whole_on_each_data_parallel_replica():
+  weights = lambda mesh: memory.rollout_reservation(
+      TINY, parallel.MeshConfig.parse(mesh), 0, 128
+  )
+  num_params = sum(
+      math.prod(p.shape)
+      for p in jax.tree.leaves(models.split_model(models.init_model(TINY))[1])
+  )
+  assert weights("dp=2,fsdp=2,tp=2") == weights("fsdp=2,tp=2")
+  assert weights("dp=8") == 2 * num_params
+  assert 2 * num_params / 8 <= weights("fsdp=8") < 2 * num_params / 4
 
 
 def test_less_remat_needs_more_temporaries():

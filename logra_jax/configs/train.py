@@ -181,8 +181,9 @@ class PolicyConfig:
       and recomputes the block in the backward pass (activation memory of
       one block per layer; on CPU also the faster step for the tiny model,
       whose backward pass then skips the per-layer residual buffers),
-      ``"dots_saveable"`` also keeps the matmul outputs, ``"none"`` keeps
-      everything.
+      ``"dots_saveable"`` also keeps the weight projections' outputs
+      (attention is recomputed), ``"none"`` keeps everything. It may change
+      on resume (the saved state means the same under each).
   """
 
   path: str = ""

@@ -169,9 +169,10 @@ def init_cache(
 
 def _constrain_cache(cache: KVCache) -> KVCache:
   """The cache laid out like the activations that fill it: rows split along
-  the batch axes, keys and values along the key/value heads (under
-  `parallel.activation_sharding`; unchanged outside it)."""
-  heads = (None, "batch", "kv_heads", None, None)
+  the batch axes, keys and values along the key/value heads where tp divides
+  them ("cache_kv_heads"; whole otherwise), under
+  `parallel.activation_sharding` (unchanged outside it)."""
+  heads = (None, "batch", "cache_kv_heads", None, None)
   return cache._replace(
       k=constrain(cache.k, heads),
       v=constrain(cache.v, heads),

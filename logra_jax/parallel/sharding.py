@@ -47,15 +47,16 @@ PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "vocab": ("fsdp", "tp"),
     "batch": ("dp", "fsdp"),
     "vocab_batch": "dp",
+    "cache_kv_heads": "tp",
 }
 
 # Used for a dimension that its PARTITION_RULES axes do not divide (e.g.
 # GPT-2's 50257 tokens over fsdp=8); the dimension is then split as here:
-# the vocabulary over tp only, a grouped-query model's few key/value heads
-# (e.g. 2 over tp=4, in its KV cache) not at all.
+# the vocabulary over tp only; the KV cache's key/value heads (a grouped-query
+# model's few, e.g. 2 over tp=4) not at all, each tp device holding them all.
 FALLBACK_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "vocab": "tp",
-    "kv_heads": None,
+    "cache_kv_heads": None,
 }
 
 
@@ -184,8 +185,8 @@ def logical_to_mesh(
   :data:`PARTITION_RULES`); a name missing from the rules, and a mesh axis of
   size 1, shard nothing. With ``shape``, a dimension that its mesh axes do
   not divide falls back to :data:`FALLBACK_RULES` (the vocabulary: split
-  over ``tp`` only), so every caller picks the same layout for the same
-  array.
+  over ``tp`` only; the KV cache's key/value heads: not split), so every
+  caller picks the same layout for the same array.
 
   Args:
     logical_axes: one logical name (or None) per dimension; may be shorter

@@ -90,7 +90,7 @@ class Policy:
       chat_template: str = "auto",
       system_prompt: Optional[str] = None,
       attention: str = "auto",
-      remat: str = "none",
+      remat: str = "block",
   ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.

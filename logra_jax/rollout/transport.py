@@ -174,6 +174,7 @@ class _Server:
           folder,
           dtype=jnp.dtype(config.policy.dtype),
           attention=config.policy.attention,
+          remat=config.policy.remat,
       )
       # The learner's layout, from the config alone (lazily: rl/ builds on
       # rollout/, not the other way; only this child needs the learner).

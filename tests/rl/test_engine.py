@@ -8,6 +8,7 @@ import socket
 import subprocess
 import zlib
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -357,3 +358,16 @@ def test_a_process_engine_with_several_processes_is_refused(
   with pytest.raises(ValueError, match="several processes"):
     trainer._check_inputs(config, tmp_path / "run", None, resume=False)
   assert not (tmp_path / "run").exists()
+
+
+def test_policy_loads_with_the_configured_remat(policy_folder):
+  """`policy.remat` reaches the model whose graphdef the learner
+  differentiates; `Policy.load`'s default is the config's."""
+  remat = lambda policy: nnx.merge(policy.graphdef, policy.params).config.remat
+  assert remat(engine_lib.Policy.load(policy_folder)) == (
+      train_config.PolicyConfig().remat
+  )
+  for setting in ("none", "dots_saveable"):
+    assert remat(engine_lib.Policy.load(policy_folder, remat=setting)) == (
+        setting
+    )

@@ -133,3 +133,23 @@ def test_an_entry_published_first_by_another_run(
   assert (folder / "marker").exists() == valid
   assert warm_start_lib.entry_problem(folder) is None
   assert _entries(policy) == [folder.name]
+
+
+def test_cache_key_ignores_the_fields_that_only_shape_training(policy):
+  """A warm start is reused across attention, remat and reference dtype
+  settings (they do not touch its weights); its shape and recipe key it."""
+  folder = lambda **change: warm_start_lib.cache_folder(
+      dataclasses.replace(policy, **change), EXAMPLES, seed=0
+  )
+  assert folder(attention="xla", remat="none", reference_dtype="float32") == (
+      folder()
+  )
+  assert folder(cache_dir=policy.cache_dir + "/elsewhere").name == folder().name
+  for change in (
+      dict(hidden_size=2 * policy.hidden_size),
+      dict(warm_start_steps=1),
+      dict(dtype="bfloat16"),
+  ):
+    assert folder(**change) != folder()
+  assert warm_start_lib.cache_folder(policy, EXAMPLES[:-1], 0) != folder()
+  assert warm_start_lib.cache_folder(policy, EXAMPLES, 1) != folder()
