@@ -2,7 +2,7 @@
 
 For each model preset (and `tiny`, the main job's model), compiles the real
 train step (abstract inputs, 8 CPU devices unless 8 accelerators are present)
-and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, full
+and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, block
 remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
 (`dense`, then projected) or sketch-direct ones (`sketch`, the default), and
 in sketch mode with the embedding table and LM head projected too, and that
@@ -242,7 +242,7 @@ def main() -> None:
   )
   lines = [
       f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
-      f"full remat, LoGRA rank {args.rank}; weights: float32 (Adam, dense "
+      f"block remat, LoGRA rank {args.rank}; weights: float32 (Adam, dense "
       f"gradients), factored W = c B + P A with a float32 or bfloat16 base B "
       f"(sketch-direct); rollout: "
       f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "

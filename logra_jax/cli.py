@@ -255,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
       default=1,
       help="sequences per data-parallel device",
   )
-  plan.add_argument("--remat", choices=["full", "dots", "none"], default="full")
+  plan.add_argument(
+      "--remat",
+      choices=train_config.REMAT,
+      default="block",
+      help="activation checkpointing of each block, as policy.remat",
+  )
   plan.add_argument(
       "--rollout-seqs",
       type=int,

@@ -143,8 +143,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-REMAT_POLICIES = {"full": "block", "dots": "dots_saveable", "none": "none"}
-
 # XLA:CPU computes bfloat16 dots in float32: it upcasts bfloat16 weights and
 # hoists the converts out of the layer loop (loop-invariant code motion), so a
 # CPU compile holds a float32 copy of every bfloat16 weight stack that an
@@ -397,7 +395,7 @@ def plan_memory(
     rank: int = 64,
     seq_len: int = 4096,
     micro_batch: int = 1,
-    remat: str = "full",
+    remat: str = "block",
     prompt_len: Optional[int] = None,
     rollout_seqs: int = 0,
     rollout_tokens: int = 0,
@@ -420,8 +418,9 @@ def plan_memory(
     rank: LoGRA's projection rank; LoRA's adapter rank.
     seq_len: tokens per sequence (prompt and completion).
     micro_batch: sequences per data-parallel device per step.
-    remat: ``"full"`` (recompute each block), ``"dots"`` (save matmul
-      outputs) or ``"none"``.
+    remat: ``policy.remat`` (``DecoderConfig.remat``): ``"block"``
+      (recompute each block), ``"dots_saveable"`` (keep the weight
+      projections' outputs) or ``"none"``.
     prompt_len: prompt part of ``seq_len``; default ``seq_len // 4``.
     rollout_seqs: sequences of a colocated rollout engine's KV cache.
     rollout_tokens: tokens per rollout sequence.
@@ -459,10 +458,8 @@ def plan_memory(
         f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}"
     )
   sketch = optimizer == "logra" and gradient_mode == "sketch"
-  if remat not in REMAT_POLICIES:
-    raise ValueError(
-        f"remat must be one of {sorted(REMAT_POLICIES)}, got " f"{remat!r}"
-    )
+  if remat not in models.REMAT:
+    raise ValueError(f"remat must be one of {models.REMAT}, got {remat!r}")
   for name, value in (
       ("rank", rank),
       ("seq_len", seq_len),
@@ -496,7 +493,7 @@ def plan_memory(
   name = model if isinstance(model, str) else "custom"
   config = dataclasses.replace(
       config,
-      remat=REMAT_POLICIES[remat],
+      remat=remat,
       dtype="bfloat16",
       param_dtype="float32",
       max_position_embeddings=max(config.max_position_embeddings, seq_len),

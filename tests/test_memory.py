@@ -180,7 +180,7 @@ def test_less_remat_needs_more_temporaries():
       memory.plan_memory(
           TINY, seq_len=256, micro_batch=4, remat=remat
       ).temporaries
-      for remat in ("full", "none")
+      for remat in ("block", "none")
   )
   assert none > full
 

@@ -3,6 +3,7 @@
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
+from logra_jax.models.config import REMAT
 from logra_jax.models.config import RopeScaling
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.decoder import init_cache
