@@ -119,15 +119,16 @@ def check_names(
 
 def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
   """The results folder, claimed for the run's settings (arms, tasks,
-  seeds, overrides, quick; written to its ``study.json``). A folder holding
-  results of other settings is refused (SystemExit naming both) unless
-  ``--overwrite``."""
+  seeds, overrides, quick and the study's own options; written to its
+  ``study.json``). A folder holding results of other settings is refused
+  (SystemExit naming both) unless ``--overwrite``."""
   settings = {
       "arms": args.arms,
       "tasks": args.tasks,
       "seeds": args.seeds,
       "set": args.set,
       "quick": args.quick,
+      **_own_options(args),
   }
   default = RESULTS / (f"{study}-quick" if args.quick else study)
   folder = pathlib.Path(args.results) if args.results else default
@@ -188,6 +189,20 @@ def run(
   return {"summary": summary, "history": history, "overrides": overrides}
 
 
+# Flags that say where things go or whether to redo them, not what is run.
+_NOT_SETTINGS = ("out", "results", "rerun", "overwrite")
+_COMMON = ("quick", "seeds", "arms", "tasks", "set")
+
+
+def _own_options(args: argparse.Namespace) -> dict[str, Any]:
+  """A study's own options (e.g. kl_control's ``--target-kl``)."""
+  return {
+      k: v
+      for k, v in sorted(vars(args).items())
+      if k not in _NOT_SETTINGS + _COMMON
+  }
+
+
 def command(study: str, args: argparse.Namespace) -> str:
   """The command line that reproduces a study's results."""
   return " ".join(
@@ -195,6 +210,10 @@ def command(study: str, args: argparse.Namespace) -> str:
       + (["--quick"] if args.quick else [])
       + [f"--seeds {args.seeds}", "--arms", *args.arms, "--tasks", *args.tasks]
       + [f"--set {s}" for s in args.set]
+      + [
+          f"--{name.replace('_', '-')} {value}"
+          for name, value in _own_options(args).items()
+      ]
   )
 
 

@@ -3,6 +3,7 @@ well-formed reports (files present, columns and rows complete, values
 finite); their conclusions are the full runs' business. Bad names and a
 results folder of other settings are refused before anything runs."""
 
+import argparse
 import csv
 import math
 import pathlib
@@ -122,6 +123,50 @@ def test_results_of_other_settings_are_not_overwritten(tmp_path):
   assert "--overwrite" in done.stderr
   assert (results / "parity.md").read_text() == "earlier\n"
   assert not (tmp_path / "runs").exists()
+
+
+def test_a_study_option_is_part_of_its_results_settings(tmp_path, monkeypatch):
+  """kl_control's own options (here --target-kl) claim the results folder
+  too, and the reported command repeats them."""
+  import json
+
+  results = tmp_path / "results"
+  results.mkdir()
+  settings = {
+      "arms": ["logra+kl"],
+      "quick": True,
+      "seeds": 1,
+      "set": [],
+      "tasks": ["tiny"],
+      "kl_subsample": 128,
+      "lr_multiplier": 10.0,
+      "overhead_repeats": 10,
+      "target_kl": 0.005,
+  }
+  (results / "study.json").write_text(json.dumps(settings))
+  done = _study(
+      "kl_control",
+      "--arms",
+      "logra+kl",
+      "--tasks",
+      "tiny",
+      "--target-kl",
+      "0.01",
+      tmp_path=tmp_path,
+  )
+  assert done.returncode == 1
+  assert "(target_kl differ: there [0.005], now [0.01])" in done.stderr
+  assert not (tmp_path / "runs").exists()
+  monkeypatch.syspath_prepend(str(EXPERIMENTS))
+  import study  # noqa: PLC0415
+
+  args = argparse.Namespace(
+      **settings, out="o", results="r", rerun=False, overwrite=False
+  )
+  assert study.command("kl_control", args).endswith(
+      "--kl-subsample 128 --lr-multiplier 10.0 --overhead-repeats 10 "
+      "--target-kl 0.005"
+  )
 
 
 def test_quick_gpu_bench_writes_its_tables(tmp_path):
