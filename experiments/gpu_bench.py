@@ -357,10 +357,15 @@ def main() -> None:
   results_dir = args.results or study.RESULTS / (
       "gpu_bench-quick" if args.quick else "gpu_bench"
   )
-  models_rows = TRAIN_MODELS[:1] if args.quick else TRAIN_MODELS
+  train_models = TRAIN_MODELS[:1] if args.quick else TRAIN_MODELS
+  decode_models = DECODE_MODELS[:1] if args.quick else DECODE_MODELS
+  if "train" not in args.sections:
+    train_models = []
+  if "decode" not in args.sections:
+    decode_models = []
   results: dict = {"train": [], "decode": []}
   start = time.perf_counter()
-  for model, rows in models_rows if "train" in args.sections else []:
+  for model, rows in train_models:
     rows = QUICK["rows"] if args.quick else rows
     for arm in QUICK["arms"] if args.quick else TRAIN_ARMS:
       row = _in_fresh_process(["train", model, arm, str(rows), mode])
@@ -368,8 +373,7 @@ def main() -> None:
       results["train"].append({"model": label, "arm": arm, **row})
       print(json.dumps(results["train"][-1]), flush=True)
   batches = QUICK["batches"] if args.quick else DECODE_BATCHES
-  decode_models = DECODE_MODELS[:1] if args.quick else DECODE_MODELS
-  for model in decode_models if "decode" in args.sections else []:
+  for model in decode_models:
     for batch in batches:
       row = _in_fresh_process(["decode", model, str(batch), mode])
       label = "tiny" if args.quick else model

@@ -5,6 +5,7 @@ results folder of other settings are refused before anything runs."""
 
 import argparse
 import csv
+import json
 import math
 import pathlib
 import subprocess
@@ -128,8 +129,6 @@ def test_results_of_other_settings_are_not_overwritten(tmp_path):
 def test_a_study_option_is_part_of_its_results_settings(tmp_path, monkeypatch):
   """kl_control's own options (here --target-kl) claim the results folder
   too, and the reported command repeats them."""
-  import json
-
   results = tmp_path / "results"
   results.mkdir()
   settings = {
@@ -173,8 +172,6 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
   """The accelerator benchmark's programs at tiny shapes, on this machine:
   every figure finite (MFU, peak memory and the bandwidth bound need a
   known accelerator, so they may be absent here)."""
-  import json
-
   done = subprocess.run(
       [
           sys.executable,

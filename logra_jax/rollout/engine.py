@@ -25,7 +25,7 @@ import numpy as np
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import TrainConfig, to_dict
+from logra_jax.configs.train import PolicyConfig, TrainConfig, to_dict
 from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
 from logra_jax.rl import rewards as rewards_lib
@@ -89,8 +89,8 @@ class Policy:
       *,
       chat_template: str = "auto",
       system_prompt: Optional[str] = None,
-      attention: str = "auto",
-      remat: str = "block",
+      attention: str = PolicyConfig.attention,
+      remat: str = PolicyConfig.remat,
   ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.

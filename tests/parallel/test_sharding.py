@@ -241,8 +241,9 @@ def test_sampler_runs_sharded():
 )
 def test_kv_cache_is_split_like_the_rows_and_kv_heads(mesh, heads_axis):
   """The cache a prefill writes (each decode step writes it through the same
-  function) is laid out like the activations that fill it: rows over the data axes, the key/value
-  heads over tp where tp divides them (2 heads over tp=4: not split)."""
+  function) is laid out like the activations that fill it: rows over the
+  data axes, the key/value heads over tp where tp divides them (2 heads over
+  tp=4: not split)."""
   device_mesh = parallel.make_mesh(parallel.MeshConfig.parse(mesh))
   model = models.init_model(CONFIG, rngs=0)
   graphdef, params = models.split_model(model)
