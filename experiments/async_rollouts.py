@@ -34,7 +34,7 @@ import time
 
 import jax
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import trainer
 
 # A study small enough for a 2-core CPU: the tiny preset's task and policy,
@@ -69,7 +69,7 @@ GPU = [
 def run_arm(
     preset: str, overrides: list[str], out: pathlib.Path
 ) -> dict[str, float]:
-  config = train_config.load_config(preset, [], overrides)
+  config = configs.load_config(preset, [], overrides)
   summary = trainer.train(config, out, progress=False, log=lambda text: None)
   metrics = [
       json.loads(line)

@@ -49,10 +49,10 @@ FIRST_TIMED_STEP = 3
 
 def config(tokens: int, steps: int, optimizer: str = "adam"):
   """The run config of every arm (TRL reads its shared fields)."""
-  from logra_jax.configs import train as train_config
+  from logra_jax import configs
 
-  return train_config.apply_overrides(
-      train_config.get_preset("tiny"),
+  return configs.apply_overrides(
+      configs.get_preset("tiny"),
       [
           f"steps={steps}",
           f"rollout.prompts_per_step={PROMPTS}",

@@ -126,19 +126,19 @@ def train_worker(model: str, arm: str, rows: int, quick: bool) -> dict:
   import jax.numpy as jnp
 
   from logra_jax import models
-  from logra_jax.configs import train as train_config
+  from logra_jax import configs
   from logra_jax.rl import algo
   from logra_jax.rl import learner
 
   seq_len = QUICK["seq_len"] if quick else SEQ_LEN
   config = _config(model, quick, "bfloat16", "float32")
-  opt_config = train_config.OptimizerConfig(
+  opt_config = configs.OptimizerConfig(
       name="logra" if arm.startswith("logra") else arm,
       rank=4 if quick else RANK,
       warmup_steps=0,
       base_dtype="bfloat16" if arm == "logra-bf16" else "float32",
   )
-  run = dataclasses.replace(train_config.TrainConfig(), optimizer=opt_config)
+  run = dataclasses.replace(configs.TrainConfig(), optimizer=opt_config)
   graphdef, params = models.split_model(
       jax.jit(lambda: models.init_model(config, rngs=0))()
   )

@@ -34,7 +34,7 @@ import numpy as np
 
 import study
 from logra_jax import models
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import learner, trainer
 from logra_jax.rollout import engine
 
@@ -247,8 +247,8 @@ def main() -> None:
               else "| - | - |"
           )
       )
-  overhead_config = train_config.apply_overrides(
-      train_config.get_preset("smoke" if args.quick else "tiny"),
+  overhead_config = configs.apply_overrides(
+      configs.get_preset("smoke" if args.quick else "tiny"),
       study.FULL
       + study.TASKS[args.tasks[0]]
       + (study.QUICK if args.quick else [])

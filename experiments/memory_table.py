@@ -60,7 +60,7 @@ def measured_vs_planned(
   is reset through ``/proc/self/clear_refs`` once the inputs exist).
   """
   import jax.numpy as jnp
-  from logra_jax.configs import train as train_config
+  from logra_jax import configs
   from logra_jax.rl import algo, learner
 
   report = memory.plan_memory(
@@ -74,9 +74,7 @@ def measured_vs_planned(
       max_position_embeddings=seq_len,
   )
   mesh = parallel.make_mesh(parallel.MeshConfig(), jax.devices()[:1])
-  opt_config = train_config.OptimizerConfig(
-      name=optimizer, rank=64, warmup_steps=0
-  )
+  opt_config = configs.OptimizerConfig(name=optimizer, rank=64, warmup_steps=0)
   graphdef, abstract = models.split_model(
       jax.eval_shape(lambda: models.init_model(config, rngs=0))
   )
@@ -103,7 +101,7 @@ def measured_vs_planned(
       num_generations=micro_batch,
   )
   batch_sharding = parallel.data_shardings(batch, mesh)
-  run = dataclasses.replace(train_config.TrainConfig(), optimizer=opt_config)
+  run = dataclasses.replace(configs.TrainConfig(), optimizer=opt_config)
   step = learner.make_train_step(
       graphdef,
       tx,

@@ -23,7 +23,7 @@ import platform
 import statistics
 import time
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.data import tasks
 from logra_jax.models import gguf_io
 from logra_jax.rl import trainer
@@ -80,7 +80,7 @@ def main() -> None:
     convert_s = time.perf_counter() - start
   if not data.exists():
     write_jsonl(data)
-  config = train_config.load_config(
+  config = configs.load_config(
       "tiny",
       [CONFIG],
       [f"policy.path={policy}", f"task.name={data}"]

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from logra_jax import configs
 from logra_jax import models
-from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.rl import algo
 from logra_jax.rl import learner
@@ -32,7 +31,7 @@ PROMPT_LEN = 16
 
 
 def synthetic_batch(
-    config: train_config.TrainConfig, vocab_size: int
+    config: configs.TrainConfig, vocab_size: int
 ) -> algo.RolloutBatch:
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   completion = config.rollout.max_new_tokens

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import trainer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -170,9 +170,7 @@ def run(
       + args.set
       + [f"seed={seed}"]
   )
-  config = train_config.apply_overrides(
-      train_config.get_preset(preset), overrides
-  )
+  config = configs.apply_overrides(configs.get_preset(preset), overrides)
   out = pathlib.Path(args.out) / ("quick" if args.quick else "full")
   folder = out / task / f"{arm}-seed{seed}"
   summary = trainer.train_or_reuse(config, folder, args.rerun)

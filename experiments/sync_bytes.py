@@ -44,7 +44,7 @@ import numpy as np
 from logra_jax import checkpoint
 from logra_jax import memory
 from logra_jax import models
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import learner
 from logra_jax import sync
 
@@ -63,7 +63,7 @@ def model_policy_state(
   _, params = models.split_model(
       jax.eval_shape(lambda: models.init_model(config, rngs=0))
   )
-  opt_config = train_config.OptimizerConfig(
+  opt_config = configs.OptimizerConfig(
       name=optimizer,
       rank=rank,
       project_embeddings=project_embeddings and optimizer == "logra",

@@ -56,7 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from logra_jax.configs.train import (
+from logra_jax.configs import (
     CheckpointConfig,
     OptimizerConfig,
     TrainConfig,
@@ -246,7 +246,7 @@ def config_changes(
   unchanged when the current value is the field's default.
 
   Example:
-    >>> from logra_jax.configs.train import apply_overrides
+    >>> from logra_jax.configs import apply_overrides
     >>> old = to_dict(TrainConfig())
     >>> new = to_dict(apply_overrides(TrainConfig(), ["optimizer.rank=8"]))
     >>> config_changes(old, new)

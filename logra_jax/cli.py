@@ -9,13 +9,14 @@ import signal
 import sys
 import time
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
+from logra_jax.models import config as models_config
 
 
-def _config(args: argparse.Namespace) -> train_config.TrainConfig:
+def _config(args: argparse.Namespace) -> configs.TrainConfig:
   """The run config of ``--preset``, ``--config`` files and overrides
   (``--set`` ones, then positional ones), composed in that order."""
-  return train_config.load_config(
+  return configs.load_config(
       args.preset, args.config, args.set + args.overrides
   )
 
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument(
       "--preset",
       default="tiny",
-      help=f"named config: {train_config.preset_names()}",
+      help=f"named config: {configs.preset_names()}",
   )
   common.add_argument(
       "--config",
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   plan.add_argument(
       "--remat",
-      choices=train_config.REMAT,
+      choices=models_config.REMAT,
       default="block",
       help="activation checkpointing of each block, as policy.remat",
   )

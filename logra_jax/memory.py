@@ -29,7 +29,7 @@ import numpy as np
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sketch_grad
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import algo
 from logra_jax.rl import learner
 
@@ -477,7 +477,7 @@ def plan_memory(
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
-  opt_config = train_config.OptimizerConfig(
+  opt_config = configs.OptimizerConfig(
       name=optimizer,
       rank=rank,
       warmup_steps=0,
@@ -536,11 +536,11 @@ def plan_memory(
   )
   batch_sharding = parallel.data_shardings(batch, device_mesh)
   run_config = dataclasses.replace(
-      train_config.TrainConfig(),
+      configs.TrainConfig(),
       optimizer=opt_config,
       micro_batches=1,
       loss=dataclasses.replace(
-          train_config.TrainConfig().loss,
+          configs.TrainConfig().loss,
           beta=0.0 if reference_dtype is None else 0.04,
       ),
   )

@@ -25,7 +25,6 @@ from logra_jax import memory
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
-from logra_jax.configs import train as train_config
 from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.optim import factored
 from logra_jax.rl import learner, trainer
@@ -91,7 +90,7 @@ def _overrides(policy_folder, steps=6, every=2):
 
 @pytest.fixture(scope="module")
 def config(policy_folder):
-  return train_config.apply_overrides(SMOKE, _overrides(policy_folder))
+  return configs.apply_overrides(SMOKE, _overrides(policy_folder))
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +225,7 @@ def test_sigkill_during_a_save_then_sigterm_then_resume(
   with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
     assert ckpt.latest_step() == stopped_at and not ckpt.unfinished()
   # 3. Resumed again here, to the end: the same as the run never stopped.
-  resumed = train_config.apply_overrides(
-      SMOKE, _overrides(policy_folder, every=1)
-  )
+  resumed = configs.apply_overrides(SMOKE, _overrides(policy_folder, every=1))
   trainer.train(resumed, out, progress=False, log=QUIET, resume=True)
   _assert_same_state(_final_state(out, config), _final_state(straight, config))
   assert _metrics(out) == _metrics(straight)
@@ -390,11 +387,11 @@ def test_resume_with_a_refused_config_change(
     config, straight, tmp_path, override, message
 ):
   run = _copy_run(straight, tmp_path)
-  changed = train_config.apply_overrides(config, [override])
+  changed = configs.apply_overrides(config, [override])
   with pytest.raises(checkpoint.CheckpointError, match=message):
     trainer.train(changed, run, progress=False, log=QUIET, resume=True)
   # Nothing was written: the original config still describes the run.
-  assert train_config.load_config("tiny", [run / "config.yaml"]) == config
+  assert configs.load_config("tiny", [run / "config.yaml"]) == config
 
 
 def test_resume_with_another_model_or_mesh(config, straight, tmp_path):
@@ -426,8 +423,8 @@ def test_resume_with_another_model_or_mesh(config, straight, tmp_path):
 
 
 def test_allowed_and_refused_changes_are_the_documented_ones():
-  base = train_config.to_dict(SMOKE)
-  allowed = train_config.apply_overrides(
+  base = configs.to_dict(SMOKE)
+  allowed = configs.apply_overrides(
       SMOKE,
       [
           "steps=100",
@@ -444,7 +441,7 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
   )
   meta = lambda config: checkpoint.run_meta(config, {"hidden_size": 64})
   checkpoint.check_resumable(meta(SMOKE), meta(allowed))
-  changes = checkpoint.config_changes(base, train_config.to_dict(allowed))
+  changes = checkpoint.config_changes(base, configs.to_dict(allowed))
   assert {c[0].split(".")[0] for c in changes} == {
       "steps",
       "eval_every",
@@ -463,7 +460,7 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
       "loss.eps_low=0.3",
       "rollout.dtype=bfloat16",
   ]:
-    refused = train_config.apply_overrides(SMOKE, [override])
+    refused = configs.apply_overrides(SMOKE, [override])
     with pytest.raises(
         checkpoint.CheckpointError, match=override.split("=")[0]
     ):
@@ -474,7 +471,7 @@ def test_allowed_and_refused_changes_are_the_documented_ones():
   checkpoint.check_resumable(old, meta(SMOKE))
   # One saved before policy.remat existed resumes under any setting of it.
   del old["config"]["policy"]["remat"]
-  no_remat = train_config.apply_overrides(SMOKE, ["policy.remat=none"])
+  no_remat = configs.apply_overrides(SMOKE, ["policy.remat=none"])
   checkpoint.check_resumable(old, meta(no_remat))
   old["format"] = 99
   with pytest.raises(checkpoint.CheckpointError, match="format 99"):
@@ -619,7 +616,7 @@ def test_damaged_and_empty_checkpoint_folders(config, straight, tmp_path):
 
 def test_keeps_the_latest_and_the_best(tmp_path):
   now = [0.0]
-  config = configs.train.CheckpointConfig(
+  config = configs.CheckpointConfig(
       every_steps=0, every_seconds=60, keep=2, keep_best=1
   )
   params = {"w": jnp.arange(4.0)}
@@ -731,9 +728,7 @@ def _set_aside(folder):
 def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
     config, tmp_path
 ):
-  galore = train_config.apply_overrides(
-      config, ["optimizer.name=galore", "steps=3"]
-  )
+  galore = configs.apply_overrides(config, ["optimizer.name=galore", "steps=3"])
   straight_run = tmp_path / "straight"
   trainer.train(galore, straight_run, progress=False, log=QUIET)
   final = _final_state(straight_run, galore)
@@ -757,7 +752,7 @@ def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
   """A factored run with a bfloat16 base and a merge every other step
   (stochastic rounding included) resumes bit for bit, and exports its
   merged weights."""
-  bf16 = train_config.apply_overrides(
+  bf16 = configs.apply_overrides(
       config,
       ["optimizer.base_dtype=bfloat16", "optimizer.refresh_every=2", "steps=4"],
   )
@@ -794,7 +789,7 @@ def test_lora_resumes_bit_exactly_and_exports_its_merged_weights(
   """LoRA on a bfloat16 base: the resumed run equals the uninterrupted one
   bit for bit; the exported policy is W_0 + s D U, and every leaf without
   adapters is the starting policy's."""
-  adapted = train_config.apply_overrides(
+  adapted = configs.apply_overrides(
       config,
       [
           "optimizer.name=lora",

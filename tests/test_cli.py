@@ -9,7 +9,7 @@ from logra_jax import checkpoint
 from logra_jax import checks
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.parallel import sharding
 from logra_jax.rl import trainer
 
@@ -25,7 +25,7 @@ def _run_folder(folder):
   """What a training run leaves: its config and checkpoints."""
   (folder / "checkpoints").mkdir(parents=True)
   (folder / "config.yaml").write_text(
-      train_config.to_yaml(train_config.get_preset("smoke"))
+      configs.to_yaml(configs.get_preset("smoke"))
   )
   return folder
 
@@ -188,6 +188,6 @@ def test_mesh_entries_may_have_spaces():
 
 
 def test_docstring_examples_run():
-  for module in (checks, train_config, sharding):
+  for module in (checks, configs.loading, sharding):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -1,14 +1,60 @@
-"""Typed run configuration: presets, YAML run configs and overrides."""
+"""Typed run configuration: the schema (frozen dataclasses) and its loading
+(presets, YAML run configs and overrides)."""
 
-from logra_jax.configs.train import apply_overrides
-from logra_jax.configs.train import get_preset
-from logra_jax.configs.train import load_config
-from logra_jax.configs.train import LoggingConfig
-from logra_jax.configs.train import LossConfig
-from logra_jax.configs.train import OptimizerConfig
-from logra_jax.configs.train import PolicyConfig
-from logra_jax.configs.train import preset_names
-from logra_jax.configs.train import RewardConfig
-from logra_jax.configs.train import RolloutConfig
-from logra_jax.configs.train import TaskConfig
-from logra_jax.configs.train import TrainConfig
+from logra_jax.configs.schema import ADVANTAGES
+from logra_jax.configs.schema import AGGREGATIONS
+from logra_jax.configs.schema import CHAT_TEMPLATES
+from logra_jax.configs.schema import CheckpointConfig
+from logra_jax.configs.schema import GRADIENT_MODES
+from logra_jax.configs.schema import KL_ESTIMATORS
+from logra_jax.configs.schema import LoggingConfig
+from logra_jax.configs.schema import LossConfig
+from logra_jax.configs.schema import OptimizerConfig
+from logra_jax.configs.schema import OPTIMIZERS
+from logra_jax.configs.schema import PolicyConfig
+from logra_jax.configs.schema import RewardConfig
+from logra_jax.configs.schema import ROLLOUT_DTYPES
+from logra_jax.configs.schema import ROLLOUT_ENGINES
+from logra_jax.configs.schema import RolloutConfig
+from logra_jax.configs.schema import SyncConfig
+from logra_jax.configs.schema import TaskConfig
+from logra_jax.configs.schema import TRACKERS
+from logra_jax.configs.schema import TrainConfig
+from logra_jax.configs.loading import apply_overrides
+from logra_jax.configs.loading import from_dict
+from logra_jax.configs.loading import get_preset
+from logra_jax.configs.loading import load_config
+from logra_jax.configs.loading import PRESET_DIR
+from logra_jax.configs.loading import preset_names
+from logra_jax.configs.loading import to_dict
+from logra_jax.configs.loading import to_yaml
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "apply_overrides",
+    "CHAT_TEMPLATES",
+    "CheckpointConfig",
+    "from_dict",
+    "get_preset",
+    "GRADIENT_MODES",
+    "KL_ESTIMATORS",
+    "load_config",
+    "LoggingConfig",
+    "LossConfig",
+    "OptimizerConfig",
+    "OPTIMIZERS",
+    "PolicyConfig",
+    "PRESET_DIR",
+    "preset_names",
+    "RewardConfig",
+    "ROLLOUT_DTYPES",
+    "ROLLOUT_ENGINES",
+    "RolloutConfig",
+    "SyncConfig",
+    "TaskConfig",
+    "to_dict",
+    "to_yaml",
+    "TRACKERS",
+    "TrainConfig",
+]

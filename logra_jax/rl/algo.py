@@ -18,8 +18,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from logra_jax.configs.train import KL_ESTIMATORS
-from logra_jax.configs.train import LossConfig
+from logra_jax.configs import KL_ESTIMATORS
+from logra_jax.configs import LossConfig
 
 Array = jax.Array
 Metrics = dict[str, tuple[Array, Array]]

@@ -22,7 +22,7 @@ from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sketch_grad
 from logra_jax import sync
-from logra_jax.configs.train import OptimizerConfig, TrainConfig
+from logra_jax.configs import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
@@ -131,7 +131,7 @@ def init_train_state(
   params, or the adapters).
 
   Example:
-    >>> from logra_jax.configs.train import OptimizerConfig
+    >>> from logra_jax.configs import OptimizerConfig
     >>> _, params = models.split_model(
     ...     models.init_model(models.DecoderConfig.tiny(), rngs=0))
     >>> config = OptimizerConfig(rank=2)

@@ -26,7 +26,7 @@ from logra_jax import checkpoint
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import (
+from logra_jax.configs import (
     RewardConfig,
     TrainConfig,
     load_config,
@@ -260,7 +260,7 @@ def memory_command(
   """The ``logra memory`` command that plans a run's train step per device.
 
   Example:
-    >>> from logra_jax.configs.train import get_preset
+    >>> from logra_jax.configs import get_preset
     >>> print(memory_command(get_preset("smoke"), None, pathlib.Path("p"), 20)
     ...       .replace(" --", "\\n--"))
     logra memory

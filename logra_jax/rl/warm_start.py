@@ -32,7 +32,7 @@ import optax
 import safetensors
 
 from logra_jax import models
-from logra_jax.configs.train import PolicyConfig
+from logra_jax.configs import PolicyConfig
 from logra_jax.data.batching import encode_sft
 from logra_jax.data.tokenizer import char_tokenizer
 

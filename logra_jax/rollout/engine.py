@@ -25,7 +25,7 @@ import numpy as np
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs.train import PolicyConfig, TrainConfig, to_dict
+from logra_jax.configs import PolicyConfig, TrainConfig, to_dict
 from logra_jax.data.batching import decode_completions
 from logra_jax.rl import algo
 from logra_jax.rl import rewards as rewards_lib

@@ -38,7 +38,7 @@ from flax import serialization
 
 from logra_jax import models
 from logra_jax import sync
-from logra_jax.configs.train import TrainConfig, from_dict, to_dict
+from logra_jax.configs import TrainConfig, from_dict, to_dict
 from logra_jax.rollout import engine as engine_lib
 
 # magic, kind, request id, payload length, CRC-32 of the payload, CRC-32 of

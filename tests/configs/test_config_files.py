@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 from logra_jax import cli
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 
-SMOKE = train_config.get_preset("smoke")
+SMOKE = configs.get_preset("smoke")
 
 RUN_YAML = """\
 task:
@@ -43,7 +43,7 @@ def test_yaml_with_nested_and_list_values_equals_the_config_built_in_python(
     tmp_path,
 ):
   path = _write(tmp_path, RUN_YAML)
-  loaded = train_config.load_config(
+  loaded = configs.load_config(
       "smoke",
       [path],
       [
@@ -63,19 +63,19 @@ def test_yaml_with_nested_and_list_values_equals_the_config_built_in_python(
       policy=dataclasses.replace(SMOKE.policy, hidden_size=64),
       optimizer=dataclasses.replace(SMOKE.optimizer, rank=8),
       rewards=[
-          train_config.RewardConfig("task"),
-          train_config.RewardConfig("my_rewards.py:brevity", -0.1),
+          configs.RewardConfig("task"),
+          configs.RewardConfig("my_rewards.py:brevity", -0.1),
       ],
-      logging=train_config.LoggingConfig(trackers=["tensorboard"]),
+      logging=configs.LoggingConfig(trackers=["tensorboard"]),
       steps=7,
   )
   assert loaded == built
-  assert isinstance(loaded.rewards[1], train_config.RewardConfig)
+  assert isinstance(loaded.rewards[1], configs.RewardConfig)
 
 
 def test_preset_then_file_then_overrides(tmp_path):
   path = _write(tmp_path, "steps: 7\nseed: 5\n")
-  config = train_config.load_config("smoke", [path], ["steps=9"])
+  config = configs.load_config("smoke", [path], ["steps=9"])
   # The override beats the file, the file beats the preset, and the
   # preset's other fields stay.
   assert (config.steps, config.seed, config.rollout.prompts_per_step) == (
@@ -89,9 +89,7 @@ def test_preset_then_file_then_overrides(tmp_path):
       "task: {options: {max_terms: 5}}\n" "logging: {trackers: [wandb]}\n",
       "second.yaml",
   )
-  config = train_config.load_config(
-      "smoke", [_write(tmp_path, RUN_YAML), second]
-  )
+  config = configs.load_config("smoke", [_write(tmp_path, RUN_YAML), second])
   assert config.task.options == {"min_terms": 2, "max_terms": 5}
   assert config.logging.trackers == ["wandb"]
 
@@ -116,7 +114,7 @@ def test_the_cli_composes_preset_config_files_set_and_positional_overrides(
 
 
 def test_a_saved_config_reads_back_equal():
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [
           "rewards=[{function: task}, {function: 'a.b:c', weight: 2}]",
@@ -125,12 +123,12 @@ def test_a_saved_config_reads_back_equal():
           "task.system_prompt=null",
       ],
   )
-  assert train_config.from_dict(train_config.to_dict(config)) == config
+  assert configs.from_dict(configs.to_dict(config)) == config
 
 
 def test_presets_are_the_package_yaml_files():
-  assert train_config.preset_names() == ["smoke", "tiny"]
-  assert train_config.get_preset("tiny") == train_config.TrainConfig()
+  assert configs.preset_names() == ["smoke", "tiny"]
+  assert configs.get_preset("tiny") == configs.TrainConfig()
 
 
 @pytest.mark.parametrize(
@@ -209,7 +207,7 @@ def test_presets_are_the_package_yaml_files():
 )
 def test_bad_keys_and_values_are_refused_naming_them(override, message):
   with pytest.raises(ValueError) as info:
-    train_config.load_config("smoke", overrides=[override])
+    configs.load_config("smoke", overrides=[override])
   assert message in str(info.value)
   assert "\n" not in str(info.value)
 
@@ -240,7 +238,7 @@ def test_bad_keys_and_values_are_refused_naming_them(override, message):
 def test_bad_config_files_are_refused_naming_the_file(tmp_path, text, message):
   path = _write(tmp_path, text)
   with pytest.raises(ValueError) as info:
-    train_config.load_config("smoke", [path])
+    configs.load_config("smoke", [path])
   assert str(info.value).startswith(f"config file {path}")
   assert message in str(info.value)
   assert "\n" not in str(info.value)
@@ -250,21 +248,21 @@ def test_seeds_fit_a_prng_key():
   with pytest.raises(
       ValueError, match=r"^seed must be in \[0, 9223372036854775807\]"
   ):
-    train_config.load_config("smoke", overrides=[f"seed={2**63}"])
+    configs.load_config("smoke", overrides=[f"seed={2**63}"])
 
 
 def test_a_missing_config_file_or_preset_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="missing.yaml: no such file"):
-    train_config.load_config("smoke", [tmp_path / "missing.yaml"])
+    configs.load_config("smoke", [tmp_path / "missing.yaml"])
   with pytest.raises(
       ValueError,
       match="unknown preset 'huge'; valid " r"presets: \['smoke', 'tiny'\]",
   ):
-    train_config.load_config("huge")
+    configs.load_config("huge")
 
 
 def test_an_empty_config_file_changes_nothing(tmp_path):
-  assert train_config.load_config("smoke", [_write(tmp_path, "")]) == SMOKE
+  assert configs.load_config("smoke", [_write(tmp_path, "")]) == SMOKE
 
 
 def test_configs_import_nothing_of_the_rl_code():
@@ -280,7 +278,7 @@ def test_configs_import_nothing_of_the_rl_code():
 
 
 def test_text_fields_take_the_text_as_written(tmp_path):
-  config = train_config.load_config(
+  config = configs.load_config(
       "smoke",
       overrides=[
           "task.answer_after=#### ",
@@ -296,15 +294,15 @@ def test_text_fields_take_the_text_as_written(tmp_path):
   # ${...} is text, not an interpolation, in files and after a round trip.
   path = _write(tmp_path, 'task: {template: "Cost ${cost}: {prompt}"}\n')
   assert (
-      train_config.load_config("smoke", [path]).task.template
+      configs.load_config("smoke", [path]).task.template
       == "Cost ${cost}: {prompt}"
   )
-  saved = _write(tmp_path, train_config.to_yaml(config), "saved.yaml")
-  assert train_config.load_config("tiny", [saved]) == config
-  assert train_config.from_dict(train_config.to_dict(config)) == config
+  saved = _write(tmp_path, configs.to_yaml(config), "saved.yaml")
+  assert configs.load_config("tiny", [saved]) == config
+  assert configs.from_dict(configs.to_dict(config)) == config
   # null still clears an optional text field.
   assert (
-      train_config.load_config(
+      configs.load_config(
           "smoke", overrides=["task.answer_after=#", "task.answer_after=null"]
       ).task.answer_after
       is None

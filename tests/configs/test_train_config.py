@@ -7,9 +7,9 @@ import typing
 
 import pytest
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 
-SMOKE = train_config.get_preset("smoke")
+SMOKE = configs.get_preset("smoke")
 
 
 def _numeric_keys(config, prefix=""):
@@ -35,7 +35,7 @@ INT_KEYS = [k for k, t in _numeric_keys(SMOKE) if t is int]
 def _refused(overrides, key):
   """The error of ``overrides``, which must start with ``key``."""
   with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be") as info:
-    train_config.apply_overrides(SMOKE, overrides)
+    configs.apply_overrides(SMOKE, overrides)
   assert "\n" not in str(info.value)
   return str(info.value)
 
@@ -101,7 +101,7 @@ def test_out_of_range_values_are_refused_with_the_range(override, expected):
 
 
 def test_boundary_values_are_accepted():
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [
           "optimizer.b1=0",
@@ -151,5 +151,5 @@ def test_boundary_values_are_accepted():
 )
 def test_choices_and_head_counts_are_checked_at_once(override, expected):
   with pytest.raises(ValueError) as info:
-    train_config.apply_overrides(SMOKE, [override])
+    configs.apply_overrides(SMOKE, [override])
   assert str(info.value).startswith(expected)

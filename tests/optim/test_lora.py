@@ -15,7 +15,7 @@ from logra_jax import memory
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.optim import lora
 from logra_jax.rl import algo
 from logra_jax.rl import learner
@@ -23,7 +23,7 @@ from tolerances import float_tolerance
 
 RANK, ALPHA = 4, 8.0
 CONFIG = models.DecoderConfig.tiny()
-OPTIMIZER = train_config.OptimizerConfig(
+OPTIMIZER = configs.OptimizerConfig(
     name="lora", rank=RANK, lora_alpha=ALPHA, warmup_steps=0
 )
 
@@ -172,9 +172,7 @@ def trained():
   """Three LoRA steps on one batch: the weights before and after, the
   learner's messages and a receiver that applied them."""
   graphdef, params = _model()
-  config = dataclasses.replace(
-      train_config.get_preset("smoke"), optimizer=OPTIMIZER
-  )
+  config = dataclasses.replace(configs.get_preset("smoke"), optimizer=OPTIMIZER)
   tx = learner.make_optimizer(OPTIMIZER, params)
   weights, opt_state = learner.init_train_state(OPTIMIZER, tx, params, seed=3)
   before = jax.tree.map(jnp.copy, learner.dense_weights(weights, opt_state))
@@ -256,10 +254,10 @@ def test_bad_adapter_settings_are_named(kwargs, match):
 
 def test_bad_lora_configs_are_refused_naming_the_field():
   with pytest.raises(ValueError, match="optimizer.lora_targets must name"):
-    train_config.OptimizerConfig(name="lora", lora_targets=[])
+    configs.OptimizerConfig(name="lora", lora_targets=[])
   with pytest.raises(ValueError, match="lora adapts the matrices"):
-    train_config.OptimizerConfig(name="lora", project_embeddings=True)
-  assert train_config.OptimizerConfig(name="lora", base_dtype="bfloat16")
+    configs.OptimizerConfig(name="lora", project_embeddings=True)
+  assert configs.OptimizerConfig(name="lora", base_dtype="bfloat16")
 
 
 def test_sharded_adapters_follow_their_weight_and_the_planner_counts_them():

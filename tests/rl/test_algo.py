@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import algo
 
 # 2 prompts x 3 generations.
@@ -42,7 +42,7 @@ def test_rloo_advantages_by_hand():
 
 
 def test_the_configs_advantage_names_are_the_implemented_estimators():
-  assert tuple(algo.ADVANTAGE_ESTIMATORS) == train_config.ADVANTAGES
+  assert tuple(algo.ADVANTAGE_ESTIMATORS) == configs.ADVANTAGES
 
 
 def test_equal_rewards_give_zero_advantage():
@@ -270,7 +270,7 @@ def _random_batch(num_generations=2, b=8, t=5, seed=0):
   return batch, logp
 
 
-@pytest.mark.parametrize("aggregation", train_config.AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", configs.AGGREGATIONS)
 @pytest.mark.parametrize("num_micro", [2, 4])
 def test_micro_batches_equal_full_batch(aggregation, num_micro):
   batch, logp_BxT = _random_batch()

@@ -10,14 +10,14 @@ import pytest
 
 from logra_jax import parallel
 from logra_jax import sync
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import trainer
 
-SMOKE = train_config.get_preset("smoke")
+SMOKE = configs.get_preset("smoke")
 
 
 def test_one_step_off_policy_run(policy_folder, tmp_path):
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [f"policy.path={policy_folder}", "steps=3", "rollout.max_staleness=1"],
   )
@@ -58,7 +58,7 @@ def test_bad_staleness_settings_are_refused_before_the_run(
     overrides, mesh, match, tmp_path
 ):
   with pytest.raises(ValueError, match=match):
-    config = train_config.apply_overrides(SMOKE, overrides)
+    config = configs.apply_overrides(SMOKE, overrides)
     trainer.train(config, tmp_path / "run", progress=False, mesh=mesh)
   assert not (tmp_path / "run").exists()
 
@@ -77,7 +77,7 @@ def test_a_refused_sync_is_followed_by_a_full_one(
     return apply(self, message)
 
   monkeypatch.setattr(sync.PolicyReceiver, "apply", lossy)
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [f"policy.path={policy_folder}", "steps=4", "rollout.max_staleness=1"],
   )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import pytest
 import transformers
 
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine as engine_lib
 
@@ -69,7 +69,7 @@ def test_no_template_without_one_or_when_turned_off(chat_folder, policy_folder):
 
 
 def test_the_task_template_shapes_the_prompt_before_the_chat_template():
-  config = train_config.load_config(
+  config = configs.load_config(
       "smoke",
       overrides=["task.template='Compute {prompt} Answer:'", "task.terms=2"],
   )

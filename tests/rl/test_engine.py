@@ -15,19 +15,19 @@ import numpy as np
 import pytest
 
 from logra_jax import sync
-from logra_jax.configs import train as train_config
+from logra_jax import configs
 from logra_jax.rl import learner, trainer
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
 
-SMOKE = train_config.get_preset("smoke")
+SMOKE = configs.get_preset("smoke")
 STEPS = 144
 REFRESH = 12  # 12 windows: 11 merges after the first
 QUIET = lambda message: None
 
 
 def _config(policy_folder, *overrides):
-  return train_config.apply_overrides(
+  return configs.apply_overrides(
       SMOKE,
       [
           f"policy.path={policy_folder}",
@@ -186,7 +186,7 @@ def test_a_message_of_another_config_is_refused(
     remote_run, policy_folder, tmp_path, override
 ):
   config, policy, _, _, _ = remote_run
-  other = train_config.apply_overrides(config, [override])
+  other = configs.apply_overrides(config, [override])
   params = jax.tree.map(jnp.copy, policy.params)
   tx = learner.make_optimizer(other.optimizer, params)
   weights, opt_state = learner.init_train_state(other.optimizer, tx, params)
@@ -285,7 +285,7 @@ def test_the_default_job_in_a_process_matches_the_colocated_one(
 ):
   runs = {}
   for engine in ("colocated", "process"):
-    config = train_config.apply_overrides(
+    config = configs.apply_overrides(
         SMOKE,
         [
             f"policy.path={policy_folder}",
@@ -365,7 +365,7 @@ def test_policy_loads_with_the_configured_remat(policy_folder):
   differentiates; `Policy.load`'s default is the config's."""
   remat = lambda policy: nnx.merge(policy.graphdef, policy.params).config.remat
   assert remat(engine_lib.Policy.load(policy_folder)) == (
-      train_config.PolicyConfig().remat
+      configs.PolicyConfig().remat
   )
   for setting in ("none", "dots_saveable"):
     assert remat(engine_lib.Policy.load(policy_folder, remat=setting)) == (

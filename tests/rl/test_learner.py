@@ -13,7 +13,6 @@ from logra_jax import configs
 from logra_jax import models
 from logra_jax import sketch_grad
 from logra_jax.cli import main as cli_main
-from logra_jax.configs import train as train_config
 from logra_jax.rl import algo, learner, trainer
 from logra_jax.rollout import engine
 from tolerances import decoder_reduction_length
@@ -152,7 +151,7 @@ def test_the_realized_kl_is_measured_on_the_first_and_every_nth_step(
 ):
   policy, batch, _ = rollout_batch
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
-  config = train_config.apply_overrides(SMOKE, ["logging.realized_kl_every=3"])
+  config = configs.apply_overrides(SMOKE, ["logging.realized_kl_every=3"])
   tx = learner.skip_non_finite(optax.sgd(0.1))
   step = learner.make_train_step(policy.graphdef, tx, config)
   params = jax.tree.map(jnp.copy, policy.params)
@@ -196,7 +195,7 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
 def _one_step(policy, batch, overrides):
   """One learner step of the smoke config with ``overrides`` from the
   policy's weights: ``(dense params, opt_state, metrics)``."""
-  config = train_config.apply_overrides(SMOKE, overrides)
+  config = configs.apply_overrides(SMOKE, overrides)
   tx = learner.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
@@ -301,7 +300,7 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
       "  return [float(len(c) <= 2) for c in completions]\n"
   )
   out = tmp_path / "run"
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [
           f"policy.path={policy_folder}",
@@ -371,7 +370,7 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   } <= set(samples[0])
   assert sum("samples at step" in line for line in printed) == 2
   # The run folder's config.yaml is the run's config.
-  assert train_config.load_config("tiny", [tmp_path / "config.yaml"]) == config
+  assert configs.load_config("tiny", [tmp_path / "config.yaml"]) == config
 
 
 @pytest.mark.parametrize(
@@ -399,7 +398,7 @@ def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
 )
 def test_bad_config_is_rejected_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
-    train_config.apply_overrides(SMOKE, overrides)
+    configs.apply_overrides(SMOKE, overrides)
 
 
 def test_unknown_preset_lists_valid_ones(capsys):
@@ -424,7 +423,7 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
   its zero coordinates, and XLA:CPU compiled that bfloat16 product, fused
   with the log-softmax's max over the vocabulary, to NaN."""
   vocab = 151936
-  config = train_config.apply_overrides(
+  config = configs.apply_overrides(
       SMOKE,
       [
           "optimizer.rank=64",

@@ -15,7 +15,6 @@ from logra_jax import configs
 from logra_jax import memory
 from logra_jax import models
 from logra_jax import parallel
-from logra_jax.configs import train as train_config
 from logra_jax.rl import learner
 from logra_jax.rl import reference
 from logra_jax.rl import trainer
@@ -26,7 +25,7 @@ QUIET = lambda s: None
 
 @pytest.fixture(scope="module")
 def config(policy_folder):
-  return train_config.apply_overrides(
+  return configs.apply_overrides(
       configs.get_preset("smoke"),
       [
           f"policy.path={policy_folder}",

@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from logra_jax import models
-from logra_jax.configs.train import get_preset
+from logra_jax.configs import get_preset
 from logra_jax.rl import warm_start as warm_start_lib
 
 EXAMPLES = [
