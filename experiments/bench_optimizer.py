@@ -44,7 +44,7 @@ import optax
 import optax.contrib
 
 import logra_jax as logra
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored
 from logra_jax.optim import transforms
 

@@ -12,6 +12,6 @@ from logra_jax.optim import optimizer_state_bytes
 from logra_jax.optim import project
 from logra_jax.optim import SketchProjectors
 from logra_jax.optim import unproject
-from logra_jax.sketch_grad import value_and_sketch_grad
+from logra_jax.optim.sketch_grad import value_and_sketch_grad
 
 __version__ = "0.1.0"

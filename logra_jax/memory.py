@@ -28,7 +28,7 @@ import numpy as np
 
 from logra_jax import models
 from logra_jax import parallel
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax import configs
 from logra_jax.rl import algo
 from logra_jax.rl import learner

@@ -61,7 +61,7 @@ import numpy as np
 import optax
 
 from logra_jax import checkpoint
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import transforms

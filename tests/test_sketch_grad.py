@@ -8,7 +8,8 @@ import pytest
 
 import logra_jax as logra
 from logra_jax import models
-from logra_jax import sketch_grad
+from logra_jax import lowrank
+from logra_jax.optim import sketch_grad
 from logra_jax.optim import projectors as proj_lib
 
 VOCAB = 32
@@ -192,33 +193,31 @@ def test_matmul_of_a_low_rank_delta():
       jax.random.normal(k, s) for k, s in zip(keys, [(6, 5), (6, 2), (2, 5)])
   )
   x = jax.random.normal(keys[3], (3, 6))
-  rows = sketch_grad.LowRankDelta(w, f, z, rows=True, path="w")
+  rows = lowrank.LowRankDelta(w, f, z, rows=True, path="w")
   np.testing.assert_allclose(
-      sketch_grad.matmul(x, rows), x @ (w + f @ z), rtol=1e-5
+      lowrank.matmul(x, rows), x @ (w + f @ z), rtol=1e-5
   )
   # W + Z F^T with coordinates Z = f [6, 2] and factor F = z^T [5, 2].
-  cols = sketch_grad.LowRankDelta(w, z.T, f, rows=False, path="w")
+  cols = lowrank.LowRankDelta(w, z.T, f, rows=False, path="w")
   np.testing.assert_allclose(
-      sketch_grad.matmul(x, cols), x @ (w + f @ z), rtol=1e-5
+      lowrank.matmul(x, cols), x @ (w + f @ z), rtol=1e-5
   )
   y = jax.random.normal(keys[3], (3, 5))
   for delta in (rows, cols):
     np.testing.assert_allclose(
-        sketch_grad.matmul(y, delta.T), y @ (w + f @ z).T, rtol=1e-5
+        lowrank.matmul(y, delta.T), y @ (w + f @ z).T, rtol=1e-5
     )
   ids = jnp.array([[5, 0], [2, 5]])
   for delta in (rows, cols):
     np.testing.assert_allclose(
-        sketch_grad.take(delta, ids), (w + f @ z)[ids], rtol=1e-5
+        lowrank.take(delta, ids), (w + f @ z)[ids], rtol=1e-5
     )
   with pytest.raises(TypeError, match="parameter 'w'.*matmul"):
     jnp.sum(rows)
   with pytest.raises(ValueError, match="slice its layer axis"):
-    sketch_grad.matmul(
+    lowrank.matmul(
         x,
-        sketch_grad.LowRankDelta(
-            w[None], f[None], z[None], rows=True, path="w"
-        ),
+        lowrank.LowRankDelta(w[None], f[None], z[None], rows=True, path="w"),
     )
 
 
@@ -231,8 +230,8 @@ def test_take_differentiates_the_coordinates_only():
   ids = jnp.array([6, 1, 6, 0])
 
   def total(w, z):
-    delta = sketch_grad.LowRankDelta(w, f, z, rows=True, path="embed")
-    return jnp.sum(sketch_grad.take(delta, ids) * c)
+    delta = lowrank.LowRankDelta(w, f, z, rows=True, path="embed")
+    return jnp.sum(lowrank.take(delta, ids) * c)
 
   dw, dz = jax.grad(total, argnums=(0, 1))(w, jnp.zeros((2, 3)))
   np.testing.assert_array_equal(dw, jnp.zeros_like(w))

@@ -15,7 +15,7 @@ import logra_jax as logra
 from logra_jax.optim import factored
 from logra_jax.rl import learner
 from logra_jax import sync
-from logra_jax.sketch_grad import matmul
+from logra_jax.lowrank import matmul
 
 STEPS = 300
 REFRESH = 25  # 12 windows, 11 merges after the first

@@ -302,7 +302,7 @@ class OptimizerConfig:
       all.
     gradient_mode: how logra gets its gradient sketches: ``"sketch"``
       (default: differentiated directly in the low-rank coordinates, no full
-      gradient is ever held, see :mod:`logra_jax.sketch_grad`) or
+      gradient is ever held, see :mod:`logra_jax.optim.sketch_grad`) or
       ``"dense"`` (full gradient, then projected). Other optimizers always
       take dense gradients.
     project_embeddings: also project the embedding table and LM head

@@ -23,9 +23,9 @@ from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
 from logra_jax.optim import DimensionNumbers
 from logra_jax.parallel.sharding import constrain
-from logra_jax.sketch_grad import LowRankDelta
-from logra_jax.sketch_grad import matmul
-from logra_jax.sketch_grad import take
+from logra_jax.lowrank import LowRankDelta
+from logra_jax.lowrank import matmul
+from logra_jax.lowrank import take
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 

@@ -8,7 +8,7 @@ projection ``U`` (``[*layers, r, out]``, float32, zero, so training starts
 at :math:`W_0`), scaled by :math:`s = \alpha / r`. Every other parameter
 (embeddings, norms, biases, the LM head) is frozen. Models consume a
 :class:`LoraWeight` through :func:`view` as the low-rank weight op of the
-factored policy (:class:`logra_jax.sketch_grad.LowRankDelta`):
+factored policy (:class:`logra_jax.lowrank.LowRankDelta`):
 
 .. math:: y = x W_0 + \big((x\,s D)\,U\big),
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax import sketch_grad
+from logra_jax import lowrank
 
 # The decoder's projection matrices (attention and MLP): PEFT's
 # "all-linear" for these models, the LM head aside.
@@ -212,11 +212,11 @@ def with_frozen(adapters: Any, weights: Any) -> Any:
 
 def view(weights: Any) -> Any:
   r"""The weights as the model consumes them: each :class:`LoraWeight` as
-  the :class:`~logra_jax.sketch_grad.LowRankDelta` :math:`W_0 + (s D) U`
+  the :class:`~logra_jax.lowrank.LowRankDelta` :math:`W_0 + (s D) U`
   (``W_0`` under ``stop_gradient``, differentiable in ``D`` and ``U``)."""
   return jax.tree.map(
       lambda w: (
-          sketch_grad.LowRankDelta(
+          lowrank.LowRankDelta(
               w.base, w.scale * w.down, w.up, rows=True, path=w.path
           )
           if is_lora(w)

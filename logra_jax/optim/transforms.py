@@ -111,7 +111,7 @@ class ProjectionSpec:
   """Static part of a ``project`` state: its settings and the leaf plans.
 
   A pytree node without children, so it adds no arrays to the state; it lets
-  code that holds only the optimizer state (:mod:`logra_jax.sketch_grad`)
+  code that holds only the optimizer state (:mod:`logra_jax.optim.sketch_grad`)
   know how every parameter is projected.
   """
 

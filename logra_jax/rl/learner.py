@@ -20,7 +20,7 @@ import optax.contrib
 import logra_jax as logra
 from logra_jax import models
 from logra_jax import parallel
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax import sync
 from logra_jax.configs import OptimizerConfig, TrainConfig
 from logra_jax.models.logprobs import completion_logits_scale

@@ -13,8 +13,8 @@ import logra_jax as logra
 from logra_jax.optim import factored
 from logra_jax.optim import transforms
 from logra_jax.optim.transforms import FactoredDelta
-from logra_jax.sketch_grad import factored_view
-from logra_jax.sketch_grad import matmul
+from logra_jax.optim.sketch_grad import factored_view
+from logra_jax.lowrank import matmul
 from tolerances import float_tolerance
 
 LR = 1e-2

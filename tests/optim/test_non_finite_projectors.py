@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import logra_jax as logra
-from logra_jax import sketch_grad
+from logra_jax import lowrank
+from logra_jax.optim import sketch_grad
 from logra_jax.optim import transforms
 
 PARAMS = {"a": jnp.ones((16, 8)), "b": jnp.ones((16, 8))}
@@ -26,8 +27,8 @@ def _tx(kind):
 
 
 def _loss(params, x, x_b):
-  return jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"]))) + jnp.sum(
-      jnp.tanh(sketch_grad.matmul(x_b, params["b"]))
+  return jnp.sum(jnp.tanh(lowrank.matmul(x, params["a"]))) + jnp.sum(
+      jnp.tanh(lowrank.matmul(x_b, params["b"]))
   )
 
 
@@ -135,8 +136,8 @@ def test_sketch_direct_sketches_use_the_replacement():
   c = jax.random.uniform(jax.random.key(2), (5, 8), minval=-1.0, maxval=1.0)
 
   def loss(params, x, x_b):
-    return jnp.sum(jnp.tanh(sketch_grad.matmul(x, params["a"]))) + jnp.sum(
-        sketch_grad.matmul(x_b, params["b"]) * c
+    return jnp.sum(jnp.tanh(lowrank.matmul(x, params["a"]))) + jnp.sum(
+        lowrank.matmul(x_b, params["b"]) * c
     )
 
   x_b = X.at[0, 3].set(3e38)

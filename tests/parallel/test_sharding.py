@@ -11,7 +11,7 @@ import pytest
 from logra_jax import configs
 from logra_jax import models
 from logra_jax import parallel
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax.rl import algo, learner
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance

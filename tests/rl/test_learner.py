@@ -11,7 +11,7 @@ import pytest
 
 from logra_jax import configs
 from logra_jax import models
-from logra_jax import sketch_grad
+from logra_jax.optim import sketch_grad
 from logra_jax.cli import main as cli_main
 from logra_jax.rl import algo, learner, trainer
 from logra_jax.rollout import engine
