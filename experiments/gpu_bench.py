@@ -126,6 +126,7 @@ def train_worker(model: str, arm: str, rows: int, quick: bool) -> dict:
   import jax.numpy as jnp
 
   from logra_jax import models
+  from logra_jax import policy_state
   from logra_jax import configs
   from logra_jax.rl import algo
   from logra_jax.rl import learner
@@ -142,9 +143,10 @@ def train_worker(model: str, arm: str, rows: int, quick: bool) -> dict:
   graphdef, params = models.split_model(
       jax.jit(lambda: models.init_model(config, rngs=0))()
   )
-  tx = learner.make_optimizer(opt_config, params)
+  tx = policy_state.make_optimizer(opt_config, params)
   weights, state = jax.jit(
-      lambda p: learner.init_train_state(opt_config, tx, p), donate_argnums=0
+      lambda p: policy_state.init_train_state(opt_config, tx, p),
+      donate_argnums=0,
   )(params)
   del params
   prompt = seq_len // 4

@@ -37,6 +37,7 @@ from logra_jax import models
 from logra_jax import configs
 from logra_jax.rl import learner, trainer
 from logra_jax.rollout import engine
+from logra_jax import policy_state
 
 # Each optimizer's learning rate in the parity study.
 LEARNING_RATES = {"adam": 3e-4, "logra": 3e-4, "lora": 3e-3}
@@ -148,7 +149,7 @@ def measure_overhead(config, repeats: int) -> str:
           config.optimizer,
       ),
   ]:
-    tx = learner.make_optimizer(opt_config, policy.params)
+    tx = policy_state.make_optimizer(opt_config, policy.params)
     step = learner.make_train_step(
         policy.graphdef, tx, dataclasses.replace(config, optimizer=opt_config)
     )
@@ -156,7 +157,7 @@ def measure_overhead(config, repeats: int) -> str:
         (lambda step: lambda params, state: step(params, state, batch)[:2])(
             step
         ),
-        learner.init_train_state(
+        policy_state.init_train_state(
             opt_config, tx, jax.tree.map(jnp.copy, policy.params)
         ),
     )

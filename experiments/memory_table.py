@@ -62,6 +62,7 @@ def measured_vs_planned(
   import jax.numpy as jnp
   from logra_jax import configs
   from logra_jax.rl import algo, learner
+  from logra_jax import policy_state
 
   report = memory.plan_memory(
       config, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch
@@ -79,11 +80,11 @@ def measured_vs_planned(
       jax.eval_shape(lambda: models.init_model(config, rngs=0))
   )
   params_sharding = parallel.param_shardings(abstract, mesh)
-  tx = learner.make_optimizer(opt_config, abstract)
+  tx = policy_state.make_optimizer(opt_config, abstract)
   state_sharding = parallel.optimizer_state_shardings(
       tx, abstract, params_sharding, mesh
   )
-  abstract_weights = learner.abstract_weights(opt_config, tx, abstract)
+  abstract_weights = policy_state.abstract_weights(opt_config, tx, abstract)
   weights_sharding = parallel.weight_shardings(
       abstract_weights, params_sharding, mesh
   )
@@ -116,7 +117,7 @@ def measured_vs_planned(
       out_shardings=params_sharding,
   )
   init_state = jax.jit(
-      lambda p: learner.init_train_state(opt_config, tx, p),
+      lambda p: policy_state.init_train_state(opt_config, tx, p),
       out_shardings=(weights_sharding, state_sharding),
   )
   jax.block_until_ready(init_state(init_params()))  # compile both first

@@ -26,6 +26,7 @@ from logra_jax import models
 from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.rl import algo
 from logra_jax.rl import learner
+from logra_jax import policy_state
 
 PROMPT_LEN = 16
 
@@ -59,9 +60,9 @@ def time_steps(
       config.optimizer, refresh_every=1 if refresh else 10**6
   )
   config = dataclasses.replace(config, optimizer=opt)
-  tx = learner.make_optimizer(opt, params)
+  tx = policy_state.make_optimizer(opt, params)
   step = learner.make_train_step(graphdef, tx, config)
-  params, state = learner.init_train_state(
+  params, state = policy_state.init_train_state(
       opt, tx, jax.tree.map(jnp.copy, params)
   )
   stats = step.lower(params, state, batch).compile().memory_analysis()

@@ -2,7 +2,7 @@
 broadcast vs a sparse delta of the changed bfloat16 values.
 
 For each model and rank, builds the learner's factored policy on abstract
-shapes (`learner.abstract_policy_state`: nothing is allocated) and sums the
+shapes (`policy_state.abstract_policy_state`: nothing is allocated) and sums the
 arrays a `logra_jax.sync.SyncMessage` carries: per step the window
 coordinates A (float32 `[batch, rank, short]` per projected matrix), the
 scales c and the dense leaves (float32); at a refresh also the new
@@ -41,12 +41,12 @@ import pathlib
 import jax
 import numpy as np
 
-from logra_jax import checkpoint
+from logra_jax import checksums
 from logra_jax import memory
 from logra_jax import models
 from logra_jax import configs
-from logra_jax.rl import learner
 from logra_jax import sync
+from logra_jax import policy_state
 
 SPARSE_BYTES_PER_VALUE = 4 + 2  # int32 index + bfloat16 value
 
@@ -69,7 +69,7 @@ def model_policy_state(
       project_embeddings=project_embeddings and optimizer == "logra",
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-  return learner.abstract_policy_state(opt_config, params), count
+  return policy_state.abstract_policy_state(opt_config, params), count
 
 
 def checksum_temp_bytes(state: dict) -> int:
@@ -77,7 +77,7 @@ def checksum_temp_bytes(state: dict) -> int:
   abstract policy state (what the learner computes for each message)."""
   leaves = [x for _, x in sync.named_arrays(state).values()]
   return memory.compiled_memory(
-      checkpoint.leaf_checksums.lower(leaves)
+      checksums.leaf_checksums.lower(leaves)
   ).temp_size_in_bytes
 
 

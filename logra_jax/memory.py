@@ -32,6 +32,7 @@ from logra_jax.optim import sketch_grad
 from logra_jax import configs
 from logra_jax.rl import algo
 from logra_jax.rl import learner
+from logra_jax import policy_state
 
 GIB = 2**30
 OPTIMIZERS = ("adam", "logra", "lora")
@@ -504,16 +505,16 @@ def plan_memory(
   )
   params_sharding = parallel.param_shardings(params, device_mesh)
 
-  tx = learner.make_optimizer(opt_config, params)
-  state = learner.abstract_opt_state(opt_config, tx, params)
-  weights = learner.abstract_weights(opt_config, tx, params)
+  tx = policy_state.make_optimizer(opt_config, params)
+  state = policy_state.abstract_opt_state(opt_config, tx, params)
+  weights = policy_state.abstract_weights(opt_config, tx, params)
   weights_sharding = parallel.weight_shardings(
       weights, params_sharding, device_mesh
   )
   state_sharding = parallel.optimizer_state_shardings(
       tx,
-      learner.optimized(weights, params),
-      learner.optimized(weights_sharding, params_sharding),
+      policy_state.optimized(weights, params),
+      policy_state.optimized(weights_sharding, params_sharding),
       device_mesh,
   )
 
@@ -560,8 +561,8 @@ def plan_memory(
     grads_bytes = _sketched_gradient_bytes(state, params, params_sharding)
   elif optimizer == "lora":  # float32 adapters' gradients
     grads_bytes = _sharded_bytes(
-        learner.optimized(weights, params),
-        learner.optimized(weights_sharding, params_sharding),
+        policy_state.optimized(weights, params),
+        policy_state.optimized(weights_sharding, params_sharding),
     )
   else:
     grads_bytes = params_bytes

@@ -18,7 +18,7 @@ same program and the same rounding bits (:func:`factored.merge`). A
   full messages;
 * at a refresh, the step of the merge and the new window's projectors ``P``;
 * a checksum of every array the receiver must end with
-  (:func:`logra_jax.checkpoint.leaf_checksums`, computed on the device), a
+  (:func:`logra_jax.checksums.leaf_checksums`, computed on the device), a
   sequence number, the policy version and a signature of the layout.
 
 A full message (``full=True``, a *resync*) carries every array, bases
@@ -38,7 +38,7 @@ Example:
   >>> state = tx.init(params)
   >>> weights = factored.factor(params, state)
   >>> sender = PolicySender(weights, state, seed=0)
-  >>> receiver = PolicyReceiver(policy_state(weights, state), seed=0)
+  >>> receiver = PolicyReceiver(policy_state.synced_state(weights, state), seed=0)
   >>> receiver.apply(decode(encode(sender.message(weights, state, full=True))))
   >>> receiver.version, sorted(receiver.state)
   (0, ['projectors', 'weights'])
@@ -60,7 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax import checkpoint
+from logra_jax import checksums
+from logra_jax import policy_state
 from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
@@ -119,21 +120,8 @@ class SyncMessage:
     return sum(x.nbytes for x in self.arrays.values())
 
 
-def policy_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
-  """What a receiver holds: the weights and, when they are factored, the
-  window's projectors (``transforms.window_projectors``; None elsewhere).
-  Weights of another optimizer are dense leaves, sent whole every step;
-  LoRA weights send their adapters every step, the frozen rest in full
-  messages."""
-  if sketch_grad.project_state(opt_state) is None:
-    projectors = jax.tree.map(lambda _: None, weights, is_leaf=_is_structured)
-  else:
-    projectors = transforms.window_projectors(opt_state)
-  return {"weights": weights, "projectors": projectors}
-
-
 def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-  """``{name: (kind, array)}`` of a :func:`policy_state`.
+  """``{name: (kind, array)}`` of a :func:`~logra_jax.policy_state.synced_state`.
 
   Names are the leaves' key paths (``jax.tree_util.keystr``) with the part of
   a factored weight appended (``.base``, ``.coords``, ``.scale``) or of a
@@ -144,7 +132,7 @@ def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
   """
   out = {}
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=_is_structured
+      state["weights"], is_leaf=policy_state.is_structured
   )
   projectors = treedef.flatten_up_to(state["projectors"])
   other = FROZEN if lora_lib.has_adapters(state["weights"]) else DENSE
@@ -166,10 +154,6 @@ def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
   return out
 
 
-def _is_structured(x) -> bool:
-  return factored_lib.is_factored(x) or lora_lib.is_lora(x)
-
-
 def signature(state: dict[str, Any], **fields: Any) -> str:
   """A digest of the layout of ``state`` (every array's name, shape and
   dtype) and of ``fields`` (e.g. the model config, the optimizer's rank and
@@ -186,7 +170,7 @@ def signature(state: dict[str, Any], **fields: Any) -> str:
 
 def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   names = sorted(arrays)
-  values = jax.device_get(checkpoint.leaf_checksums([arrays[n] for n in names]))
+  values = jax.device_get(checksums.leaf_checksums([arrays[n] for n in names]))
   return {n: int(v) for n, v in zip(names, values)}
 
 
@@ -219,19 +203,19 @@ class PolicySender:
       self, weights: Any, opt_state: optax.OptState, *, seed: int, **fields: Any
   ):
     self.signature = signature(
-        policy_state(weights, opt_state), seed=seed, **fields
+        policy_state.synced_state(weights, opt_state), seed=seed, **fields
     )
     self.sequence = -1
     self._window = None  # (window index, its projectors)
     self._count = None  # the project stage's count at the last message
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
-    """:func:`policy_state`, with ``"random"`` projectors regenerated once
+    """:func:`~logra_jax.policy_state.synced_state`, with ``"random"`` projectors regenerated once
     per window. Stored ones are read from ``opt_state`` at every call: the
     learner's step may donate the arrays of the state before it."""
     project = sketch_grad.project_state(opt_state)
     if project is None or project.spec.config.kind != "random":
-      return policy_state(weights, opt_state)
+      return policy_state.synced_state(weights, opt_state)
     window = (int(project.count) - 1) // project.spec.config.refresh_every
     if self._window is None or self._window[0] != window:
       self._window = (window, transforms.window_projectors(opt_state))
@@ -298,14 +282,14 @@ class PolicyReceiver:
   what some message left, verified by its checksums.
 
   Args:
-    template: a :func:`policy_state` of the learner's layout (arrays, e.g.
+    template: a :func:`~logra_jax.policy_state.synced_state` of the learner's layout (arrays, e.g.
       its initial state, or ``jax.ShapeDtypeStruct``s) giving the tree the
       arrays are placed in.
     seed: the run's seed (the merge's rounding key).
     **fields: as given to the sender (model config, rank, ...).
 
   Attributes:
-    state: the :func:`policy_state` held (``template`` until the first full
+    state: the :func:`~logra_jax.policy_state.synced_state` held (``template`` until the first full
       message).
     signature: the layout it accepts.
     sequence, version: of the last message applied (-1 before the first).
@@ -406,7 +390,7 @@ class PolicyReceiver:
 
 
 def materialize(state: dict[str, Any], dtype: Any = None) -> Any:
-  """The dense weights of a :func:`policy_state`, ``c B + P A`` for factored
+  """The dense weights of a :func:`~logra_jax.policy_state.synced_state`, ``c B + P A`` for factored
   ones (``factored.effective_weights``), ``W_0 + s D U`` for LoRA ones
   (``lora.merge``), each in its parameter's dtype or ``dtype``."""
   if lora_lib.has_adapters(state["weights"]):
@@ -442,7 +426,7 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
     return jax.device_put(new, sharding, may_alias=False)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(
-      state["weights"], is_leaf=_is_structured
+      state["weights"], is_leaf=policy_state.is_structured
   )
   projectors = treedef.flatten_up_to(state["projectors"])
   weights, new_projectors = [], []

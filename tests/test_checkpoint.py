@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from logra_jax import checkpoint
+from logra_jax import checksums
 from logra_jax import configs
 from logra_jax import memory
 from logra_jax import models
@@ -29,6 +30,8 @@ from logra_jax.data.tokenizer import char_tokenizer
 from logra_jax.optim import factored
 from logra_jax.rl import learner, trainer
 from logra_jax.rollout import engine
+from logra_jax import policy_state
+from logra_jax.optim import non_finite
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -115,13 +118,13 @@ def resumed(config, tmp_path_factory):
 def _final_state(run, config, step=None):
   """Params, optimizer state and loop of a run's checkpoint (the latest)."""
   policy = engine.Policy.load(config.policy.path)
-  tx = learner.make_optimizer(config.optimizer, policy.params)
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
   one = jax.tree.leaves(policy.params)[0].sharding
   opt_state = checkpoint.abstract_state(
-      learner.abstract_opt_state(config.optimizer, tx, policy.params), one
+      policy_state.abstract_opt_state(config.optimizer, tx, policy.params), one
   )
   params = checkpoint.abstract_state(
-      learner.abstract_weights(config.optimizer, tx, policy.params), one
+      policy_state.abstract_weights(config.optimizer, tx, policy.params), one
   )
   with checkpoint.Checkpointer(run / "checkpoints", read_only=True) as ckpt:
     return ckpt.restore(step, params=params, opt_state=opt_state)
@@ -250,11 +253,11 @@ def rollout_batch(policy_folder):
 
 def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
   policy, batch = rollout_batch
-  tx = learner.make_optimizer(SMOKE.optimizer, policy.params)
+  tx = policy_state.make_optimizer(SMOKE.optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
   device = jax.devices()[0]  # all committed, as in the trainer
   params, state = jax.device_put(
-      learner.init_train_state(
+      policy_state.init_train_state(
           SMOKE.optimizer, tx, jax.tree.map(jnp.copy, policy.params)
       ),
       device,
@@ -264,9 +267,9 @@ def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
   nan_batch = batch.replace(advantages_B=batch.advantages_B.at[0].set(jnp.nan))
   params, state, metrics = step(params, state, nan_batch)
   assert not np.isfinite(float(metrics["loss"]))
-  guard = learner.non_finite_state(state)
+  guard = non_finite.non_finite_state(state)
   assert int(guard.skipped_steps) == int(guard.consecutive_skips) == 1
-  assert "gradients" in learner.non_finite_reasons(guard.reason)
+  assert "gradients" in non_finite.non_finite_reasons(guard.reason)
   old_params, old_state = before
   for x, y in zip(
       jax.tree.leaves(old_params), jax.tree.leaves(params), strict=True
@@ -280,7 +283,7 @@ def test_nan_gradients_are_skipped_and_the_weights_unchanged(rollout_batch):
     np.testing.assert_array_equal(x, y)
   # A finite batch afterwards is applied and ends the run of skips.
   params, state, metrics = step(params, state, batch)
-  guard = learner.non_finite_state(state)
+  guard = non_finite.non_finite_state(state)
   assert int(guard.consecutive_skips) == 0 and int(guard.reason) == 0
   assert int(guard.skipped_steps) == 1 and float(metrics["update_norm"]) > 0
   assert not all(
@@ -294,14 +297,14 @@ def test_guard_names_each_non_finite_quantity():
 
   params = {"w": jnp.ones(2)}
   grads = {"w": jnp.ones(2)}
-  tx = learner.skip_non_finite(optax.sgd(1.0))
+  tx = non_finite.skip_non_finite(optax.sgd(1.0))
   _, state = tx.update(grads, tx.init(params), params, loss=jnp.inf)
-  assert learner.non_finite_reasons(state.reason) == ["loss"]
-  tx = learner.skip_non_finite(optax.sgd(1.0))
+  assert non_finite.non_finite_reasons(state.reason) == ["loss"]
+  tx = non_finite.skip_non_finite(optax.sgd(1.0))
   _, state = tx.update(
       {"w": jnp.array([1.0, -jnp.inf])}, tx.init(params), params
   )
-  assert learner.non_finite_reasons(state.reason) == ["gradients"]
+  assert non_finite.non_finite_reasons(state.reason) == ["gradients"]
   # With apply_fn, the update is applied inside the guard (zeros if skipped).
   apply = lambda u: optax.apply_updates(params, u)
   new_params, _ = tx.update(grads, tx.init(params), params, apply_fn=apply)
@@ -312,10 +315,10 @@ def test_guard_names_each_non_finite_quantity():
   assert new_params["w"].tolist() == [1.0, 1.0] and int(state.reason) == 1
   # A NaN predicted KL: the KL stage already zeroes the step (and counts
   # it); the guard says why.
-  tx = learner.skip_non_finite(logra.scale_by_predicted_kl(1e-3))
+  tx = non_finite.skip_non_finite(logra.scale_by_predicted_kl(1e-3))
   state = tx.init(params)
   updates, new = tx.update(grads, state, params, kl_predictor=lambda u: jnp.nan)
-  assert learner.non_finite_reasons(new.reason) == ["predicted KL"]
+  assert non_finite.non_finite_reasons(new.reason) == ["predicted KL"]
   assert updates["w"].tolist() == [0.0, 0.0]
   assert int(logra.predicted_kl_state(new).skipped_steps) == 1
   _, new = tx.update(grads, state, params, kl_predictor=lambda u: 0.5)
@@ -508,9 +511,9 @@ def test_restore_reshards_into_the_current_mesh(config, straight):
   policy = engine.Policy.load(config.policy.path)
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
   params = parallel.param_shardings(policy.params, mesh)
-  tx = learner.make_optimizer(config.optimizer, policy.params)
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
   state = parallel.optimizer_state_shardings(tx, policy.params, params, mesh)
-  abstract = learner.abstract_weights(config.optimizer, tx, policy.params)
+  abstract = policy_state.abstract_weights(config.optimizer, tx, policy.params)
   weights = parallel.weight_shardings(abstract, params, mesh)
   targets = dict(
       params=checkpoint.abstract_state(abstract, weights),
@@ -671,7 +674,7 @@ def test_exported_policy_loads_in_transformers_with_equal_logits(
   assert cli_main(["export", f"--checkpoint={straight}", f"--out={out}"]) == 0
   policy = engine.Policy.load(config.policy.path)
   final = _final_state(straight, config)
-  params = learner.dense_weights(final.params, final.opt_state)
+  params = policy_state.dense_weights(final.params, final.opt_state)
   ids = policy.encode(["12+3-4=", "7-1+9="])[0]
   ids = jnp.asarray([ids], jnp.int32)
   ours = np.asarray(models.logits_fn(policy.graphdef, params, ids))
@@ -777,7 +780,9 @@ def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
   exported = models.split_model(models.load_pretrained(out))[1]
   for x, y in zip(
       jax.tree.leaves(exported),
-      jax.tree.leaves(learner.dense_weights(final.params, final.opt_state)),
+      jax.tree.leaves(
+          policy_state.dense_weights(final.params, final.opt_state)
+      ),
       strict=True,
   ):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -812,7 +817,7 @@ def test_lora_resumes_bit_exactly_and_exports_its_merged_weights(
   assert cli_main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
   exported = models.split_model(models.load_pretrained(out))[1]
   start = engine.Policy.load(config.policy.path).params
-  merged = learner.dense_weights(final.params, final.opt_state)
+  merged = policy_state.dense_weights(final.params, final.opt_state)
   flat = jax.tree_util.tree_flatten_with_path(exported)[0]
   for (path, x), y, x0 in zip(
       flat, jax.tree.leaves(merged), jax.tree.leaves(start), strict=True
@@ -925,9 +930,9 @@ def test_array_checksums_see_every_bit_and_not_the_layout():
       "scalar": jnp.float32(3.0),
       "empty": jnp.zeros((0, 3)),
   }
-  sums = checkpoint.array_checksums(tree)
+  sums = checksums.array_checksums(tree)
   assert sorted(sums) == sorted(tree)
-  assert checkpoint.array_checksums(tree) == sums  # deterministic
+  assert checksums.array_checksums(tree) == sums  # deterministic
   # Each of the 4 * 8 * 32 single-bit flips of w changes w's checksum (the
   # mixing is a bijection of each word, the sum a group operation).
   bits = np.asarray(x).view(np.uint32).reshape(-1)
@@ -936,20 +941,20 @@ def test_array_checksums_see_every_bit_and_not_the_layout():
       flipped = bits.copy()
       flipped[i] ^= np.uint32(1 << b)
       w = jnp.asarray(flipped.view(np.float32).reshape(x.shape))
-      assert checkpoint.array_checksums({"w": w})["w"] != sums["w"], (i, b)
+      assert checksums.array_checksums({"w": w})["w"] != sums["w"], (i, b)
   # Where a value sits counts: two swapped elements differ.
   swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
-  assert checkpoint.array_checksums({"w": swapped})["w"] != sums["w"]
+  assert checksums.array_checksums({"w": swapped})["w"] != sums["w"]
   # The layout does not: the same array sharded over 8 devices.
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   sharded = jax.device_put(
       x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
   )
-  assert checkpoint.array_checksums({"w": sharded}) == {"w": sums["w"]}
+  assert checksums.array_checksums({"w": sharded}) == {"w": sums["w"]}
 
 
 def _numpy_checksum(x: np.ndarray) -> int:
-  """The checksum of :func:`checkpoint.array_checksums` by its definition:
+  """The checksum of :func:`checksums.array_checksums` by its definition:
   the sum mod 2**32 of MurmurHash3's finalizer of each 32-bit word XOR its
   flat position times 0x9E3779B9."""
   words = (
@@ -967,12 +972,12 @@ def test_checksums_of_a_layer_stack_are_summed_a_layer_at_a_time():
   x = jax.random.normal(jax.random.key(0), (6, 5, 7))
   for a in (x, x.astype(jnp.bfloat16), x[:1], x[0]):
     expected = _numpy_checksum(np.asarray(a))
-    assert checkpoint.array_checksums({"a": a})["a"] == f"{expected:08x}"
+    assert checksums.array_checksums({"a": a})["a"] == f"{expected:08x}"
   # Temporaries of one layer, not of the stack (compiled as the memory
   # planner compiles on CPU).
   stack = jax.ShapeDtypeStruct((16, 256, 512), jnp.float32)
   temp = memory.compiled_memory(
-      checkpoint.leaf_checksums.lower([stack])
+      checksums.leaf_checksums.lower([stack])
   ).temp_size_in_bytes
   layer = 256 * 512 * 4
   assert temp < 2 * layer + 2**12

@@ -13,9 +13,9 @@ import pytest
 
 import logra_jax as logra
 from logra_jax.optim import factored
-from logra_jax.rl import learner
 from logra_jax import sync
 from logra_jax.lowrank import matmul
+from logra_jax import policy_state
 
 STEPS = 300
 REFRESH = 25  # 12 windows, 11 merges after the first
@@ -99,13 +99,13 @@ def test_receiver_is_bit_identical_over_many_windows(
   weights, state, step = _learner(kind, base_dtype, weight_decay, donate=True)
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
   receiver = sync.PolicyReceiver(
-      sync.policy_state(weights, state), seed=7, kind=kind
+      policy_state.synced_state(weights, state), seed=7, kind=kind
   )
   receiver.apply(
       sync.decode(sync.encode(sender.message(weights, state, full=True)))
   )
   merges = 0
-  dense = jax.jit(learner.dense_weights)
+  dense = jax.jit(policy_state.dense_weights)
   for i in range(STEPS):
     weights, state = step(weights, state, _batch(i))
     message = sender.message(weights, state)
@@ -114,7 +114,7 @@ def test_receiver_is_bit_identical_over_many_windows(
       message = sync.decode(sync.encode(message))
     receiver.apply(message)  # raises on any checksum mismatch
   assert merges == STEPS // REFRESH and receiver.version == STEPS
-  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
   assert _same_bits(receiver.effective_weights(), dense(weights, state))
 
 
@@ -130,7 +130,7 @@ def test_a_step_message_carries_only_the_window():
   kinds = {
       n: k
       for n, (k, _) in sync.named_arrays(
-          sync.policy_state(weights, state)
+          policy_state.synced_state(weights, state)
       ).items()
   }
   assert {kinds[n] for n in full.arrays} == {
@@ -151,7 +151,9 @@ def test_several_updates_per_message_stay_exact():
   receiver never held) as a full message."""
   weights, state, step = _learner("range", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
-  receiver = sync.PolicyReceiver(sync.policy_state(weights, state), seed=7)
+  receiver = sync.PolicyReceiver(
+      policy_state.synced_state(weights, state), seed=7
+  )
   receiver.apply(sender.message(weights, state))  # the first is full
   fulls, merges = [], []
   for i in range(0, 60, 2):  # merges before the updates at counts 0, 25, 50
@@ -161,7 +163,7 @@ def test_several_updates_per_message_stay_exact():
     fulls.append(message.full)
     merges.append(message.merge_step)
     receiver.apply(message)  # raises on any checksum mismatch
-  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
   assert [i for i, f in enumerate(fulls) if f] == [12]  # counts 24-26
   assert [m for m in merges if m >= 0] == [0, 25, 50]
 
@@ -171,7 +173,7 @@ def synced():
   """A learner two steps in, its messages, and a receiver after the first."""
   weights, state, step = _learner("range", "float32", 0.1)
   sender = sync.PolicySender(weights, state, seed=7)
-  template = sync.policy_state(weights, state)
+  template = policy_state.synced_state(weights, state)
   full = sender.message(weights, state, full=True)
   messages = []
   for i in range(2):
@@ -221,7 +223,7 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
       "does not fit",
   )
   receiver.apply(messages[1])  # the right message still applies
-  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 def test_a_full_resync_heals_a_diverged_receiver(synced):
@@ -241,7 +243,7 @@ def test_a_full_resync_heals_a_diverged_receiver(synced):
     receiver.apply(messages[1])
   resync = sender.message(weights, state, full=True)
   receiver.apply(resync)
-  assert _same_bits(receiver.state, sync.policy_state(weights, state))
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @pytest.mark.parametrize(
@@ -285,7 +287,9 @@ def test_weights_that_are_not_factored_are_sent_whole():
   tx = optax.adam(1e-2)
   state = tx.init(params)
   sender = sync.PolicySender(params, state, seed=0)
-  receiver = sync.PolicyReceiver(sync.policy_state(params, state), seed=0)
+  receiver = sync.PolicyReceiver(
+      policy_state.synced_state(params, state), seed=0
+  )
   receiver.apply(sender.message(params, state, full=True))
   params = optax.apply_updates(params, tx.update(params, state)[0])
   message = sender.message(params, state)

@@ -42,6 +42,8 @@ from logra_jax.rl import tracking
 from logra_jax.rl.warm_start import warm_start
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
+from logra_jax import policy_state
+from logra_jax.optim import non_finite
 
 Log = Callable[[str], None]
 
@@ -467,7 +469,9 @@ class _Learner(NamedTuple):
   params: Any  # the policy's params, placed for the train step
   tx: Any  # the optimizer
   state_sharding: Any  # of the optimizer state
-  weights_sharding: Any  # of the learner's weights (learner.init_train_state)
+  weights_sharding: (
+      Any  # of the learner's weights (policy_state.init_train_state)
+  )
   place_batch: Callable  # places a rollout batch
   train_step: Callable
   fill_reference: Optional[Callable]  # reference log-probs (loss.beta > 0)
@@ -481,11 +485,11 @@ def _learner_step(
 ):
   """The optimizer and the jitted train step of a run, with the policy's
   params placed for it, the shardings of the optimizer state and of the
-  learner's weights (:func:`learner_lib.init_train_state`), a function that
+  learner's weights (:func:`policy_state.init_train_state`), a function that
   places a rollout batch and, when ``config.loss.beta > 0``, the function
   that fills in its reference log-probabilities (else None)."""
   params = policy.params
-  tx = learner_lib.make_optimizer(config.optimizer, params)
+  tx = policy_state.make_optimizer(config.optimizer, params)
   with_reference = config.loss.beta > 0
   if mesh is None:
     # Every input committed to the one device, like restored state and the
@@ -514,13 +518,13 @@ def _learner_step(
         state_sharding,
     )
   params_sharding = parallel.param_shardings(params, mesh)
-  weights = learner_lib.abstract_weights(config.optimizer, tx, params)
+  weights = policy_state.abstract_weights(config.optimizer, tx, params)
   weights_sharding = parallel.weight_shardings(weights, params_sharding, mesh)
   # The state follows what the optimizer moves: the params or the adapters.
   state_sharding = parallel.optimizer_state_shardings(
       tx,
-      learner_lib.optimized(weights, params),
-      learner_lib.optimized(weights_sharding, params_sharding),
+      policy_state.optimized(weights, params),
+      policy_state.optimized(weights_sharding, params_sharding),
       mesh,
   )
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)
@@ -590,7 +594,7 @@ def _start_engine(
   else:
     engine = engine_lib.RolloutEngine(
         policy,
-        sync.policy_state(params, opt_state),
+        policy_state.synced_state(params, opt_state),
         seed=config.seed,
         shardings=params_sharding,
         dtype=engine_lib.sampling_dtype(config.rollout.dtype),
@@ -619,8 +623,8 @@ def _update(
   skipped = set()
   for _ in range(num_iterations):
     params, opt_state, metrics = train_step(params, opt_state, batch)
-    guard = learner_lib.non_finite_state(opt_state)
-    skipped.update(learner_lib.non_finite_reasons(guard.reason))
+    guard = non_finite.non_finite_state(opt_state)
+    skipped.update(non_finite.non_finite_reasons(guard.reason))
   return params, opt_state, metrics, guard, skipped
 
 
@@ -655,7 +659,7 @@ def _sync_metrics(
 def _check_finite(
     step: int,
     skipped: set[str],
-    guard: learner_lib.SkipNonFiniteState,
+    guard: non_finite.SkipNonFiniteState,
     limit: int,
     latest: Optional[int],
     log: Log,
@@ -756,15 +760,15 @@ def _train(
       )
   )
   num_params = int(sum(x.size for x in jax.tree.leaves(params)))
-  dense_adam_bytes = learner_lib.dense_adam_state_bytes(params)
+  dense_adam_bytes = policy_state.dense_adam_state_bytes(params)
   if resume:
     restored = checkpointer.restore_latest(
         params=checkpoint.abstract_state(
-            learner_lib.abstract_weights(config.optimizer, tx, params),
+            policy_state.abstract_weights(config.optimizer, tx, params),
             learner.weights_sharding,
         ),
         opt_state=checkpoint.abstract_state(
-            learner_lib.abstract_opt_state(config.optimizer, tx, params),
+            policy_state.abstract_opt_state(config.optimizer, tx, params),
             learner.state_sharding,
         ),
         ref_params=(
@@ -792,7 +796,7 @@ def _train(
         f"({checkpointer.directory / str(restored.step)})"
     )
   else:
-    weights, opt_state = learner_lib.init_train_state(
+    weights, opt_state = policy_state.init_train_state(
         config.optimizer, tx, params, seed=config.seed
     )
     opt_state = jax.device_put(opt_state, learner.state_sharding)

@@ -40,6 +40,7 @@ from logra_jax import models
 from logra_jax import sync
 from logra_jax.configs import TrainConfig, from_dict, to_dict
 from logra_jax.rollout import engine as engine_lib
+from logra_jax import policy_state
 
 # magic, kind, request id, payload length, CRC-32 of the payload, CRC-32 of
 # the header's other fields (checked before the payload is read, so that a
@@ -176,11 +177,10 @@ class _Server:
           attention=config.policy.attention,
           remat=config.policy.remat,
       )
-      # The learner's layout, from the config alone (lazily: rl/ builds on
-      # rollout/, not the other way; only this child needs the learner).
-      from logra_jax.rl import learner  # noqa: PLC0415
-
-      template = learner.abstract_policy_state(config.optimizer, policy.params)
+      # The learner's layout, from the config alone.
+      template = policy_state.abstract_policy_state(
+          config.optimizer, policy.params
+      )
       policy.params = None
       self.engine = engine_lib.RolloutEngine(
           policy,

@@ -19,6 +19,7 @@ from logra_jax import configs
 from logra_jax.optim import lora
 from logra_jax.rl import algo
 from logra_jax.rl import learner
+from logra_jax import policy_state
 from tolerances import float_tolerance
 
 RANK, ALPHA = 4, 8.0
@@ -74,7 +75,7 @@ def test_adapters_start_at_the_frozen_weights(base_dtype):
     assert 0 < np.abs(np.asarray(w.down)).max() <= bound
   # U = 0: the merged weights are the params (rounded to the base dtype).
   merged = jax.tree_util.tree_flatten_with_path(
-      learner.dense_weights(weights, None)
+      policy_state.dense_weights(weights, None)
   )[0]
   for (path, x), y in zip(merged, jax.tree.leaves(params), strict=True):
     if _adapted(path):
@@ -173,11 +174,17 @@ def trained():
   learner's messages and a receiver that applied them."""
   graphdef, params = _model()
   config = dataclasses.replace(configs.get_preset("smoke"), optimizer=OPTIMIZER)
-  tx = learner.make_optimizer(OPTIMIZER, params)
-  weights, opt_state = learner.init_train_state(OPTIMIZER, tx, params, seed=3)
-  before = jax.tree.map(jnp.copy, learner.dense_weights(weights, opt_state))
+  tx = policy_state.make_optimizer(OPTIMIZER, params)
+  weights, opt_state = policy_state.init_train_state(
+      OPTIMIZER, tx, params, seed=3
+  )
+  before = jax.tree.map(
+      jnp.copy, policy_state.dense_weights(weights, opt_state)
+  )
   sender = sync.PolicySender(weights, opt_state, seed=0)
-  receiver = sync.PolicyReceiver(sync.policy_state(weights, opt_state), seed=0)
+  receiver = sync.PolicyReceiver(
+      policy_state.synced_state(weights, opt_state), seed=0
+  )
   full = sender.message(weights, opt_state, full=True)
   receiver.apply(sync.decode(sync.encode(full)))
   step = learner.make_train_step(graphdef, tx, config)
@@ -198,7 +205,7 @@ def trained():
 
 
 def test_a_step_moves_only_the_adapters_by_rank_r(trained):
-  after = learner.dense_weights(trained["weights"], trained["opt_state"])
+  after = policy_state.dense_weights(trained["weights"], trained["opt_state"])
   assert np.isfinite(float(trained["metrics"]["loss"]))
   moved = 0
   for path, x in jax.tree_util.tree_flatten_with_path(after)[0]:
@@ -228,7 +235,7 @@ def test_sync_sends_the_adapters_and_follows_bit_for_bit(trained):
       x.nbytes for x in jax.tree.leaves(trained["before"])
   )  # float32 policy, float32 bases
   assert trained["full"].nbytes == dense_bytes + adapter_bytes
-  ours = learner.dense_weights(trained["weights"], trained["opt_state"])
+  ours = policy_state.dense_weights(trained["weights"], trained["opt_state"])
   theirs = trained["receiver"].effective_weights()
   for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -266,8 +273,8 @@ def test_sharded_adapters_follow_their_weight_and_the_planner_counts_them():
   sharded step and counts the adapters' gradients and moments."""
   _, params = _model()
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
-  weights = learner.abstract_weights(
-      OPTIMIZER, learner.make_optimizer(OPTIMIZER, params), params
+  weights = policy_state.abstract_weights(
+      OPTIMIZER, policy_state.make_optimizer(OPTIMIZER, params), params
   )
   shardings = parallel.weight_shardings(
       weights, parallel.param_shardings(params, mesh), mesh

@@ -13,6 +13,7 @@ from logra_jax import models
 from logra_jax import parallel
 from logra_jax.optim import sketch_grad
 from logra_jax.rl import algo, learner
+from logra_jax import policy_state
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -58,11 +59,11 @@ def _batch(rows=8, prompt=5, completion=6):
 
 def _run(mesh_config, steps=3, run=RUN):
   graphdef, params = models.split_model(models.init_model(CONFIG, rngs=0))
-  tx = learner.make_optimizer(run.optimizer, params)
+  tx = policy_state.make_optimizer(run.optimizer, params)
   batch = _batch()
   if mesh_config is None:
     step = learner.make_train_step(graphdef, tx, run)
-    params, state = learner.init_train_state(run.optimizer, tx, params)
+    params, state = policy_state.init_train_state(run.optimizer, tx, params)
   else:
     mesh = parallel.make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     params_sharding = parallel.param_shardings(params, mesh)
@@ -70,7 +71,7 @@ def _run(mesh_config, steps=3, run=RUN):
         tx, params, params_sharding, mesh
     )
     weights_sharding = parallel.weight_shardings(
-        learner.abstract_weights(run.optimizer, tx, params),
+        policy_state.abstract_weights(run.optimizer, tx, params),
         params_sharding,
         mesh,
     )
@@ -82,7 +83,7 @@ def _run(mesh_config, steps=3, run=RUN):
         shardings=(weights_sharding, state_sharding, batch_sharding),
         activation_rules=parallel.PARTITION_RULES,
     )
-    weights, state = learner.init_train_state(
+    weights, state = policy_state.init_train_state(
         run.optimizer, tx, jax.device_put(params, params_sharding)
     )
     params = jax.device_put(weights, weights_sharding)
@@ -118,8 +119,8 @@ def test_sharded_logra_step_equals_unsharded(unsharded, mesh):
   ref_params, ref_state, ref_metrics = unsharded
   # The weights W = c B + P A, not their factors: the window's update A is
   # small, so its own relative rounding difference is larger.
-  params = learner.dense_weights(params, state)
-  ref_params = learner.dense_weights(ref_params, ref_state)
+  params = policy_state.dense_weights(params, state)
+  ref_params = policy_state.dense_weights(ref_params, ref_state)
 
   # Sharded reductions sum in another order; Adam's m / sqrt(v) turns those
   # float32 rounding differences of near-zero gradients into differences of
@@ -143,8 +144,8 @@ def test_sharded_step_with_projected_embeddings_equals_unsharded():
   ref_params, ref_state, _ = _run(None, run=run)
   assert (
       _relative(
-          learner.dense_weights(params, state),
-          learner.dense_weights(ref_params, ref_state),
+          policy_state.dense_weights(params, state),
+          policy_state.dense_weights(ref_params, ref_state),
       )
       <= 1e-5
   )
@@ -161,7 +162,7 @@ def test_derived_state_shardings_are_what_update_produces():
   mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, tp=2))
   graphdef, params = models.split_model(models.init_model(CONFIG, rngs=0))
   params_sharding = parallel.param_shardings(params, mesh)
-  tx = learner.make_optimizer(RUN.optimizer, params)
+  tx = policy_state.make_optimizer(RUN.optimizer, params)
   state_sharding = parallel.optimizer_state_shardings(
       tx, params, params_sharding, mesh
   )

@@ -19,6 +19,7 @@ from logra_jax import configs
 from logra_jax.rl import learner, trainer
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
+from logra_jax import policy_state
 
 SMOKE = configs.get_preset("smoke")
 STEPS = 144
@@ -63,8 +64,10 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   ``synced`` (default all); returns the learner's ``(weights, opt_state,
   sender)``."""
   params = jax.tree.map(jnp.copy, policy.params)  # the step donates them
-  tx = learner.make_optimizer(config.optimizer, params)
-  weights, opt_state = learner.init_train_state(config.optimizer, tx, params)
+  tx = policy_state.make_optimizer(config.optimizer, params)
+  weights, opt_state = policy_state.init_train_state(
+      config.optimizer, tx, params
+  )
   fields = engine_lib.sync_fields(config, policy.folder)
   sender = sync.PolicySender(weights, opt_state, seed=config.seed, **fields)
   full = sender.message(weights, opt_state, full=True)
@@ -109,27 +112,30 @@ def test_engines_in_and_out_of_process_follow_the_learner(
       f"optimizer.base_dtype={base_dtype}",
   )
   policy = engine_lib.Policy.load(policy_folder)
-  tx = learner.make_optimizer(config.optimizer, policy.params)
-  weights, opt_state = learner.init_train_state(
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
+  weights, opt_state = policy_state.init_train_state(
       config.optimizer, tx, policy.params
   )
   fields = engine_lib.sync_fields(config, policy_folder)
   colocated = engine_lib.RolloutEngine(
-      policy, sync.policy_state(weights, opt_state), seed=config.seed, **fields
+      policy,
+      policy_state.synced_state(weights, opt_state),
+      seed=config.seed,
+      **fields,
   )
   with transport.ProcessEngine(
       policy, config, policy_folder, log_path=tmp_path / "engine.log"
   ) as remote:
     weights, opt_state, _ = _learn(config, policy, [colocated, remote], STEPS)
     prompts = _prompts(policy)
-    learner_params = learner.dense_weights(weights, opt_state)
+    learner_params = policy_state.dense_weights(weights, opt_state)
     expected = _greedy(
         functools.partial(policy.sampler.sample, learner_params), prompts
     )
     remote_out = _greedy(remote.sample, prompts)
   assert colocated.receiver.version == STEPS
   assert _same_bits(
-      colocated.receiver.state, sync.policy_state(weights, opt_state)
+      colocated.receiver.state, policy_state.synced_state(weights, opt_state)
   )
   assert _same_bits(colocated.params, learner_params)
   # Every message's checksums matched in the child (no resync), and its
@@ -171,7 +177,7 @@ def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(remote_run):
   )
   assert stats.resynced and remote.resyncs == resyncs + 1
   # Now at the learner's newest weights (one step past the engine's).
-  learner_params = learner.dense_weights(weights, opt_state)
+  learner_params = policy_state.dense_weights(weights, opt_state)
   expected = _greedy(
       functools.partial(policy.sampler.sample, learner_params), prompts
   )
@@ -188,8 +194,10 @@ def test_a_message_of_another_config_is_refused(
   config, policy, _, _, _ = remote_run
   other = configs.apply_overrides(config, [override])
   params = jax.tree.map(jnp.copy, policy.params)
-  tx = learner.make_optimizer(other.optimizer, params)
-  weights, opt_state = learner.init_train_state(other.optimizer, tx, params)
+  tx = policy_state.make_optimizer(other.optimizer, params)
+  weights, opt_state = policy_state.init_train_state(
+      other.optimizer, tx, params
+  )
   sender = sync.PolicySender(
       weights,
       opt_state,
@@ -321,15 +329,15 @@ def test_the_default_job_in_a_process_matches_the_colocated_one(
 def test_the_engine_samples_in_its_own_dtype(policy_folder):
   config = _config(policy_folder, "optimizer.base_dtype=bfloat16")
   policy = engine_lib.Policy.load(policy_folder)
-  tx = learner.make_optimizer(config.optimizer, policy.params)
-  weights, opt_state = learner.init_train_state(
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
+  weights, opt_state = policy_state.init_train_state(
       config.optimizer, tx, policy.params
   )
   fields = engine_lib.sync_fields(config, policy_folder)
   sender = sync.PolicySender(weights, opt_state, seed=config.seed, **fields)
   engine = engine_lib.RolloutEngine(
       policy,
-      sync.policy_state(weights, opt_state),
+      policy_state.synced_state(weights, opt_state),
       seed=config.seed,
       dtype=jnp.bfloat16,
       **fields,
@@ -337,12 +345,12 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
   engine.sync(sender.message(weights, opt_state, full=True))
   expected = jax.tree.map(
       lambda x: x.astype(jnp.bfloat16),
-      learner.dense_weights(weights, opt_state),
+      policy_state.dense_weights(weights, opt_state),
   )
   assert _same_bits(engine.params, expected)
   # The synced copy keeps the learner's dtypes (its checksums are theirs).
   assert _same_bits(
-      engine.receiver.state, sync.policy_state(weights, opt_state)
+      engine.receiver.state, policy_state.synced_state(weights, opt_state)
   )
   out = _greedy(engine.sample, _prompts(policy))
   assert out.tokens.shape == (6, 4)

@@ -15,6 +15,8 @@ from logra_jax.optim import sketch_grad
 from logra_jax.cli import main as cli_main
 from logra_jax.rl import algo, learner, trainer
 from logra_jax.rollout import engine
+from logra_jax import policy_state
+from logra_jax.optim import non_finite
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -80,7 +82,7 @@ def test_micro_batched_step_equals_full_batch(rollout_batch):
   policy, batch, _ = rollout_batch
   # Non-trivial advantages, so that the gradient is not zero.
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
-  tx = learner.skip_non_finite(optax.sgd(1.0))  # params move by the gradient
+  tx = non_finite.skip_non_finite(optax.sgd(1.0))  # params move by the gradient
   results = []
   for micro in (1, 4):
     config = dataclasses.replace(SMOKE, micro_batches=micro)
@@ -129,7 +131,7 @@ def test_a_step_on_the_trimmed_batch_equals_the_step_on_the_padded_one(
       completion_mask_BxT=pad(batch.completion_mask_BxT, 0, 7),
       old_logp_BxT=pad(batch.old_logp_BxT, 0, 7),
   )
-  tx = learner.skip_non_finite(optax.sgd(1.0))
+  tx = non_finite.skip_non_finite(optax.sgd(1.0))
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
   (p1, _, m1), (p2, _, m2) = (
       step(jax.tree.map(jnp.copy, policy.params), tx.init(policy.params), b)
@@ -152,7 +154,7 @@ def test_the_realized_kl_is_measured_on_the_first_and_every_nth_step(
   policy, batch, _ = rollout_batch
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   config = configs.apply_overrides(SMOKE, ["logging.realized_kl_every=3"])
-  tx = learner.skip_non_finite(optax.sgd(0.1))
+  tx = non_finite.skip_non_finite(optax.sgd(0.1))
   step = learner.make_train_step(policy.graphdef, tx, config)
   params = jax.tree.map(jnp.copy, policy.params)
   state = tx.init(params)
@@ -181,11 +183,11 @@ def test_each_optimizer_takes_a_finite_step(rollout_batch, optimizer):
   config = dataclasses.replace(
       SMOKE, optimizer=dataclasses.replace(SMOKE.optimizer, name=optimizer)
   )
-  tx = learner.make_optimizer(config.optimizer, policy.params)
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   new_params, _, metrics = step(
-      *learner.init_train_state(config.optimizer, tx, params), batch
+      *policy_state.init_train_state(config.optimizer, tx, params), batch
   )
   assert all(np.isfinite(float(v)) for v in metrics.values())
   assert float(metrics["update_norm"]) > 0
@@ -196,13 +198,13 @@ def _one_step(policy, batch, overrides):
   """One learner step of the smoke config with ``overrides`` from the
   policy's weights: ``(dense params, opt_state, metrics)``."""
   config = configs.apply_overrides(SMOKE, overrides)
-  tx = learner.make_optimizer(config.optimizer, policy.params)
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
   params = jax.tree.map(jnp.copy, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   params, state, metrics = step(
-      *learner.init_train_state(config.optimizer, tx, params), batch
+      *policy_state.init_train_state(config.optimizer, tx, params), batch
   )
-  return learner.dense_weights(params, state), state, metrics
+  return policy_state.dense_weights(params, state), state, metrics
 
 
 def test_sketch_mode_step_equals_dense_mode_step(rollout_batch):
@@ -238,22 +240,22 @@ def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
   optimizer = dataclasses.replace(SMOKE.optimizer)
   # Past the config's validation, as a hand-built chain would be.
   object.__setattr__(optimizer, "learning_rate", float("nan"))
-  tx = learner.make_optimizer(optimizer, policy.params)
+  tx = policy_state.make_optimizer(optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
   params, state, metrics = step(
-      *learner.init_train_state(
+      *policy_state.init_train_state(
           optimizer, tx, jax.tree.map(jnp.copy, policy.params)
       ),
       batch,
   )
   for before, after in zip(
       jax.tree.leaves(policy.params),
-      jax.tree.leaves(learner.dense_weights(params, state)),
+      jax.tree.leaves(policy_state.dense_weights(params, state)),
       strict=True,
   ):
     np.testing.assert_array_equal(after, before)
-  guard = learner.non_finite_state(state)
-  assert learner.non_finite_reasons(guard.reason) == ["update"]
+  guard = non_finite.non_finite_state(state)
+  assert non_finite.non_finite_reasons(guard.reason) == ["update"]
   assert int(guard.skipped_steps) == 1
   assert float(metrics["update_norm"]) == 0.0
   assert np.isfinite(float(metrics["loss"]))
@@ -285,10 +287,10 @@ def test_kl_control_scales_the_step_to_the_target(rollout_batch, optimizer):
 def test_logra_state_is_smaller_than_dense_adam(policy_folder):
   policy = engine.Policy.load(policy_folder)
   config = dataclasses.replace(SMOKE.optimizer, rank=2)
-  state = learner.make_optimizer(config, policy.params).init(policy.params)
+  state = policy_state.make_optimizer(config, policy.params).init(policy.params)
   from logra_jax import optimizer_state_bytes
 
-  assert optimizer_state_bytes(state) < learner.dense_adam_state_bytes(
+  assert optimizer_state_bytes(state) < policy_state.dense_adam_state_bytes(
       policy.params
   )
 
@@ -453,8 +455,8 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
       advantages_B=jnp.linspace(-1.0, 1.0, B),
       num_generations=2,
   )
-  tx = learner.make_optimizer(config.optimizer, params)
-  params, state = learner.init_train_state(config.optimizer, tx, params)
+  tx = policy_state.make_optimizer(config.optimizer, params)
+  params, state = policy_state.init_train_state(config.optimizer, tx, params)
   assert (
       sketch_grad.project_state(state).spec.plan_tree()["embed"].value.projected
   )
@@ -465,4 +467,4 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
     assert np.isfinite(float(metrics["grad_norm"]))
     assert float(metrics["update_norm"]) > 0
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
-  assert int(learner.non_finite_state(state).skipped_steps) == 0
+  assert int(non_finite.non_finite_state(state).skipped_steps) == 0

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import logra_jax as logra
-from logra_jax.rl import learner
+from logra_jax.optim import non_finite
 
 PARAMS = {
     "w": jax.random.normal(jax.random.key(0), (8, 4)),
@@ -19,12 +19,12 @@ GRADS = jax.tree.map(lambda p: jnp.full_like(p, 0.5), PARAMS)
 @pytest.mark.parametrize("learning_rate", [jnp.nan, jnp.inf])
 def test_a_non_finite_update_is_returned_as_zeros(learning_rate):
   # A learning rate the config would refuse, handed to the chain directly.
-  tx = learner.skip_non_finite(optax.adam(learning_rate))
+  tx = non_finite.skip_non_finite(optax.adam(learning_rate))
   state = tx.init(PARAMS)
   updates, new = tx.update(GRADS, state, PARAMS, loss=jnp.asarray(1.0))
   for u in jax.tree.leaves(updates):
     np.testing.assert_array_equal(u, jnp.zeros_like(u))
-  assert learner.non_finite_reasons(new.reason) == ["update"]
+  assert non_finite.non_finite_reasons(new.reason) == ["update"]
   assert int(new.skipped_steps) == int(new.consecutive_skips) == 1
   # The state is kept as the inner optimizer advanced it (restoring it would
   # hold two copies): the moments saw the gradient.
@@ -35,7 +35,7 @@ def test_a_non_finite_update_is_returned_as_zeros(learning_rate):
 def test_a_non_finite_applied_update_leaves_params_unchanged(learning_rate):
   # Under LoGRA the learner applies the update inside the guard (apply_fn):
   # the applied result is what is checked.
-  tx = learner.skip_non_finite(
+  tx = non_finite.skip_non_finite(
       logra.logra(learning_rate, rank=2, refresh_every=1)
   )
   state = tx.init(PARAMS)
@@ -45,10 +45,10 @@ def test_a_non_finite_applied_update_leaves_params_unchanged(learning_rate):
       jax.tree.leaves(PARAMS), jax.tree.leaves(new_params)
   ):
     np.testing.assert_array_equal(after, before)
-  assert learner.non_finite_reasons(new.reason) == ["update"]
+  assert non_finite.non_finite_reasons(new.reason) == ["update"]
   assert int(new.skipped_steps) == 1
   # Finite, the same chain moves the params and clears the reason.
-  tx = learner.skip_non_finite(logra.logra(1e-2, rank=2, refresh_every=1))
+  tx = non_finite.skip_non_finite(logra.logra(1e-2, rank=2, refresh_every=1))
   new_params, new = tx.update(GRADS, tx.init(PARAMS), PARAMS, apply_fn=apply)
   assert int(new.reason) == 0 and int(new.skipped_steps) == 0
   assert not np.array_equal(new_params["w"], PARAMS["w"])
@@ -57,7 +57,7 @@ def test_a_non_finite_applied_update_leaves_params_unchanged(learning_rate):
 def test_an_overflowing_result_is_skipped():
   # A finite update whose sum with the params overflows float32.
   params = {"w": jnp.full((3,), 3e38)}
-  tx = learner.skip_non_finite(optax.sgd(-1.0))
+  tx = non_finite.skip_non_finite(optax.sgd(-1.0))
   new_params, new = tx.update(
       {"w": jnp.full((3,), 1e38)},
       tx.init(params),
@@ -65,4 +65,4 @@ def test_an_overflowing_result_is_skipped():
       apply_fn=lambda u: optax.apply_updates(params, u),
   )
   np.testing.assert_array_equal(new_params["w"], params["w"])
-  assert learner.non_finite_reasons(new.reason) == ["update"]
+  assert non_finite.non_finite_reasons(new.reason) == ["update"]

@@ -19,6 +19,7 @@ from logra_jax.rl import learner
 from logra_jax.rl import reference
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine
+from logra_jax import policy_state
 
 QUIET = lambda s: None
 
@@ -169,10 +170,10 @@ def test_a_run_with_a_kl_penalty(straight, config):
   # The checkpoint holds the reference weights: the initial policy's.
   policy = engine.Policy.load(config.policy.path)
   with checkpoint.Checkpointer(out / "checkpoints", read_only=True) as ckpt:
-    tx = learner.make_optimizer(config.optimizer, policy.params)
+    tx = policy_state.make_optimizer(config.optimizer, policy.params)
     restored = ckpt.restore(
         params=checkpoint.abstract_state(
-            learner.abstract_weights(config.optimizer, tx, policy.params),
+            policy_state.abstract_weights(config.optimizer, tx, policy.params),
             jax.tree.leaves(policy.params)[0].sharding,
         ),
         ref_params=reference.reference_params(policy.params, jnp.bfloat16),
@@ -198,10 +199,13 @@ def test_resumed_run_with_a_kl_penalty_is_exact(straight, config, tmp_path):
 
 def test_loss_without_reference_log_probs_names_the_fix(rollout_batch, config):
   policy, batch = rollout_batch
-  tx = learner.make_optimizer(config.optimizer, policy.params)
+  tx = policy_state.make_optimizer(config.optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, config)
   with pytest.raises(ValueError, match="ref_logp_BxT"):
-    step(*learner.init_train_state(config.optimizer, tx, policy.params), batch)
+    step(
+        *policy_state.init_train_state(config.optimizer, tx, policy.params),
+        batch,
+    )
 
 
 def test_planner_counts_the_reference_policy():

@@ -1,0 +1,252 @@
+"""The learner's weights and optimizer state as data.
+
+How they are built from a config (:func:`make_optimizer`,
+:func:`init_train_state`), their abstract shapes (for checkpoints and the
+planner), the dense view of factored or LoRA weights (for export and
+evaluation) and what a rollout engine holds (:func:`synced_state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+import optax.contrib
+
+import logra_jax as logra
+from logra_jax import models
+from logra_jax.configs import OptimizerConfig
+from logra_jax.optim import factored as factored_lib
+from logra_jax.optim import lora as lora_lib
+from logra_jax.optim import sketch_grad
+from logra_jax.optim import transforms
+from logra_jax.optim.non_finite import skip_non_finite
+
+
+def make_optimizer(
+    config: OptimizerConfig, params: nnx.State
+) -> optax.GradientTransformation:
+  """The policy optimizer named by ``config``, with global-norm clipping.
+
+  Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
+  LoGRA. ``optax.contrib.galore`` has no batch axes, so under ``"galore"`` a
+  stacked weight is projected as one ``[L*m, n]`` matrix. Vectors stay dense
+  (AdamW) in both, and so do embeddings and the LM head unless
+  ``config.project_embeddings``. With ``config.target_kl``,
+  every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
+  Adam with KL control is available as an ablation). The whole chain is
+  wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
+  gradient, predicted KL or result leaves params unchanged. Under
+  ``"lora"`` the chain is AdamW on the adapters (:func:`init_train_state`
+  initializes it on :func:`logra_jax.optim.lora.trainable`).
+  """
+  schedule = (
+      optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+      if config.warmup_steps
+      else config.learning_rate
+  )
+  dims = models.matrix_dimension_numbers(
+      params, include_embeddings=config.project_embeddings
+  )
+  if config.name == "logra":
+    core = logra.logra(
+        schedule,
+        rank=config.rank,
+        kind=config.kind,
+        refresh_every=config.refresh_every,
+        b1=config.b1,
+        b2=config.b2,
+        moment_policy=config.moment_policy,
+        weight_decay=config.weight_decay,
+        dimension_numbers=dims,
+        target_kl=config.target_kl,
+        kl_mode=config.kl_mode,
+        factored=factored_policy(config),
+    )
+  elif config.name in ("adam", "lora"):
+    core = optax.adamw(
+        schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay
+    )
+  else:
+
+    def galore_spec(d, param):
+      spec = (
+          None
+          if d is None
+          else optax.contrib.GaLoreDimensionNumbers(
+              reduction_axis=tuple(d.batch_axes) + tuple(d.reduction_axes),
+              output_axis=d.output_axes,
+          )
+      )
+      return jax.tree.map(lambda _: spec, param)  # one entry per array
+
+    galore_dims = jax.tree.map(
+        galore_spec,
+        dims,
+        params,
+        is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers),
+    )
+    core = optax.contrib.galore(
+        schedule,
+        rank=config.rank,
+        update_proj_gap=config.refresh_every,
+        base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2),
+        weight_decay=config.weight_decay,
+        weight_dimension_numbers=galore_dims,
+    )
+  if config.target_kl is not None and config.name != "logra":
+    core = optax.chain(
+        core, logra.scale_by_predicted_kl(config.target_kl, mode=config.kl_mode)
+    )
+  if config.max_grad_norm:
+    core = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
+  return skip_non_finite(core)
+
+
+def factored_policy(config: OptimizerConfig) -> bool:
+  """Whether the learner keeps projected weights factored, ``W = c B + P A``
+  (:mod:`logra_jax.optim.factored`): LoGRA with sketch-direct gradients."""
+  return config.name == "logra" and config.gradient_mode == "sketch"
+
+
+def init_train_state(
+    config: OptimizerConfig,
+    tx: optax.GradientTransformation,
+    params: Any,
+    seed: int = 0,
+) -> tuple[Any, optax.OptState]:
+  """``(weights, opt_state)`` to start :func:`make_train_step` from dense
+  ``params``: the weights are ``params``, factored (base in
+  ``config.base_dtype``) under :func:`factored_policy`, or with adapters
+  under ``"lora"`` (:func:`logra_jax.optim.lora.add_adapters`, drawn from
+  ``seed``); the state is ``tx.init`` of what the optimizer moves (the
+  params, or the adapters).
+
+  Example:
+    >>> from logra_jax.configs import OptimizerConfig
+    >>> _, params = models.split_model(
+    ...     models.init_model(models.DecoderConfig.tiny(), rngs=0))
+    >>> config = OptimizerConfig(rank=2)
+    >>> tx = make_optimizer(config, params)
+    >>> weights, state = init_train_state(config, tx, params)
+    >>> type(weights["layers"]["q_proj"].value).__name__
+    'FactoredWeight'
+  """
+  if config.name == "lora":
+    weights = lora_lib.add_adapters(
+        params,
+        rank=config.rank,
+        alpha=config.lora_alpha,
+        targets=config.lora_targets,
+        base_dtype=config.base_dtype,
+        seed=seed,
+    )
+    return weights, tx.init(lora_lib.trainable(weights))
+  opt_state = tx.init(params)
+  if not factored_policy(config):
+    return params, opt_state
+  weights = factored_lib.factor(
+      params, opt_state, config.base_dtype, decay=config.weight_decay > 0
+  )
+  return weights, opt_state
+
+
+def abstract_weights(
+    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+) -> Any:
+  """The shapes and dtypes (``jax.ShapeDtypeStruct``) of the weights of
+  :func:`init_train_state` for ``params``, without computing anything."""
+  return jax.eval_shape(lambda p: init_train_state(config, tx, p)[0], params)
+
+
+def abstract_opt_state(
+    config: OptimizerConfig, tx: optax.GradientTransformation, params: Any
+) -> Any:
+  """The shapes and dtypes of the optimizer state of
+  :func:`init_train_state` for ``params``, without computing anything."""
+  return jax.eval_shape(lambda p: init_train_state(config, tx, p)[1], params)
+
+
+def optimized(weights: Any, params: Any) -> Any:
+  """What the optimizer moves (``tx.init``'s argument in
+  :func:`init_train_state`), given the weights it made from ``params``: the
+  adapters of LoRA weights (:func:`logra_jax.optim.lora.trainable`), else
+  ``params``. Works on trees of shapes or of shardings too."""
+  if lora_lib.has_adapters(weights):
+    return lora_lib.trainable(weights)
+  return params
+
+
+def abstract_policy_state(
+    config: OptimizerConfig, params: Any
+) -> dict[str, Any]:
+  """The shapes and dtypes of :func:`synced_state` of the learner's
+  state for dense ``params`` (what a rollout engine of this config holds),
+  without computing anything."""
+  tx = make_optimizer(config, params)
+
+  def state(p):
+    weights, opt_state = init_train_state(config, tx, p)
+    return synced_state(weights, opt_state)
+
+  return jax.eval_shape(state, params)
+
+
+def dense_weights(
+    weights: Any, opt_state: optax.OptState, dtype: Any = None
+) -> Any:
+  """The learner's weights materialized as dense arrays (``W = c B + P A``
+  for factored ones, ``W_0 + s D U`` for adapted ones, in the parameter's
+  dtype or ``dtype``)."""
+  if lora_lib.has_adapters(weights):
+    return jax.tree.map(
+        lambda w: w if dtype is None else w.astype(dtype),
+        lora_lib.merge(weights),
+    )
+  if not has_factored(weights):
+    return (
+        weights
+        if dtype is None
+        else jax.tree.map(lambda p: p.astype(dtype), weights)
+    )
+  return factored_lib.effective_weights(
+      weights, transforms.window_projectors(opt_state), dtype
+  )
+
+
+def has_factored(weights: Any) -> bool:
+  return any(
+      map(
+          factored_lib.is_factored,
+          jax.tree.leaves(weights, is_leaf=factored_lib.is_factored),
+      )
+  )
+
+
+def dense_adam_state_bytes(params: Any) -> int:
+  """Bytes dense Adam would hold for ``params``: float32 first and second
+  moments of every parameter (plus its step count)."""
+  f32 = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params
+  )
+  return logra.optimizer_state_bytes(jax.eval_shape(optax.adam(1.0).init, f32))
+
+
+def synced_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
+  """What a receiver holds: the weights and, when they are factored, the
+  window's projectors (``transforms.window_projectors``; None elsewhere).
+  Weights of another optimizer are dense leaves, sent whole every step;
+  LoRA weights send their adapters every step, the frozen rest in full
+  messages."""
+  if sketch_grad.project_state(opt_state) is None:
+    projectors = jax.tree.map(lambda _: None, weights, is_leaf=is_structured)
+  else:
+    projectors = transforms.window_projectors(opt_state)
+  return {"weights": weights, "projectors": projectors}
+
+
+def is_structured(x) -> bool:
+  return factored_lib.is_factored(x) or lora_lib.is_lora(x)
