@@ -106,6 +106,50 @@ class Task:
     train = [e for e in self.examples if e["prompt"] not in eval_prompts]
     return train, evals
 
+  def splits(
+      self, validation_size: int, test_size: int, seed: int = 0
+  ) -> tuple[list[Example], list[Example], list[Example]]:
+    """Train, validation and test splits, pairwise disjoint by prompt text.
+
+    The held-out prompts are those of ``split(validation_size + test_size,
+    seed)``, in its shuffled order: the first ``validation_size`` form the
+    validation set (for choosing settings such as learning rates), the rest
+    the test set (for reported numbers only). So a run configured with
+    ``task.eval_size = validation_size + test_size`` and ``task.seed = seed``
+    trains on exactly the returned train split.
+
+    Args:
+      validation_size: validation examples (distinct prompts), at least 1.
+      test_size: test examples (distinct prompts), at least 1.
+      seed: shuffling seed, as in :meth:`split`.
+
+    Returns:
+      ``(train_examples, validation_examples, test_examples)``.
+
+    Example:
+      >>> train, val, test = tiny_arithmetic_task(size=200).splits(10, 20)
+      >>> len(val), len(test), {e["prompt"] for e in val} & {
+      ...     e["prompt"] for e in test}
+      (10, 20, set())
+    """
+    if validation_size < 1 or test_size < 1:
+      raise ValueError(
+          f"validation_size={validation_size} and test_size={test_size} must "
+          "both be >= 1."
+      )
+    train, held_out = self.split(validation_size + test_size, seed=seed)
+    return train, held_out[:validation_size], held_out[validation_size:]
+
+  def distinct_prompts(self) -> int:
+    """The number of distinct prompt texts (the most examples a split holds
+    out is one less).
+
+    Example:
+      >>> Task("t", ({"prompt": "a", "answer": "1"},) * 3).distinct_prompts()
+      1
+    """
+    return len({e["prompt"] for e in self.examples})
+
 
 def _format(template: str, fields: Mapping[str, Any], source: str) -> str:
   """``template.format(**fields)`` with an error naming a missing field and the valid ones."""

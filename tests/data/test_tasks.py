@@ -57,6 +57,22 @@ def test_split_is_deterministic_and_disjoint(tiny):
     tiny.split(eval_size=0)
 
 
+def test_validation_and_test_splits_are_disjoint_and_nested(tiny):
+  """Validation and test are the held-out prompts of ``split`` (same seed,
+  their sizes summed) in its order, so the train split is ``split``'s."""
+  train, validation, test = tiny.splits(20, 30, seed=3)
+  assert (train, validation + test) == tiny.split(eval_size=50, seed=3)
+  prompts = lambda examples: {e["prompt"] for e in examples}
+  assert len(prompts(validation)) == 20 and len(prompts(test)) == 30
+  assert not prompts(validation) & prompts(test)
+  assert not (prompts(validation) | prompts(test)) & prompts(train)
+  assert tiny.distinct_prompts() == len(prompts(tiny.examples))
+  # The default job's held-out set is split's, untouched by the new splits.
+  assert tiny.split(eval_size=20, seed=3)[1] == validation
+  with pytest.raises(ValueError, match="test_size=0 must both be >= 1"):
+    tiny.splits(20, 0)
+
+
 def test_reasoning_gym_task_by_name_and_config():
   task = tasks.reasoning_gym_task(
       "basic_arithmetic",
