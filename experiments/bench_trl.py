@@ -118,13 +118,13 @@ def _worker_trl(tokens: int, steps: int) -> dict:
   import trl
 
   from logra_jax.rl import rewards as rewards_lib
-  from logra_jax.rl import trainer
+  from logra_jax.rl import setup
 
   run = config(tokens, steps)
-  task = trainer.load_task(run)
+  task = setup.load_task(run)
   train_examples, _ = task.split(run.task.eval_size, seed=run.task.seed)
-  folder = trainer.policy_folder(run, train_examples, print)
-  rewards = trainer.run_rewards(run, task)
+  folder = setup.policy_folder(run, train_examples, print)
+  rewards = setup.run_rewards(run, task)
   columns = [name for name in train_examples[0] if name != "prompt"]
   tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
   # TRL tokenizes prompts without special tokens; ours start with BOS.
@@ -295,12 +295,12 @@ def main() -> None:
     except ImportError:
       parser.error("the trl arm needs trl: pip install -e '.[trl]'")
   # The warm-started policy, made once before anything is timed.
-  from logra_jax.rl import trainer
+  from logra_jax.rl import setup
 
   run = config(args.tokens[0], args.steps)
-  trainer.policy_folder(
+  setup.policy_folder(
       run,
-      trainer.load_task(run).split(run.task.eval_size, seed=run.task.seed)[0],
+      setup.load_task(run).split(run.task.eval_size, seed=run.task.seed)[0],
       print,
   )
   results: dict = {arm: {str(t): [] for t in args.tokens} for arm in args.arms}

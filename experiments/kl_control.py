@@ -35,7 +35,7 @@ import numpy as np
 import study
 from logra_jax import models
 from logra_jax import configs
-from logra_jax.rl import learner, trainer
+from logra_jax.rl import learner, scoring, setup
 from logra_jax.rollout import engine
 from logra_jax import policy_state
 
@@ -103,17 +103,17 @@ def kl_statistics(
 
 def measure_overhead(config, repeats: int) -> str:
   """Train-step time without and with the KL predictor, and one forward."""
-  task = trainer.load_task(config)
+  task = setup.load_task(config)
   examples, _ = task.split(config.task.eval_size, seed=config.task.seed)
   policy = engine.Policy.load(
-      trainer.policy_folder(config, examples, log=lambda s: None)
+      setup.policy_folder(config, examples, log=lambda s: None)
   )
-  batch, _ = engine.rollout(
+  batch, _ = scoring.rollout(
       policy,
       policy.params,
       list(examples[: config.rollout.prompts_per_step]),
       config,
-      [(trainer.task_verifier(task), 1.0)],
+      [(setup.task_verifier(task), 1.0)],
       jax.random.key(0),
   )
   forward = jax.jit(

@@ -22,7 +22,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from orbax.checkpoint._src.path import atomicity  # noqa: E402
 
 from logra_jax import cli  # noqa: E402
-from logra_jax.rollout import engine  # noqa: E402
+from logra_jax.rl import scoring  # noqa: E402
 
 
 def block_save(step: int) -> None:
@@ -38,14 +38,14 @@ def block_save(step: int) -> None:
 
 
 def delay_steps(seconds: float) -> None:
-  original = engine.Engine.rollout
+  original = scoring.rollout_with
 
-  def rollout(*args, **kwargs):
+  def rollout_with(*args, **kwargs):
     print("ROLLOUT", flush=True)
     time.sleep(seconds)
     return original(*args, **kwargs)
 
-  engine.Engine.rollout = rollout
+  scoring.rollout_with = rollout_with
 
 
 def main() -> int:

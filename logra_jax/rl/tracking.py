@@ -25,7 +25,7 @@ import numpy as np
 import rich.console
 import rich.table
 
-from logra_jax.rollout import engine as engine_lib
+from logra_jax.rl import scoring
 
 # tracker -> (the module it needs, what installs it)
 _LIBRARIES = {
@@ -178,7 +178,7 @@ def samples_due(step: int, every: int) -> bool:
 
 
 def sample_rows(
-    samples: engine_lib.RolloutSamples, num_generations: int, shown: int
+    samples: scoring.RolloutSamples, num_generations: int, shown: int
 ) -> list[dict[str, Any]]:
   """The first completion of each of the first ``shown`` prompts: its
   prompt, completion, reference answer (when the task has one), total
@@ -188,7 +188,7 @@ def sample_rows(
     >>> from logra_jax.rl import rewards
     >>> report = rewards.evaluate_rewards([(rewards.exact_match, 1.0)],
     ...     ["1+1=", "1+1="], ["2", "3"], {"answer": ["2", "2"]})
-    >>> samples = engine_lib.RolloutSamples(["1+1=", "1+1="], ["2", "3"],
+    >>> samples = scoring.RolloutSamples(["1+1=", "1+1="], ["2", "3"],
     ...                                     {"answer": ["2", "2"]}, report)
     >>> sample_rows(samples, num_generations=2, shown=4)
     [{'prompt': '1+1=', 'completion': '2', 'answer': '2', 'reward': 1.0, 'reward/exact_match': 1.0}]

@@ -1,12 +1,12 @@
-"""The rollout engine: its own copy of the policy, its sampler and its
-evaluation, kept in step with the learner by policy sync.
+"""The rollout engine: its own copy of the policy and its sampler, kept in
+step with the learner by policy sync.
 
 The trainer reaches the engine only through :class:`logra_jax.sync.SyncMessage`
-and rollout / evaluation requests. :class:`RolloutEngine` runs colocated with
-the learner (same process and devices); its copy of the policy is a
-:class:`logra_jax.sync.PolicyReceiver`, bit-identical to the learner's
-weights after every message, and the sampler uses the weights it
-materializes, ``W = c B + P A``, once per message.
+and sample requests; the RL side scores what it samples.
+:class:`RolloutEngine` runs colocated with the learner (same process and
+devices); its copy of the policy is a :class:`logra_jax.sync.PolicyReceiver`,
+bit-identical to the learner's weights after every message, and the sampler
+uses the weights it materializes, ``W = c B + P A``, once per message.
 """
 
 from __future__ import annotations
@@ -27,13 +27,6 @@ from logra_jax import parallel
 from logra_jax import sync
 from logra_jax.configs import PolicyConfig, TrainConfig, to_dict
 from logra_jax.data.batching import decode_completions
-from logra_jax.rl import algo
-from logra_jax.rl import rewards as rewards_lib
-
-
-def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
-  keys = [k for k in examples[0] if k != "prompt"]
-  return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
 
 
 def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
@@ -174,191 +167,6 @@ class Policy:
 SampleFn = Callable[..., models.SampleOutput]
 
 
-def evaluate(
-    policy: Policy,
-    params,
-    examples: Sequence[dict],
-    rewards: list[tuple[Callable, float]],
-    max_new_tokens: int,
-    batch_size: int = 256,
-) -> dict[str, float]:
-  """Greedy held-out accuracy (fraction of completions the verifier scores
-  1.0) and mean score."""
-  return _evaluate(
-      policy,
-      functools.partial(policy.sampler.sample, params),
-      examples,
-      rewards,
-      max_new_tokens,
-      batch_size,
-  )
-
-
-def _score(
-    rewards: list[tuple[Callable, float]],
-    prompts: list[str],
-    completions: list[str],
-    columns: dict[str, list],
-) -> rewards_lib.RewardReport:
-  """The rewards of a batch. With several processes each scores its own
-  share of the rows (:func:`parallel.process_rows`) and every process gets
-  the whole report (first errors: this process's own)."""
-  if jax.process_count() == 1:
-    return rewards_lib.evaluate_rewards(rewards, prompts, completions, columns)
-  n = len(prompts)
-  rows = parallel.process_rows(n)
-  mine = rewards_lib.evaluate_rewards(
-      rewards,
-      prompts[rows],
-      completions[rows],
-      {name: values[rows] for name, values in columns.items()},
-  )
-  names = list(mine.per_function)
-  counts = parallel.sum_over_processes(
-      np.array([[mine.failures[k], mine.timeouts[k]] for k in names], np.int64)
-  )
-  return rewards_lib.RewardReport(
-      rewards=parallel.gather_rows(mine.rewards, n),
-      per_function={
-          k: parallel.gather_rows(mine.per_function[k], n) for k in names
-      },
-      failures={k: int(c[0]) for k, c in zip(names, counts)},
-      timeouts={k: int(c[1]) for k, c in zip(names, counts)},
-      first_errors=mine.first_errors,
-  )
-
-
-def _evaluate(
-    policy: Policy,
-    sample: SampleFn,
-    examples: Sequence[dict],
-    rewards: list[tuple[Callable, float]],
-    max_new_tokens: int,
-    batch_size: int = 256,
-) -> dict[str, float]:
-  scores = []
-  for start in range(0, len(examples), batch_size):
-    chunk = list(examples[start : start + batch_size])
-    prompts = [e["prompt"] for e in chunk]
-    out = sample(
-        policy.encode(prompts),
-        jax.random.key(0),
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-    )
-    report = _score(
-        rewards,
-        prompts,
-        policy.decode(parallel.host_value(out.tokens)),
-        _columns(chunk, 1),
-    )
-    scores.append(report.rewards)
-  scores = np.concatenate(scores)
-  return {
-      "accuracy": float(np.mean(scores >= 1.0)),
-      "score": float(np.mean(scores)),
-  }
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSamples:
-  """What a rollout sampled and how it was scored, for logs and warnings.
-
-  Attributes:
-    prompts: the prompt of each completion (``num_generations`` in a row
-      per prompt), before any chat template.
-    completions: the decoded completions.
-    columns: the examples' other fields, aligned with the completions.
-    report: the rewards of each completion.
-  """
-
-  prompts: list[str]
-  completions: list[str]
-  columns: dict[str, list]
-  report: rewards_lib.RewardReport
-
-
-def rollout(
-    policy: Policy,
-    params,
-    examples: Sequence[dict],
-    config: TrainConfig,
-    rewards: list[tuple[Callable, float]],
-    key: jax.Array,
-    observe: Optional[Callable[[RolloutSamples], None]] = None,
-) -> tuple[algo.RolloutBatch, dict[str, float]]:
-  """Samples ``num_generations`` completions per prompt, scores them and
-  computes group advantages; ``observe`` (e.g. a sample log) sees each
-  batch's :class:`RolloutSamples`. The batch is cut to
-  :func:`algo.bucket_width` of its longest prompt and completion (metrics
-  ``batch/prompt_width``, ``batch/completion_width``), so the learner's
-  step costs what the rollouts need, not what ``max_new_tokens`` allows."""
-  return _rollout(
-      policy,
-      functools.partial(policy.sampler.sample, params),
-      examples,
-      config,
-      rewards,
-      key,
-      observe,
-  )
-
-
-def _rollout(
-    policy: Policy,
-    sample: SampleFn,
-    examples: Sequence[dict],
-    config: TrainConfig,
-    rewards: list[tuple[Callable, float]],
-    key: jax.Array,
-    observe: Optional[Callable[[RolloutSamples], None]] = None,
-) -> tuple[algo.RolloutBatch, dict[str, float]]:
-  group = config.rollout.num_generations
-  prompts = [e["prompt"] for e in examples for _ in range(group)]
-  prompt_ids = policy.encode(prompts)
-  out = sample(
-      prompt_ids,
-      key,
-      max_new_tokens=config.rollout.max_new_tokens,
-      temperature=config.rollout.temperature,
-      top_p=config.rollout.top_p,
-      top_k=config.rollout.top_k,
-  )
-  completions = policy.decode(parallel.host_value(out.tokens))
-  columns = _columns(examples, group)
-  report = _score(rewards, prompts, completions, columns)
-  if observe is not None:
-    observe(RolloutSamples(prompts, completions, columns, report))
-  rewards_N = jnp.asarray(report.rewards, jnp.float32)
-  lengths = parallel.host_value(out.lengths)
-  batch = algo.RolloutBatch(
-      prompt_tokens_BxP=out.prompt_ids,
-      prompt_mask_BxP=out.prompt_mask,
-      completion_tokens_BxT=out.tokens,
-      completion_mask_BxT=out.mask,
-      old_logp_BxT=out.logprobs,
-      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
-      num_generations=group,
-  )
-  # The learner's batch is no wider than its longest prompt and completion,
-  # rounded up to one of a few widths (each compiles the train step once).
-  batch = batch.trimmed(
-      algo.bucket_width(
-          max(map(len, prompt_ids)), batch.prompt_tokens_BxP.shape[1]
-      ),
-      algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
-  )
-  metrics = report.metrics()
-  metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
-  metrics["completion_length"] = float(np.mean(lengths))
-  metrics["completion_length/max"] = float(lengths.max())
-  metrics["batch/prompt_width"] = float(batch.prompt_tokens_BxP.shape[1])
-  metrics["batch/completion_width"] = float(
-      batch.completion_tokens_BxT.shape[1]
-  )
-  return batch, metrics
-
-
 # Bytes of one changed value in a sparse delta of bfloat16 weights (the
 # scheme of verl-style delta sync): an int32 flat index and the value.
 SPARSE_DELTA_BYTES_PER_VALUE = 4 + 2
@@ -408,10 +216,10 @@ def sync_fields(
 
 
 class Engine:
-  """What every rollout engine offers: ``sync`` a message, ``sample`` with
-  the synced weights, and ``rollout`` / ``evaluate`` built on ``sample``.
-  Prompts are encoded and completions decoded and scored on the caller's
-  side (``policy``'s tokenizer): the engine only samples.
+  """What every rollout engine offers: ``sync`` a message and ``sample``
+  with the synced weights. Prompts are encoded, completions decoded and
+  scored on the caller's side (``policy``'s tokenizer,
+  the RL side): the engine only samples.
 
   Attributes:
     policy: the caller's :class:`Policy` (its tokenizer).
@@ -456,30 +264,6 @@ class Engine:
   ) -> models.SampleOutput:
     """``Sampler.sample`` with the engine's weights."""
     raise NotImplementedError
-
-  def rollout(
-      self,
-      examples: Sequence[dict],
-      config: TrainConfig,
-      rewards: list[tuple[Callable, float]],
-      key: jax.Array,
-      observe: Optional[Callable[[RolloutSamples], None]] = None,
-  ) -> tuple[algo.RolloutBatch, dict[str, float]]:
-    """:func:`rollout` with the engine's weights."""
-    return _rollout(
-        self.policy, self.sample, examples, config, rewards, key, observe
-    )
-
-  def evaluate(
-      self,
-      examples: Sequence[dict],
-      rewards: list[tuple[Callable, float]],
-      max_new_tokens: int,
-  ) -> dict[str, float]:
-    """:func:`evaluate` with the engine's weights."""
-    return _evaluate(
-        self.policy, self.sample, examples, rewards, max_new_tokens
-    )
 
   def close(self) -> None:
     """Releases the engine's resources (a process engine's process)."""

@@ -270,7 +270,7 @@ class ProcessEngine(engine_lib.Engine):
 
     with ProcessEngine(policy, config, folder) as engine:
       engine.sync(sender.message(weights, opt_state, full=True))
-      batch, metrics = engine.rollout(examples, config, rewards, key)
+      out = engine.sample(policy.encode(prompts), key, max_new_tokens=8)
   """
 
   def __init__(

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from logra_jax import configs
-from logra_jax.rl import trainer
+from logra_jax.rl import setup
 from logra_jax.rollout import engine as engine_lib
 
 # A ChatML template of the shape SmolLM2-Instruct and Qwen2.5 ship.
@@ -73,7 +73,7 @@ def test_the_task_template_shapes_the_prompt_before_the_chat_template():
       "smoke",
       overrides=["task.template='Compute {prompt} Answer:'", "task.terms=2"],
   )
-  task = trainer.load_task(config)
+  task = setup.load_task(config)
   assert all(
       e["prompt"].startswith("Compute ")
       and e["prompt"].endswith("= Answer:")

@@ -17,6 +17,8 @@ from logra_jax import models
 from logra_jax import parallel
 from logra_jax.rl import learner
 from logra_jax.rl import reference
+from logra_jax.rl import scoring
+from logra_jax.rl import setup
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine
 from logra_jax import policy_state
@@ -40,13 +42,13 @@ def config(policy_folder):
 @pytest.fixture(scope="module")
 def rollout_batch(policy_folder, config):
   policy = engine.Policy.load(policy_folder)
-  task = trainer.load_task(config)
-  batch, _ = engine.rollout(
+  task = setup.load_task(config)
+  batch, _ = scoring.rollout(
       policy,
       policy.params,
       list(task.examples[:4]),
       config,
-      [(trainer.task_verifier(task), 1.0)],
+      [(setup.task_verifier(task), 1.0)],
       jax.random.key(1),
   )
   return policy, batch

@@ -12,7 +12,7 @@ from tensorboardX.proto import event_pb2
 
 from logra_jax.rl import rewards
 from logra_jax.rl import tracking
-from logra_jax.rollout import engine as engine_lib
+from logra_jax.rl import scoring
 
 
 def _samples():
@@ -25,7 +25,7 @@ def _samples():
       completions,
       columns,
   )
-  return engine_lib.RolloutSamples(prompts, completions, columns, report)
+  return scoring.RolloutSamples(prompts, completions, columns, report)
 
 
 def test_sample_rows_are_the_first_completion_of_each_prompt():

@@ -1,6 +1,7 @@
 """The run in its folder: one run at a time, and a stop by SIGTERM that
 saves, writes its results and exits with SIGTERM's status."""
 
+import doctest
 import json
 import pathlib
 import signal
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from logra_jax.cli import main as cli_main
+from logra_jax.rl import guards, pipeline, run_log
 
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
 
@@ -67,3 +69,9 @@ def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
       for line in (out / "metrics.jsonl").read_text().splitlines()
   ]
   assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))
+
+
+def test_docstring_examples_run():
+  for module in (guards, pipeline, run_log):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -2,7 +2,6 @@
 and refuses what does not fit."""
 
 import functools
-import json
 import os
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from logra_jax import sync
 from logra_jax import configs
-from logra_jax.rl import learner, trainer
+from logra_jax.rl import learner, scoring, setup
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
 from logra_jax import policy_state
@@ -40,7 +39,7 @@ def _config(policy_folder, *overrides):
 
 
 def _prompts(policy, count=6):
-  task = trainer.load_task(SMOKE)
+  task = setup.load_task(SMOKE)
   return policy.encode([e["prompt"] for e in task.examples[:count]])
 
 
@@ -73,13 +72,13 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   full = sender.message(weights, opt_state, full=True)
   for engine in engines:
     engine.sync(full)
-  task = trainer.load_task(config)
-  batch, _ = engine_lib.rollout(
+  task = setup.load_task(config)
+  batch, _ = scoring.rollout(
       policy,
       policy.params,
       list(task.examples[:4]),
       config,
-      [(trainer.task_verifier(task), 1.0)],
+      [(setup.task_verifier(task), 1.0)],
       jax.random.key(1),
   )
   train_step = learner.make_train_step(policy.graphdef, tx, config)
@@ -288,44 +287,6 @@ def test_frames_cut_short_damaged_or_late_are_refused():
       transport.recv_frame(theirs)
 
 
-def test_the_default_job_in_a_process_matches_the_colocated_one(
-    policy_folder, tmp_path
-):
-  runs = {}
-  for engine in ("colocated", "process"):
-    config = configs.apply_overrides(
-        SMOKE,
-        [
-            f"policy.path={policy_folder}",
-            f"rollout.engine={engine}",
-            "sync.resync_every=2",
-        ],
-    )
-    summary = trainer.train(
-        config, tmp_path / engine, progress=False, log=QUIET
-    )
-    rows = [
-        json.loads(line)
-        for line in (tmp_path / engine / "metrics.jsonl").open()
-    ]
-    runs[engine] = summary, [
-        {
-            k: v
-            for k, v in row.items()
-            if not k.startswith(("time/", "compile/"))
-        }
-        for row in rows
-    ]
-  (colocated, colocated_rows), (process, process_rows) = runs.values()
-  assert process_rows == colocated_rows
-  for key in ("eval_accuracy_before", "eval_accuracy_after"):
-    assert process[key] == colocated[key]
-  # sync.resync_every=2: step 2's message is a full one.
-  full_bytes = [row["sync/bytes"] for row in process_rows]
-  assert full_bytes[1] > full_bytes[0] and full_bytes[1] > full_bytes[2]
-  assert all(row["sync/resyncs"] == 0 for row in process_rows)
-
-
 def test_the_engine_samples_in_its_own_dtype(policy_folder):
   config = _config(policy_folder, "optimizer.base_dtype=bfloat16")
   policy = engine_lib.Policy.load(policy_folder)
@@ -354,18 +315,6 @@ def test_the_engine_samples_in_its_own_dtype(policy_folder):
   )
   out = _greedy(engine.sample, _prompts(policy))
   assert out.tokens.shape == (6, 4)
-
-
-def test_a_process_engine_with_several_processes_is_refused(
-    policy_folder, tmp_path, monkeypatch
-):
-  """One engine process serves one learner process; a multi-process run
-  samples with the colocated engine (each process its own rows)."""
-  config = _config(policy_folder, "rollout.engine=process")
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  with pytest.raises(ValueError, match="several processes"):
-    trainer._check_inputs(config, tmp_path / "run", None, resume=False)
-  assert not (tmp_path / "run").exists()
 
 
 def test_policy_loads_with_the_configured_remat(policy_folder):

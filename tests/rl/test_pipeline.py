@@ -1,6 +1,8 @@
-"""Asynchronous rollouts (``rollout.max_staleness``): the engine samples
-ahead while the learner trains, each batch at most that many policy versions
-behind, and a checkpoint resumes from the first batch not trained on."""
+"""The rollout pipeline: the default job with the engine in its own process
+equals the colocated one; asynchronous rollouts (``rollout.max_staleness``):
+the engine samples ahead while the learner trains, each batch at most that
+many policy versions behind, and a checkpoint resumes from the first batch
+not trained on."""
 
 import json
 
@@ -14,6 +16,7 @@ from logra_jax import configs
 from logra_jax.rl import trainer
 
 SMOKE = configs.get_preset("smoke")
+QUIET = lambda message: None
 
 
 def test_one_step_off_policy_run(policy_folder, tmp_path):
@@ -88,3 +91,41 @@ def test_a_refused_sync_is_followed_by_a_full_one(
   ]
   assert len(rows) == 4
   assert rows[-1]["sync/resyncs"] == 1.0
+
+
+def test_the_default_job_in_a_process_matches_the_colocated_one(
+    policy_folder, tmp_path
+):
+  runs = {}
+  for engine in ("colocated", "process"):
+    config = configs.apply_overrides(
+        SMOKE,
+        [
+            f"policy.path={policy_folder}",
+            f"rollout.engine={engine}",
+            "sync.resync_every=2",
+        ],
+    )
+    summary = trainer.train(
+        config, tmp_path / engine, progress=False, log=QUIET
+    )
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / engine / "metrics.jsonl").open()
+    ]
+    runs[engine] = summary, [
+        {
+            k: v
+            for k, v in row.items()
+            if not k.startswith(("time/", "compile/"))
+        }
+        for row in rows
+    ]
+  (colocated, colocated_rows), (process, process_rows) = runs.values()
+  assert process_rows == colocated_rows
+  for key in ("eval_accuracy_before", "eval_accuracy_after"):
+    assert process[key] == colocated[key]
+  # sync.resync_every=2: step 2's message is a full one.
+  full_bytes = [row["sync/bytes"] for row in process_rows]
+  assert full_bytes[1] > full_bytes[0] and full_bytes[1] > full_bytes[2]
+  assert all(row["sync/resyncs"] == 0 for row in process_rows)

@@ -1,0 +1,327 @@
+"""The rollout pipeline: the prompt stream, rollout requests to the engine
+(up to ``rollout.max_staleness`` ahead of the learner), the policy version
+each was sampled with, the sync messages that keep the engine's weights in
+step, and the point a resumed run samples again from."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import pathlib
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+
+from logra_jax import policy_state
+from logra_jax import sync
+from logra_jax.configs import TrainConfig
+from logra_jax.data import tasks as tasks_lib
+from logra_jax.rl import algo
+from logra_jax.rl import scoring
+from logra_jax.rl.learner_state import Learner
+from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout import transport
+
+
+class PromptStream:
+  """The run's prompt batches (``tasks.prompt_batches``), counting how many
+  it has given so that a resumed run draws exactly the same ones.
+
+  Example:
+    >>> examples = [{"prompt": str(i), "answer": ""} for i in range(5)]
+    >>> stream = PromptStream(examples, 2, seed=0)
+    >>> _ = next(stream), next(stream)
+    >>> resumed = PromptStream(examples, 2, seed=0, position=stream.position)
+    >>> next(resumed) == next(stream)
+    True
+  """
+
+  def __init__(
+      self,
+      examples: Sequence[dict],
+      batch_size: int,
+      seed: int,
+      position: int = 0,
+  ):
+    self._batches = tasks_lib.prompt_batches(examples, batch_size, seed=seed)
+    for _ in range(position):
+      next(self._batches)
+    self.position = position
+
+  def __iter__(self) -> Iterator[list[dict]]:
+    return self
+
+  def __next__(self) -> list[dict]:
+    self.position += 1
+    return next(self._batches)
+
+
+def start_engine(
+    config: TrainConfig,
+    policy: engine_lib.Policy,
+    folder: pathlib.Path,
+    out: pathlib.Path,
+    learner: Learner,
+    closing: contextlib.ExitStack,
+) -> tuple[sync.PolicySender, engine_lib.Engine]:
+  """The learner's sync sender and the rollout engine of
+  ``config.rollout.engine`` (closed by ``closing``), synced to the learner's
+  weights by a full message."""
+  weights, opt_state = learner.weights, learner.opt_state
+  sync_fields = engine_lib.sync_fields(config, folder)
+  sender = sync.PolicySender(
+      weights, opt_state, seed=config.seed, **sync_fields
+  )
+  if config.rollout.engine == "process":
+    engine = transport.ProcessEngine(
+        policy, config, folder, log_path=out / "rollout_engine.log"
+    )
+  else:
+    engine = engine_lib.RolloutEngine(
+        policy,
+        policy_state.synced_state(weights, opt_state),
+        seed=config.seed,
+        shardings=learner.params_sharding,
+        dtype=engine_lib.sampling_dtype(config.rollout.dtype),
+        **sync_fields,
+    )
+  closing.callback(engine.close)
+  if engine.signature != sender.signature:
+    raise ValueError(
+        "the rollout engine was built for another policy than the learner's "
+        "(model, shapes, dtypes, seed or optimizer settings differ)"
+    )
+  engine.sync(sender.message(weights, opt_state, full=True))
+  return sender, engine
+
+
+NO_SYNC_YET = engine_lib.SyncStats(
+    message_bytes=0,
+    seconds=0.0,
+    resynced=False,
+    full_bfloat16_bytes=0,
+    sparse_delta_bytes=0,
+)
+
+
+def sync_metrics(stats: engine_lib.SyncStats, resyncs: int) -> dict[str, float]:
+  """A step's sync figures: bytes of the message, of a full bfloat16
+  broadcast and of a sparse delta of the changed bfloat16 values, seconds,
+  and the resyncs so far."""
+  return {
+      "sync/bytes": float(stats.message_bytes),
+      "sync/full_bf16_bytes": float(stats.full_bfloat16_bytes),
+      "sync/sparse_delta_bytes": float(stats.sparse_delta_bytes),
+      "time/sync_s": stats.seconds,
+      "sync/resyncs": float(resyncs),
+  }
+
+
+class Rollout(NamedTuple):
+  """A rollout batch ready for the learner, its metrics (with
+  ``rollout/version_lag``) and what was sampled."""
+
+  batch: algo.RolloutBatch
+  metrics: dict[str, float]
+  samples: scoring.RolloutSamples
+
+
+class _Request(NamedTuple):
+  """A rollout requested and not yet trained on: its job, the policy
+  version the engine samples it with, and the data position and key before
+  it."""
+
+  job: concurrent.futures.Future
+  version: int
+  position: int
+  key: jax.Array
+
+
+class RolloutPipeline:
+  """Rollout requests to the engine and the sync messages that follow the
+  learner, in order.
+
+  With ``rollout.max_staleness = 0`` every request and message is served
+  at once, on this thread. Otherwise (asynchronous rollouts) one worker
+  thread talks to the engine, in order (sample requests, sync messages,
+  evaluations), while the caller trains: the engine samples up to
+  ``max_staleness`` batches ahead, each with the newest weights synced
+  before its request.
+
+  Args:
+    engine: the rollout engine, synced to the learner's initial weights.
+    sender: the learner's sync sender.
+    config: the run's config.
+    rewards: the run's ``(reward_fn, weight)`` pairs.
+    prompts: the run's prompt stream, at the run's data position.
+    key: the run's PRNG key at that position.
+    version: the policy version the engine holds (the step it follows).
+    eval_examples: the held-out examples of :meth:`evaluate`.
+
+  Attributes:
+    engine: the rollout engine.
+    eval_examples: the held-out examples of :meth:`evaluate`.
+  """
+
+  def __init__(
+      self,
+      engine: engine_lib.Engine,
+      sender: sync.PolicySender,
+      config: TrainConfig,
+      rewards: list[tuple[Callable, float]],
+      prompts: PromptStream,
+      key: jax.Array,
+      version: int,
+      eval_examples: Sequence[dict],
+  ):
+    self.engine = engine
+    self.eval_examples = eval_examples
+    self._sender = sender
+    self._config = config
+    self._rewards = rewards
+    self._prompts = prompts
+    self._key = key
+    self._staleness = config.rollout.max_staleness
+    self._worker = (
+        concurrent.futures.ThreadPoolExecutor(1, "rollout")
+        if self._staleness
+        else None
+    )
+    self._pending: collections.deque[_Request] = collections.deque()
+    self._syncs: collections.deque[concurrent.futures.Future] = (
+        collections.deque()
+    )
+    self._engine_version = version
+    self._synced: Optional[engine_lib.SyncStats] = None
+
+  @property
+  def asynchronous(self) -> bool:
+    """Whether a worker thread serves the engine (``max_staleness > 0``)."""
+    return self._worker is not None
+
+  def close(self) -> None:
+    """Waits for the worker thread's jobs and ends it."""
+    if self._worker is not None:
+      self._worker.shutdown()
+
+  def _rollout_job(self, examples: list[dict], key: jax.Array) -> tuple:
+    """Samples and scores one batch with the engine's weights."""
+    seen = []
+    batch, metrics = scoring.rollout_with(
+        self.engine.policy,
+        self.engine.sample,
+        examples,
+        self._config,
+        self._rewards,
+        key,
+        observe=seen.append,
+    )
+    return batch, metrics, seen[0]
+
+  def _request(self) -> None:
+    """Requests the rollout of the next prompt batch."""
+    position, key_before = self._prompts.position, self._key
+    examples = next(self._prompts)
+    self._key, rollout_key = jax.random.split(self._key)
+    if self._worker is None:
+      job = concurrent.futures.Future()
+      job.set_result(self._rollout_job(examples, rollout_key))
+    else:
+      job = self._worker.submit(self._rollout_job, examples, rollout_key)
+    self._pending.append(
+        _Request(job, self._engine_version, position, key_before)
+    )
+
+  def next_rollout(self, step: int) -> Rollout:
+    """The rollout the learner trains on at ``step`` (0-based), requesting
+    the ones ahead of it that ``max_staleness`` allows."""
+    while len(self._pending) <= self._staleness:
+      self._request()
+    request = self._pending.popleft()
+    batch, metrics, samples = request.job.result()
+    metrics["rollout/version_lag"] = float(step - request.version)
+    return Rollout(batch, metrics, samples)
+
+  def sync(self, learner: Learner, step: int) -> engine_lib.SyncStats:
+    """Sends the learner's weights after ``step`` (1-based) to the engine
+    (a full message every ``sync.resync_every`` steps); the figures of the
+    latest sync that finished."""
+    full = bool(
+        self._config.sync.resync_every
+        and step % self._config.sync.resync_every == 0
+    )
+    message = self._sender.message(
+        learner.weights, learner.opt_state, full=full
+    )
+    if self._worker is None:
+      synced = self.engine.sync(
+          message,
+          resync=lambda: self._sender.message(
+              learner.weights, learner.opt_state, full=True
+          ),
+      )
+    else:
+      # On the host now: the next step donates the arrays it was made of.
+      message = dataclasses.replace(
+          message,
+          arrays={n: np.asarray(x) for n, x in message.arrays.items()},
+      )
+      self._syncs.append(self._worker.submit(self.engine.sync, message))
+      self.collect_syncs(learner, wait=False)
+      # The figures of the latest sync that finished (none at first).
+      synced = self._synced or NO_SYNC_YET
+    self._engine_version = step
+    return synced
+
+  def collect_syncs(self, learner: Learner, wait: bool) -> None:
+    """Records the asynchronous syncs that finished (all, with ``wait``); a
+    refused one is followed by a full message of ``learner``'s weights,
+    once every request before it is done."""
+    refused = False
+    while self._syncs and (wait or self._syncs[0].done()):
+      try:
+        self._synced = self._syncs.popleft().result()
+      except sync.SyncError:
+        refused = True
+    if refused:
+      for request in self._pending:
+        request.job.result()
+      for job in self._syncs:
+        job.exception()
+      self._syncs.clear()
+      self._synced = self.engine.sync(
+          self._sender.message(learner.weights, learner.opt_state, full=True)
+      )
+      self.engine.resyncs += 1
+
+  def evaluate(self) -> dict[str, float]:
+    """Held-out accuracy with the engine's latest weights (after every
+    request before it)."""
+    if self._worker is None:
+      return self._evaluate()
+    return self._worker.submit(self._evaluate).result()
+
+  def _evaluate(self) -> dict[str, float]:
+    """Held-out accuracy with the engine's weights, on this thread."""
+    return scoring.evaluate_with(
+        self.engine.policy,
+        self.engine.sample,
+        self.eval_examples,
+        self._rewards,
+        self._config.rollout.max_new_tokens,
+    )
+
+  def sync_metrics(self, stats: engine_lib.SyncStats) -> dict[str, float]:
+    """A step's sync figures (:func:`sync_metrics`) and the resyncs so
+    far."""
+    return sync_metrics(stats, self.engine.resyncs)
+
+  def resume_point(self) -> tuple[int, jax.Array]:
+    """Data position and key before the first batch not yet trained on (a
+    resumed run samples the prefetched batches again)."""
+    if self._pending:
+      return self._pending[0].position, self._pending[0].key
+    return self._prompts.position, self._key

@@ -1,0 +1,218 @@
+"""Scoring what the rollout engine samples: rollout batches with their
+rewards and group advantages, and held-out evaluation.
+
+The engine (:mod:`logra_jax.rollout.engine`) only samples; each function
+here takes the policy (its tokenizer encodes prompts and decodes
+completions) and either its ``params`` (:func:`rollout`, :func:`evaluate`)
+or any sample function, e.g. an engine's ``sample`` (:func:`rollout_with`,
+:func:`evaluate_with`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax import parallel
+from logra_jax.configs import TrainConfig
+from logra_jax.rl import algo
+from logra_jax.rl import rewards as rewards_lib
+from logra_jax.rollout.engine import Policy, SampleFn
+
+
+def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
+  """The examples' fields other than the prompt, each row ``repeat`` times."""
+  keys = [k for k in examples[0] if k != "prompt"]
+  return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
+
+
+def evaluate(
+    policy: Policy,
+    params,
+    examples: Sequence[dict],
+    rewards: list[tuple[Callable, float]],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> dict[str, float]:
+  """Greedy held-out accuracy (fraction of completions the verifier scores
+  1.0) and mean score."""
+  return evaluate_with(
+      policy,
+      functools.partial(policy.sampler.sample, params),
+      examples,
+      rewards,
+      max_new_tokens,
+      batch_size,
+  )
+
+
+def score(
+    rewards: list[tuple[Callable, float]],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+) -> rewards_lib.RewardReport:
+  """The rewards of a batch. With several processes each scores its own
+  share of the rows (:func:`parallel.process_rows`) and every process gets
+  the whole report (first errors: this process's own)."""
+  if jax.process_count() == 1:
+    return rewards_lib.evaluate_rewards(rewards, prompts, completions, columns)
+  n = len(prompts)
+  rows = parallel.process_rows(n)
+  mine = rewards_lib.evaluate_rewards(
+      rewards,
+      prompts[rows],
+      completions[rows],
+      {name: values[rows] for name, values in columns.items()},
+  )
+  names = list(mine.per_function)
+  counts = parallel.sum_over_processes(
+      np.array([[mine.failures[k], mine.timeouts[k]] for k in names], np.int64)
+  )
+  return rewards_lib.RewardReport(
+      rewards=parallel.gather_rows(mine.rewards, n),
+      per_function={
+          k: parallel.gather_rows(mine.per_function[k], n) for k in names
+      },
+      failures={k: int(c[0]) for k, c in zip(names, counts)},
+      timeouts={k: int(c[1]) for k, c in zip(names, counts)},
+      first_errors=mine.first_errors,
+  )
+
+
+def evaluate_with(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    rewards: list[tuple[Callable, float]],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> dict[str, float]:
+  """:func:`evaluate` with ``sample`` (e.g. an engine's ``sample``)."""
+  scores = []
+  for start in range(0, len(examples), batch_size):
+    chunk = list(examples[start : start + batch_size])
+    prompts = [e["prompt"] for e in chunk]
+    out = sample(
+        policy.encode(prompts),
+        jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+    )
+    report = score(
+        rewards,
+        prompts,
+        policy.decode(parallel.host_value(out.tokens)),
+        _columns(chunk, 1),
+    )
+    scores.append(report.rewards)
+  scores = np.concatenate(scores)
+  return {
+      "accuracy": float(np.mean(scores >= 1.0)),
+      "score": float(np.mean(scores)),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSamples:
+  """What a rollout sampled and how it was scored, for logs and warnings.
+
+  Attributes:
+    prompts: the prompt of each completion (``num_generations`` in a row
+      per prompt), before any chat template.
+    completions: the decoded completions.
+    columns: the examples' other fields, aligned with the completions.
+    report: the rewards of each completion.
+  """
+
+  prompts: list[str]
+  completions: list[str]
+  columns: dict[str, list]
+  report: rewards_lib.RewardReport
+
+
+def rollout(
+    policy: Policy,
+    params,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+    observe: Optional[Callable[[RolloutSamples], None]] = None,
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """Samples ``num_generations`` completions per prompt, scores them and
+  computes group advantages; ``observe`` (e.g. a sample log) sees each
+  batch's :class:`RolloutSamples`. The batch is cut to
+  :func:`algo.bucket_width` of its longest prompt and completion (metrics
+  ``batch/prompt_width``, ``batch/completion_width``), so the learner's
+  step costs what the rollouts need, not what ``max_new_tokens`` allows."""
+  return rollout_with(
+      policy,
+      functools.partial(policy.sampler.sample, params),
+      examples,
+      config,
+      rewards,
+      key,
+      observe,
+  )
+
+
+def rollout_with(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+    observe: Optional[Callable[[RolloutSamples], None]] = None,
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """:func:`rollout` with ``sample`` (e.g. an engine's ``sample``)."""
+  group = config.rollout.num_generations
+  prompts = [e["prompt"] for e in examples for _ in range(group)]
+  prompt_ids = policy.encode(prompts)
+  out = sample(
+      prompt_ids,
+      key,
+      max_new_tokens=config.rollout.max_new_tokens,
+      temperature=config.rollout.temperature,
+      top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k,
+  )
+  completions = policy.decode(parallel.host_value(out.tokens))
+  columns = _columns(examples, group)
+  report = score(rewards, prompts, completions, columns)
+  if observe is not None:
+    observe(RolloutSamples(prompts, completions, columns, report))
+  rewards_N = jnp.asarray(report.rewards, jnp.float32)
+  lengths = parallel.host_value(out.lengths)
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=out.prompt_ids,
+      prompt_mask_BxP=out.prompt_mask,
+      completion_tokens_BxT=out.tokens,
+      completion_mask_BxT=out.mask,
+      old_logp_BxT=out.logprobs,
+      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
+      num_generations=group,
+  )
+  # The learner's batch is no wider than its longest prompt and completion,
+  # rounded up to one of a few widths (each compiles the train step once).
+  batch = batch.trimmed(
+      algo.bucket_width(
+          max(map(len, prompt_ids)), batch.prompt_tokens_BxP.shape[1]
+      ),
+      algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
+  )
+  metrics = report.metrics()
+  metrics["accuracy/train"] = float(np.mean(report.rewards >= 1.0))
+  metrics["completion_length"] = float(np.mean(lengths))
+  metrics["completion_length/max"] = float(lengths.max())
+  metrics["batch/prompt_width"] = float(batch.prompt_tokens_BxP.shape[1])
+  metrics["batch/completion_width"] = float(
+      batch.completion_tokens_BxT.shape[1]
+  )
+  return batch, metrics
