@@ -46,7 +46,7 @@ import optax.contrib
 import logra_jax as logra
 from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored
-from logra_jax.optim import transforms
+from logra_jax.optim import state_queries
 
 GPT2_SMALL = dict(
     vocab=50257,
@@ -223,7 +223,7 @@ def time_factored_steps(tx, shapes, repeats: int, merge: bool) -> float:
     if projectors is None:
       # Within a window, as value_and_sketch_grad hands them over: the
       # stored projectors passed through, or the random ones regenerated.
-      projectors = transforms.window_projectors(state)
+      projectors = state_queries.window_projectors(state)
     updates, state = tx.update(grads, state, weights, projectors=projectors)
     weights = factored.apply_updates(weights, updates)
     if merge:

@@ -1,17 +1,62 @@
-"""logra-jax: memory-efficient RL post-training with low-rank gradient sketches."""
+"""logra-jax: memory-efficient RL post-training with low-rank gradient sketches.
 
-from logra_jax.optim import DimensionNumbers
-from logra_jax.optim import factored_updates
-from logra_jax.optim import FactoredUpdate
-from logra_jax.optim import logra
-from logra_jax.optim import make_kl_predictor
-from logra_jax.optim import predicted_kl_state
-from logra_jax.optim import scale_by_predicted_kl
-from logra_jax.optim import low_rank_moments
-from logra_jax.optim import optimizer_state_bytes
-from logra_jax.optim import project
-from logra_jax.optim import SketchProjectors
-from logra_jax.optim import unproject
+The public surface: the optax transforms of LoGRA and their state types, the
+``logra`` alias, the low-rank weight ops models call, sketch-direct gradients
+and the predicted-KL step control.
+"""
+
+import importlib.metadata
+
+from logra_jax.lowrank import LowRankDelta
+from logra_jax.lowrank import matmul
+from logra_jax.lowrank import take
+from logra_jax.optim.alias import logra
+from logra_jax.optim.dimension_numbers import DimensionNumbers
+from logra_jax.optim.kl_control import KLPredictor
+from logra_jax.optim.kl_control import make_kl_predictor
+from logra_jax.optim.kl_control import predicted_kl_state
+from logra_jax.optim.kl_control import scale_by_predicted_kl
+from logra_jax.optim.kl_control import ScaleByPredictedKLState
+from logra_jax.optim.moments import low_rank_moments
+from logra_jax.optim.projection import project
 from logra_jax.optim.sketch_grad import value_and_sketch_grad
+from logra_jax.optim.state_queries import factored_updates
+from logra_jax.optim.state_queries import kept_dense_paths
+from logra_jax.optim.state_queries import optimizer_state_bytes
+from logra_jax.optim.types import FactoredDelta
+from logra_jax.optim.types import FactoredUpdate
+from logra_jax.optim.types import LowRankMomentsState
+from logra_jax.optim.types import ProjectState
+from logra_jax.optim.types import Sketched
+from logra_jax.optim.types import SketchProjectors
+from logra_jax.optim.types import UnprojectState
+from logra_jax.optim.unprojection import unproject
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("logra-jax")
+
+__all__ = (
+    "DimensionNumbers",
+    "FactoredDelta",
+    "FactoredUpdate",
+    "KLPredictor",
+    "LowRankDelta",
+    "LowRankMomentsState",
+    "ProjectState",
+    "ScaleByPredictedKLState",
+    "SketchProjectors",
+    "Sketched",
+    "UnprojectState",
+    "factored_updates",
+    "kept_dense_paths",
+    "logra",
+    "low_rank_moments",
+    "make_kl_predictor",
+    "matmul",
+    "optimizer_state_bytes",
+    "predicted_kl_state",
+    "project",
+    "scale_by_predicted_kl",
+    "take",
+    "unproject",
+    "value_and_sketch_grad",
+)

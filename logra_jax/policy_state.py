@@ -22,7 +22,7 @@ from logra_jax.configs import OptimizerConfig
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import sketch_grad
-from logra_jax.optim import transforms
+from logra_jax.optim import state_queries
 from logra_jax.optim.non_finite import skip_non_finite
 
 
@@ -213,7 +213,7 @@ def dense_weights(
         else jax.tree.map(lambda p: p.astype(dtype), weights)
     )
   return factored_lib.effective_weights(
-      weights, transforms.window_projectors(opt_state), dtype
+      weights, state_queries.window_projectors(opt_state), dtype
   )
 
 
@@ -237,14 +237,14 @@ def dense_adam_state_bytes(params: Any) -> int:
 
 def synced_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
   """What a receiver holds: the weights and, when they are factored, the
-  window's projectors (``transforms.window_projectors``; None elsewhere).
+  window's projectors (``state_queries.window_projectors``; None elsewhere).
   Weights of another optimizer are dense leaves, sent whole every step;
   LoRA weights send their adapters every step, the frozen rest in full
   messages."""
   if sketch_grad.project_state(opt_state) is None:
     projectors = jax.tree.map(lambda _: None, weights, is_leaf=is_structured)
   else:
-    projectors = transforms.window_projectors(opt_state)
+    projectors = state_queries.window_projectors(opt_state)
   return {"weights": weights, "projectors": projectors}
 
 

@@ -65,7 +65,8 @@ from logra_jax import policy_state
 from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
-from logra_jax.optim import transforms
+from logra_jax.optim import state_queries
+from logra_jax.optim.types import ProjectState
 
 FORMAT_VERSION = 1
 _MAGIC = b"LOGRASYN"
@@ -175,7 +176,7 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
 
 
 def _merges(
-    state: Optional[transforms.ProjectState], since: Optional[int]
+    state: Optional[ProjectState], since: Optional[int]
 ) -> list[int]:
   """The steps of the merges the updates since the ``project`` stage's count
   ``since`` were preceded by (None: the last update's): the learner merges
@@ -218,7 +219,7 @@ class PolicySender:
       return policy_state.synced_state(weights, opt_state)
     window = (int(project.count) - 1) // project.spec.config.refresh_every
     if self._window is None or self._window[0] != window:
-      self._window = (window, transforms.window_projectors(opt_state))
+      self._window = (window, state_queries.window_projectors(opt_state))
     return {"weights": weights, "projectors": self._window[1]}
 
   def message(

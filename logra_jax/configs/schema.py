@@ -23,7 +23,7 @@ from logra_jax.optim.factored import BASE_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
 from logra_jax.optim.projectors import KINDS
-from logra_jax.optim.transforms import MOMENT_POLICIES
+from logra_jax.optim.types import MOMENT_POLICIES
 
 OPTIMIZERS = ("logra", "adam", "galore", "lora")
 GRADIENT_MODES = ("sketch", "dense")

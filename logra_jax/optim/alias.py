@@ -8,7 +8,9 @@ import optax
 
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import kl_control
-from logra_jax.optim import transforms
+from logra_jax.optim import moments
+from logra_jax.optim import projection
+from logra_jax.optim import unprojection
 from logra_jax.optim.dimension_numbers import SpecTree
 
 
@@ -73,7 +75,7 @@ def logra(
       :func:`scale_by_predicted_kl`); None disables KL control.
     kl_mode: ``"clamp"`` or ``"target"``, with ``target_kl``.
     factored: updates of projected leaves stay factored
-      (:class:`~logra_jax.optim.transforms.FactoredDelta`, weight decay
+      (:class:`~logra_jax.optim.types.FactoredDelta`, weight decay
       included), for params kept as ``B + P A``
       (:mod:`logra_jax.optim.factored`); apply them with
       :func:`logra_jax.optim.factored.apply_updates`.
@@ -111,7 +113,7 @@ def logra(
         else optax.masked(stage, weight_decay_mask)
     ]
   return optax.chain(
-      transforms.project(
+      projection.project(
           rank=rank,
           kind=kind,
           refresh_every=refresh_every,
@@ -122,10 +124,10 @@ def logra(
           mask=mask,
           moment_policy=moment_policy,
       ),
-      transforms.low_rank_moments(
+      moments.low_rank_moments(
           optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)
       ),
-      transforms.unproject(
+      unprojection.unproject(
           scale=scale, keep_factors=keep_factors, factored=factored
       ),
       *decay,

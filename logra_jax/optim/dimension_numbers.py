@@ -52,7 +52,8 @@ class LeafPlan:
 
   A leaf with ``rank == 0`` is dense: it goes through the inner transform at
   full size. Otherwise the weight is viewed as ``[batch, m, n]`` and projected
-  on its longer side with ``rank`` columns.
+  on its longer side with ``rank`` columns. A matrix smaller than the rank on
+  both sides is ``kept_dense`` (``rank == 0``, its ``m x n`` recorded).
   """
 
   path: str
@@ -66,6 +67,7 @@ class LeafPlan:
   rank: int = 0
   param_spec: tuple[Any, ...] = ()
   groups: tuple[int, int, int] = (0, 0, 0)
+  kept_dense: bool = False
 
   @property
   def projected(self) -> bool:
@@ -352,10 +354,13 @@ def plan_leaves(
 ) -> Any:
   """Builds the static ``LeafPlan`` of every parameter leaf.
 
+  A matrix whose two sides are both smaller than ``rank`` is kept dense (its
+  plan has ``kept_dense=True``); otherwise the rank is clipped to the shorter
+  side.
+
   Raises:
     ValueError: naming the parameter path, for dimension numbers that overlap,
-      miss axes or do not fit the weight, and for a rank larger than both
-      matrix dimensions.
+      miss axes or do not fit the weight.
   """
   specs_flat = resolve_specs(params, dimension_numbers, mask)
   params_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -378,10 +383,19 @@ def plan_leaves(
     m = math.prod(shape[a] for a in reduction)
     n = math.prod(shape[a] for a in output)
     if rank > max(m, n):
-      raise ValueError(
-          f"rank={rank} is larger than both dimensions of parameter {path!r} "
-          f"viewed as a {m}x{n} matrix (shape {shape})"
+      plans.append(
+          LeafPlan(
+              path=path,
+              index=index,
+              shape=shape,
+              dtype=dtype,
+              m=m,
+              n=n,
+              param_spec=explicit_spec(p),
+              kept_dense=True,
+          )
       )
+      continue
     plans.append(
         LeafPlan(
             path=path,

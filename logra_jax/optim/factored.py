@@ -38,9 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.optim import transforms
+from logra_jax.optim import projection
+from logra_jax.optim import state_queries
 from logra_jax.optim.dimension_numbers import LeafPlan
-from logra_jax.optim.transforms import FactoredDelta
+from logra_jax.optim.types import FactoredDelta
+from logra_jax.optim.types import ProjectState
 
 BASE_DTYPES = ("float32", "bfloat16")
 
@@ -82,8 +84,8 @@ def is_factored(x) -> bool:
   return isinstance(x, FactoredWeight)
 
 
-def _project_state(opt_state) -> transforms.ProjectState:
-  found = transforms.find_states(opt_state, transforms.ProjectState)
+def _project_state(opt_state) -> ProjectState:
+  found = state_queries.find_states(opt_state, ProjectState)
   if len(found) != 1:
     raise ValueError(
         "a factored policy needs an optimizer state with exactly "
@@ -129,7 +131,7 @@ def factor(
         f"base_dtype must be one of {BASE_DTYPES}, got " f"{base_dtype!r}"
     )
   spec = _project_state(opt_state).spec
-  flat = transforms._flatten_like(spec, params, "params")
+  flat = projection.flatten_like(spec, params, "params")
   leaves = []
   for plan, p in zip(spec.plans, flat):
     if tuple(jnp.shape(p)) != plan.shape:
@@ -347,7 +349,7 @@ def merge(params: Any, projectors: Any, *, seed: int, step: jax.Array) -> Any:
   Args:
     params: factored params.
     projectors: a tree like the params with each projected leaf's
-      ``[batch, long, rank]`` projector (``transforms.window_projectors``).
+      ``[batch, long, rank]`` projector (``state_queries.window_projectors``).
     seed: the run's seed.
     step: the step the merge belongs to (traced int).
 
@@ -372,7 +374,7 @@ def merge_at_refresh(
   the ``project`` stage's count."""
   state = _project_state(opt_state)
   due = state.count % state.spec.config.refresh_every == 0
-  projectors = transforms.window_projectors(opt_state)
+  projectors = state_queries.window_projectors(opt_state)
   return jax.lax.cond(
       due,
       lambda: merge(params, projectors, seed=seed, step=state.count),

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import optax
 
 from logra_jax.optim import factored as factored_lib
-from logra_jax.optim.transforms import FactoredDelta
-from logra_jax.optim.transforms import FactoredUpdate
-from logra_jax.optim.transforms import find_states
+from logra_jax.optim.state_queries import find_states
+from logra_jax.optim.types import FactoredDelta
+from logra_jax.optim.types import FactoredUpdate
 
 KL_MODES = ("clamp", "target")
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from logra_jax.optim.kl_control import predicted_kl_state
-from logra_jax.optim.transforms import find_states
+from logra_jax.optim.state_queries import find_states
 
 # What `SkipNonFiniteState.reason` bits stand for, lowest bit first.
 NON_FINITE_REASONS = ("loss", "gradients", "predicted KL", "update")

@@ -37,7 +37,11 @@ from logra_jax import lowrank
 from logra_jax.lowrank import LowRankDelta
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import projectors as proj_lib
-from logra_jax.optim import transforms
+from logra_jax.optim import projection
+from logra_jax.optim import state_queries
+from logra_jax.optim.types import ProjectionSpec
+from logra_jax.optim.types import ProjectState
+from logra_jax.optim.types import SketchProjectors
 from logra_jax.optim.dimension_numbers import LeafPlan
 
 
@@ -72,7 +76,7 @@ def factored_view(params: Any, projectors: Any) -> Any:
     projectors: a tree like the params with each projected leaf's
       ``[batch, long, rank]`` projector: this step's (the
       :class:`~logra_jax.SketchProjectors` of :func:`value_and_sketch_grad`)
-      or the last update's (``transforms.window_projectors``).
+      or the last update's (``state_queries.window_projectors``).
 
   Returns:
     A tree like ``params`` with a ``LowRankDelta`` at each factored leaf.
@@ -163,7 +167,7 @@ def value_and_sketch_grad(
   result equals projecting the dense gradient (to float rounding); see the
   module docstring for the cost of refresh steps per projector kind. A
   refreshed projector that is not finite is replaced as
-  :func:`logra_jax.optim.transforms.refuse_non_finite_projector` says before
+  :func:`logra_jax.optim.projection.refuse_non_finite_projector` says before
   any sketch is taken with it (``kind="range"`` then runs one more backward
   pass), and counted in ``projectors.non_finite``.
 
@@ -235,7 +239,9 @@ def value_and_sketch_grad(
         _view_leaf(p, q) if factored_lib.is_factored(p) else p
         for p, q in zip(
             params_flat,
-            spec.treedef.flatten_up_to(transforms.window_projectors(opt_state)),
+            spec.treedef.flatten_up_to(
+                state_queries.window_projectors(opt_state)
+            ),
         )
     ]
     passes = _Passes(
@@ -254,7 +260,7 @@ def value_and_sketch_grad(
       pairs = [
           None
           if p is None
-          else transforms.refuse_non_finite_projector(
+          else projection.refuse_non_finite_projector(
               p, p_old, plan, config, state.count
           )
           for plan, p, p_old in zip(plans, projectors, old_projectors)
@@ -268,7 +274,7 @@ def value_and_sketch_grad(
     no_refusal = jnp.zeros([], jnp.int32)
     if config.kind == "random":
       projectors = [
-          transforms.random_window_projector(plan, config, window)
+          projection.random_window_projector(plan, config, window)
           if plan.projected
           else None
           for plan in plans
@@ -295,21 +301,19 @@ def value_and_sketch_grad(
     return (
         value,
         spec.treedef.unflatten(grads),
-        transforms.SketchProjectors(
-            spec.treedef.unflatten(projectors), refused
-        ),
+        SketchProjectors(spec.treedef.unflatten(projectors), refused),
     )
 
   return fn
 
 
-def project_state(opt_state) -> transforms.ProjectState | None:
+def project_state(opt_state) -> ProjectState | None:
   """The state of the one ``logra.project`` stage in ``opt_state``, or None.
 
   Raises:
     ValueError: if there is more than one.
   """
-  found = transforms.find_states(opt_state, transforms.ProjectState)
+  found = state_queries.find_states(opt_state, ProjectState)
   if len(found) > 1:
     raise ValueError(
         "sketch-direct gradients need at most one logra.project "
@@ -318,7 +322,7 @@ def project_state(opt_state) -> transforms.ProjectState | None:
   return found[0] if found else None
 
 
-def _project_state(opt_state) -> transforms.ProjectState:
+def _project_state(opt_state) -> ProjectState:
   state = project_state(opt_state)
   if state is None:
     raise ValueError(
@@ -328,9 +332,9 @@ def _project_state(opt_state) -> transforms.ProjectState:
   return state
 
 
-def _check_params(spec: transforms.ProjectionSpec, params) -> list:
+def _check_params(spec: ProjectionSpec, params) -> list:
   """Flattens ``params`` against the state's plans; errors name the leaf."""
-  flat = transforms._flatten_like(spec, params, "params")
+  flat = projection.flatten_like(spec, params, "params")
   any_factored = any(map(factored_lib.is_factored, flat))
   for p, plan in zip(flat, spec.plans):
     if tuple(jnp.shape(p)) != plan.shape:

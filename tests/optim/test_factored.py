@@ -11,8 +11,7 @@ import pytest
 
 import logra_jax as logra
 from logra_jax.optim import factored
-from logra_jax.optim import transforms
-from logra_jax.optim.transforms import FactoredDelta
+from logra_jax.optim import state_queries
 from logra_jax.optim.sketch_grad import factored_view
 from logra_jax.lowrank import matmul
 from tolerances import float_tolerance
@@ -90,7 +89,7 @@ def _run_both(kind, moment_policy, weight_decay=0.0):
     )
     weights = factored.apply_updates(weights, updates_f)
     effective = factored.effective_weights(
-        weights, transforms.window_projectors(state_f)
+        weights, state_queries.window_projectors(state_f)
     )
     return (params, state, weights, state_f), (params, effective)
 
@@ -383,12 +382,12 @@ def _dense_update(updates, weights, projectors):
   effective = factored.effective_weights(weights, projectors)
 
   def leaf(u, w, p):
-    if not isinstance(u, FactoredDelta):
+    if not isinstance(u, logra.FactoredDelta):
       return u
     decay = 0.0 if u.decay is None else u.decay
     return decay * w + u.plan.expand(p, u.coords)
 
-  is_delta = lambda x: isinstance(x, FactoredDelta)
+  is_delta = lambda x: isinstance(x, logra.FactoredDelta)
   return jax.tree.map(leaf, updates, effective, projectors, is_leaf=is_delta)
 
 
@@ -399,7 +398,7 @@ def _delta(weights, decay):
 
   def leaf(w):
     if factored.is_factored(w):
-      return FactoredDelta(
+      return logra.FactoredDelta(
           _normal(next(seeds), w.coords.shape, LR),
           None if decay is None else jnp.float32(decay),
           w.plan,
@@ -424,7 +423,7 @@ def test_kl_predictor_on_factored_params_equals_dense():
     kappa_d = logra.make_kl_predictor(_logits, dense, x_BxTxM)(
         _dense_update(updates, weights, projectors)
     )
-    is_delta = lambda x: isinstance(x, FactoredDelta)
+    is_delta = lambda x: isinstance(x, logra.FactoredDelta)
     undecayed = jax.tree.map(
         lambda u: dataclasses.replace(u, decay=None) if is_delta(u) else u,
         updates,
@@ -478,9 +477,9 @@ def test_update_norm_is_the_frobenius_norm_of_the_step(decay):
     got = factored.update_norm(updates, weights, projectors)
     want = optax.global_norm(_dense_update(updates, weights, projectors))
     steps = [
-        u.coords if isinstance(u, FactoredDelta) else u
+        u.coords if isinstance(u, logra.FactoredDelta) else u
         for u in jax.tree.leaves(
-            updates, is_leaf=lambda x: isinstance(x, FactoredDelta)
+            updates, is_leaf=lambda x: isinstance(x, logra.FactoredDelta)
         )
     ]
     weight = optax.global_norm(factored.effective_weights(weights, projectors))

@@ -9,7 +9,7 @@ import pytest
 import logra_jax as logra
 from logra_jax import lowrank
 from logra_jax.optim import sketch_grad
-from logra_jax.optim import transforms
+from logra_jax.optim import projection
 
 PARAMS = {"a": jnp.ones((16, 8)), "b": jnp.ones((16, 8))}
 X = jax.random.normal(jax.random.key(0), (5, 16))
@@ -43,7 +43,7 @@ def _projectors(state):
 def _random_projector(state, leaf, window):
   plan = sketch_grad.project_state(state).spec.plan_tree()[leaf]
   config = sketch_grad.project_state(state).spec.config
-  return transforms.random_window_projector(plan, config, window)
+  return projection.random_window_projector(plan, config, window)
 
 
 def _assert_orthonormal(p):
