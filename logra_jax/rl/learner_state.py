@@ -229,6 +229,11 @@ class Learner:
     )
     return restored.loop
 
+  @property
+  def state(self) -> tuple[Any, Any]:
+    """The learner's weights and optimizer state."""
+    return self.weights, self.opt_state
+
   def prepare(self, batch: algo.RolloutBatch) -> algo.RolloutBatch:
     """A rollout batch placed for the train step, with its reference
     log-probabilities when the loss has a KL term."""

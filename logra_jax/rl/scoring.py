@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +216,29 @@ def rollout_with(
       batch.completion_tokens_BxT.shape[1]
   )
   return batch, metrics
+
+
+class Rollout(NamedTuple):
+  """A scored rollout batch: the learner's batch, its metrics and what was
+  sampled."""
+
+  batch: algo.RolloutBatch
+  metrics: dict[str, float]
+  samples: RolloutSamples
+
+
+def scored_rollout(
+    policy: Policy,
+    sample: SampleFn,
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    examples: Sequence[dict],
+    key: jax.Array,
+) -> Rollout:
+  """:func:`rollout_with`, with what it sampled (the arguments a rollout
+  pipeline's ``rollout_fn`` takes last)."""
+  seen = []
+  batch, metrics = rollout_with(
+      policy, sample, examples, config, rewards, key, observe=seen.append
+  )
+  return Rollout(batch, metrics, seen[0])

@@ -1,6 +1,6 @@
 """The RL run, orchestrated: a short loop over the learner
 (:mod:`~logra_jax.rl.learner_state`), the rollout pipeline
-(:mod:`~logra_jax.rl.pipeline`), the run log (:mod:`~logra_jax.rl.run_log`)
+(:mod:`~logra_jax.rollout.pipeline`), the run log (:mod:`~logra_jax.rl.run_log`)
 and checkpoints. Its inputs are checked and its parts set up by
 :mod:`~logra_jax.rl.setup`, it is guarded by :mod:`~logra_jax.rl.guards`
 (folder lock, stop signals, out-of-memory hint, non-finite steps) and
@@ -10,25 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 
 from logra_jax import checkpoint
 from logra_jax import parallel
+from logra_jax import sync
 from logra_jax.configs import TrainConfig, load_config, to_yaml
 from logra_jax.data import tasks as tasks_lib
 from logra_jax.rl import guards
 from logra_jax.rl import reporting
+from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rl import tracking
 from logra_jax.rl.learner_state import Learner, build_learner
-from logra_jax.rl.pipeline import PromptStream, RolloutPipeline, start_engine
 from logra_jax.rl.run_log import RunLog, step_times
+from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout.pipeline import PromptStream, RolloutPipeline
+from logra_jax.rollout.pipeline import start_engine
 
 Log = Callable[[str], None]
 
@@ -215,28 +220,27 @@ def _start(
   # otherwise sit next to the float32 weights it was made from), and the
   # rollout engine's copy follows them through sync messages.
   policy.params = None
-  sender, engine = start_engine(config, policy, folder, out, learner, closing)
+  sender, engine = start_engine(
+      config,
+      policy,
+      folder,
+      out,
+      learner.state,
+      learner.params_sharding,
+      closing,
+  )
   if parallel.is_leader():
     (out / "config.yaml").write_text(to_yaml(config))
-  prompts = PromptStream(
-      train_examples,
-      config.rollout.prompts_per_step,
-      seed=config.seed,
-      position=loop.data_position,
-  )
-  pipeline = RolloutPipeline(
-      engine,
-      sender,
-      config,
-      inputs.rewards,
-      prompts,
-      loop.key,
-      loop.step,
-      eval_examples,
+  pipeline = _start_pipeline(
+      inputs, engine, sender, loop, train_examples, eval_examples
   )
   closing.callback(pipeline.close)
   memory_hint = guards.memory_hint(config, inputs.mesh, policy, eval_examples)
-  eval_before = _eval_before(loop, pipeline, memory_hint, log)
+  eval_before = _eval_before(loop, pipeline, memory_hint)
+  log(
+      f"held-out accuracy before RL: {eval_before['accuracy']:.3f} "
+      f"({len(eval_examples)} prompts)"
+  )
   return _Run(
       config=config,
       log=log,
@@ -266,11 +270,52 @@ def _start(
   )
 
 
+def _start_pipeline(
+    inputs: _Inputs,
+    engine: engine_lib.Engine,
+    sender: sync.PolicySender,
+    loop: checkpoint.LoopState,
+    train_examples: Sequence[dict],
+    eval_examples: Sequence[dict],
+) -> RolloutPipeline:
+  """The rollout pipeline of a run at ``loop``'s step, data position and
+  key: the engine samples and :mod:`~logra_jax.rl.scoring` scores."""
+  config = inputs.config
+  prompts = PromptStream(
+      train_examples,
+      config.rollout.prompts_per_step,
+      seed=config.seed,
+      position=loop.data_position,
+  )
+  return RolloutPipeline(
+      engine,
+      sender,
+      config,
+      prompts,
+      loop.key,
+      loop.step,
+      rollout_fn=functools.partial(
+          scoring.scored_rollout,
+          engine.policy,
+          engine.sample,
+          config,
+          inputs.rewards,
+      ),
+      evaluate_fn=functools.partial(
+          scoring.evaluate_with,
+          engine.policy,
+          engine.sample,
+          eval_examples,
+          inputs.rewards,
+          config.rollout.max_new_tokens,
+      ),
+  )
+
+
 def _eval_before(
     loop: checkpoint.LoopState,
     pipeline: RolloutPipeline,
     memory_hint: Callable[[], str],
-    log: Log,
 ) -> dict[str, float]:
   """The held-out accuracy before RL (a resumed run's, from its
   checkpoint)."""
@@ -278,10 +323,6 @@ def _eval_before(
   if before is None:
     with guards.explain_out_of_memory(0, memory_hint):
       before = pipeline.evaluate()
-  log(
-      f"held-out accuracy before RL: {before['accuracy']:.3f} "
-      f"({len(pipeline.eval_examples)} prompts)"
-  )
   return before
 
 
@@ -298,12 +339,13 @@ def _run_steps(run: _Run) -> None:
     done = step + 1
     step_start = time.perf_counter()
     with guards.explain_out_of_memory(done, run.memory_hint):
-      rollout = pipeline.next_rollout(step)
+      rollout, version_lag = pipeline.next_rollout(step)
+      rollout.metrics["rollout/version_lag"] = float(version_lag)
       run_log.observe(rollout.samples)
       batch = learner.prepare(rollout.batch)
       rollout_seconds = time.perf_counter() - step_start
       update = learner.update(batch)
-      synced = pipeline.sync(learner, done)
+      synced = pipeline.sync(learner.state, done)
     metrics = run_log.step_metrics(
         rollout.metrics, update, done, pipeline.sync_metrics(synced)
     )
@@ -340,7 +382,7 @@ def _run_steps(run: _Run) -> None:
 def _finish_steps(run: _Run) -> dict[str, float]:
   """Waits for the engine's last syncs, evaluates the final policy and
   saves it unless the last step was saved; the held-out accuracy after."""
-  run.pipeline.collect_syncs(run.learner, wait=True)
+  run.pipeline.collect_syncs(run.learner.state, wait=True)
   after = run.pipeline.evaluate()
   steps = len(run.run_log.history)
   if run.checkpointer.latest_step() != steps:

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from logra_jax.cli import main as cli_main
-from logra_jax.rl import guards, pipeline, run_log
+from logra_jax.rl import guards, run_log
+from logra_jax.rollout import pipeline
 
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
 

@@ -1,7 +1,11 @@
 """The rollout pipeline: the prompt stream, rollout requests to the engine
 (up to ``rollout.max_staleness`` ahead of the learner), the policy version
 each was sampled with, the sync messages that keep the engine's weights in
-step, and the point a resumed run samples again from."""
+step, and the point a resumed run samples again from.
+
+What a request computes is the caller's (``rollout_fn``: the RL side samples
+with the engine and scores); the pipeline only orders requests and syncs.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import pathlib
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -19,11 +23,11 @@ from logra_jax import policy_state
 from logra_jax import sync
 from logra_jax.configs import TrainConfig
 from logra_jax.data import tasks as tasks_lib
-from logra_jax.rl import algo
-from logra_jax.rl import scoring
-from logra_jax.rl.learner_state import Learner
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
+
+# rollout_fn(examples, key) -> what a rollout of one prompt batch gives.
+RolloutFn = Callable[[list[dict], jax.Array], Any]
 
 
 class PromptStream:
@@ -64,13 +68,15 @@ def start_engine(
     policy: engine_lib.Policy,
     folder: pathlib.Path,
     out: pathlib.Path,
-    learner: Learner,
+    state: tuple[Any, Any],
+    params_sharding: Any,
     closing: contextlib.ExitStack,
 ) -> tuple[sync.PolicySender, engine_lib.Engine]:
   """The learner's sync sender and the rollout engine of
   ``config.rollout.engine`` (closed by ``closing``), synced to the learner's
-  weights by a full message."""
-  weights, opt_state = learner.weights, learner.opt_state
+  ``state`` (its weights and optimizer state) by a full message; a
+  colocated engine's sampling weights take ``params_sharding``."""
+  weights, opt_state = state
   sync_fields = engine_lib.sync_fields(config, folder)
   sender = sync.PolicySender(
       weights, opt_state, seed=config.seed, **sync_fields
@@ -84,7 +90,7 @@ def start_engine(
         policy,
         policy_state.synced_state(weights, opt_state),
         seed=config.seed,
-        shardings=learner.params_sharding,
+        shardings=params_sharding,
         dtype=engine_lib.sampling_dtype(config.rollout.dtype),
         **sync_fields,
     )
@@ -120,15 +126,6 @@ def sync_metrics(stats: engine_lib.SyncStats, resyncs: int) -> dict[str, float]:
   }
 
 
-class Rollout(NamedTuple):
-  """A rollout batch ready for the learner, its metrics (with
-  ``rollout/version_lag``) and what was sampled."""
-
-  batch: algo.RolloutBatch
-  metrics: dict[str, float]
-  samples: scoring.RolloutSamples
-
-
 class _Request(NamedTuple):
   """A rollout requested and not yet trained on: its job, the policy
   version the engine samples it with, and the data position and key before
@@ -146,7 +143,7 @@ class RolloutPipeline:
 
   With ``rollout.max_staleness = 0`` every request and message is served
   at once, on this thread. Otherwise (asynchronous rollouts) one worker
-  thread talks to the engine, in order (sample requests, sync messages,
+  thread talks to the engine, in order (rollout requests, sync messages,
   evaluations), while the caller trains: the engine samples up to
   ``max_staleness`` batches ahead, each with the newest weights synced
   before its request.
@@ -154,16 +151,17 @@ class RolloutPipeline:
   Args:
     engine: the rollout engine, synced to the learner's initial weights.
     sender: the learner's sync sender.
-    config: the run's config.
-    rewards: the run's ``(reward_fn, weight)`` pairs.
+    config: the run's config (``rollout.max_staleness``,
+      ``sync.resync_every``).
     prompts: the run's prompt stream, at the run's data position.
     key: the run's PRNG key at that position.
     version: the policy version the engine holds (the step it follows).
-    eval_examples: the held-out examples of :meth:`evaluate`.
+    rollout_fn: ``rollout_fn(examples, key)``, a rollout of one prompt
+      batch with the engine (run in order with the syncs).
+    evaluate_fn: ``evaluate_fn()``, an evaluation with the engine.
 
   Attributes:
     engine: the rollout engine.
-    eval_examples: the held-out examples of :meth:`evaluate`.
   """
 
   def __init__(
@@ -171,19 +169,19 @@ class RolloutPipeline:
       engine: engine_lib.Engine,
       sender: sync.PolicySender,
       config: TrainConfig,
-      rewards: list[tuple[Callable, float]],
       prompts: PromptStream,
       key: jax.Array,
       version: int,
-      eval_examples: Sequence[dict],
+      rollout_fn: RolloutFn,
+      evaluate_fn: Callable[[], dict[str, float]],
   ):
     self.engine = engine
-    self.eval_examples = eval_examples
     self._sender = sender
-    self._config = config
-    self._rewards = rewards
+    self._resync_every = config.sync.resync_every
     self._prompts = prompts
     self._key = key
+    self._rollout_fn = rollout_fn
+    self._evaluate_fn = evaluate_fn
     self._staleness = config.rollout.max_staleness
     self._worker = (
         concurrent.futures.ThreadPoolExecutor(1, "rollout")
@@ -207,20 +205,6 @@ class RolloutPipeline:
     if self._worker is not None:
       self._worker.shutdown()
 
-  def _rollout_job(self, examples: list[dict], key: jax.Array) -> tuple:
-    """Samples and scores one batch with the engine's weights."""
-    seen = []
-    batch, metrics = scoring.rollout_with(
-        self.engine.policy,
-        self.engine.sample,
-        examples,
-        self._config,
-        self._rewards,
-        key,
-        observe=seen.append,
-    )
-    return batch, metrics, seen[0]
-
   def _request(self) -> None:
     """Requests the rollout of the next prompt batch."""
     position, key_before = self._prompts.position, self._key
@@ -228,40 +212,34 @@ class RolloutPipeline:
     self._key, rollout_key = jax.random.split(self._key)
     if self._worker is None:
       job = concurrent.futures.Future()
-      job.set_result(self._rollout_job(examples, rollout_key))
+      job.set_result(self._rollout_fn(examples, rollout_key))
     else:
-      job = self._worker.submit(self._rollout_job, examples, rollout_key)
+      job = self._worker.submit(self._rollout_fn, examples, rollout_key)
     self._pending.append(
         _Request(job, self._engine_version, position, key_before)
     )
 
-  def next_rollout(self, step: int) -> Rollout:
-    """The rollout the learner trains on at ``step`` (0-based), requesting
-    the ones ahead of it that ``max_staleness`` allows."""
+  def next_rollout(self, step: int) -> tuple[Any, int]:
+    """The rollout the learner trains on at ``step`` (0-based) and how many
+    policy versions behind it was sampled, requesting the ones ahead of it
+    that ``max_staleness`` allows."""
     while len(self._pending) <= self._staleness:
       self._request()
     request = self._pending.popleft()
-    batch, metrics, samples = request.job.result()
-    metrics["rollout/version_lag"] = float(step - request.version)
-    return Rollout(batch, metrics, samples)
+    return request.job.result(), step - request.version
 
-  def sync(self, learner: Learner, step: int) -> engine_lib.SyncStats:
-    """Sends the learner's weights after ``step`` (1-based) to the engine
-    (a full message every ``sync.resync_every`` steps); the figures of the
-    latest sync that finished."""
-    full = bool(
-        self._config.sync.resync_every
-        and step % self._config.sync.resync_every == 0
-    )
-    message = self._sender.message(
-        learner.weights, learner.opt_state, full=full
-    )
+  def sync(self, state: tuple[Any, Any], step: int) -> engine_lib.SyncStats:
+    """Sends the learner's ``state`` (weights, optimizer state) after
+    ``step`` (1-based) to the engine (a full message every
+    ``sync.resync_every`` steps); the figures of the latest sync that
+    finished."""
+    weights, opt_state = state
+    full = bool(self._resync_every and step % self._resync_every == 0)
+    message = self._sender.message(weights, opt_state, full=full)
     if self._worker is None:
       synced = self.engine.sync(
           message,
-          resync=lambda: self._sender.message(
-              learner.weights, learner.opt_state, full=True
-          ),
+          resync=lambda: self._sender.message(weights, opt_state, full=True),
       )
     else:
       # On the host now: the next step donates the arrays it was made of.
@@ -270,15 +248,15 @@ class RolloutPipeline:
           arrays={n: np.asarray(x) for n, x in message.arrays.items()},
       )
       self._syncs.append(self._worker.submit(self.engine.sync, message))
-      self.collect_syncs(learner, wait=False)
+      self.collect_syncs(state, wait=False)
       # The figures of the latest sync that finished (none at first).
       synced = self._synced or NO_SYNC_YET
     self._engine_version = step
     return synced
 
-  def collect_syncs(self, learner: Learner, wait: bool) -> None:
+  def collect_syncs(self, state: tuple[Any, Any], wait: bool) -> None:
     """Records the asynchronous syncs that finished (all, with ``wait``); a
-    refused one is followed by a full message of ``learner``'s weights,
+    refused one is followed by a full message of the learner's ``state``,
     once every request before it is done."""
     refused = False
     while self._syncs and (wait or self._syncs[0].done()):
@@ -292,27 +270,15 @@ class RolloutPipeline:
       for job in self._syncs:
         job.exception()
       self._syncs.clear()
-      self._synced = self.engine.sync(
-          self._sender.message(learner.weights, learner.opt_state, full=True)
-      )
+      self._synced = self.engine.sync(self._sender.message(*state, full=True))
       self.engine.resyncs += 1
 
   def evaluate(self) -> dict[str, float]:
-    """Held-out accuracy with the engine's latest weights (after every
+    """``evaluate_fn()`` with the engine's latest weights (after every
     request before it)."""
     if self._worker is None:
-      return self._evaluate()
-    return self._worker.submit(self._evaluate).result()
-
-  def _evaluate(self) -> dict[str, float]:
-    """Held-out accuracy with the engine's weights, on this thread."""
-    return scoring.evaluate_with(
-        self.engine.policy,
-        self.engine.sample,
-        self.eval_examples,
-        self._rewards,
-        self._config.rollout.max_new_tokens,
-    )
+      return self._evaluate_fn()
+    return self._worker.submit(self._evaluate_fn).result()
 
   def sync_metrics(self, stats: engine_lib.SyncStats) -> dict[str, float]:
     """A step's sync figures (:func:`sync_metrics`) and the resyncs so
