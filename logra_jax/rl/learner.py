@@ -9,7 +9,8 @@ applied update, all inside one ``jax.jit`` with donated params and state.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 from flax import nnx
 import jax
@@ -77,85 +78,83 @@ def make_train_step(
   ``parallel.PARTITION_RULES``); otherwise XLA places everything on the
   default device.
   """
-  temperature = config.rollout.temperature
-  kl_control = config.optimizer.target_kl is not None
-  # Under LoRA the unembedding (the LM head, or the tied embedding) moves
-  # only when adapted.
-  lm_head_adapted = bool(
-      {"lm_head", "embed"} & set(config.optimizer.lora_targets)
+  step = _TrainStep(graphdef, tx, config)
+  if shardings is None:
+    return jax.jit(step.train_step, donate_argnums=(0, 1))
+  params_sharding, state_sharding, batch_sharding = shardings
+  mesh = jax.tree.leaves(params_sharding)[0].mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def sharded_train_step(params, opt_state, batch):
+    with parallel.activation_sharding(mesh, activation_rules):
+      return step.train_step(params, opt_state, batch)
+
+  return jax.jit(
+      sharded_train_step,
+      donate_argnums=(0, 1),
+      in_shardings=(params_sharding, state_sharding, batch_sharding),
+      out_shardings=(params_sharding, state_sharding, replicated),
   )
-  sketch_mode = config.optimizer.gradient_mode == "sketch"
 
-  def logprobs(params, batch, with_entropy=False):
-    return models.token_logprobs(
-        graphdef,
-        params,
-        batch.prompt_tokens_BxP,
-        batch.prompt_mask_BxP,
-        batch.completion_tokens_BxT,
-        batch.completion_mask_BxT,
-        temperature=temperature,
-        return_entropy=with_entropy,
-    )
 
-  def kl_predictor(
-      params,
-      batch: algo.RolloutBatch,
-      view: Callable = lambda params: params,
-      frozen_unembedding: bool = False,
-  ):
-    """The predictor of updates of ``params``; ``view`` maps them to what the
-    model takes (the factored view, whose coordinates the updates move, or
-    the adapters completed with the frozen weights)."""
-    scale = completion_logits_scale(temperature)
+class _Totals(NamedTuple):
+  """A batch's loss, gradients, metric sums and log-probs before the update,
+  summed over its micro-batches."""
 
-    def features(params, batch):
-      hidden_BxTxD, w_DxV = models.completion_hidden_states(
-          graphdef,
-          view(params),
-          batch.prompt_tokens_BxP,
-          batch.prompt_mask_BxP,
-          batch.completion_tokens_BxT,
-          batch.completion_mask_BxT,
-      )
-      return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
+  loss: jax.Array
+  grads: Any
+  metrics: dict[str, Any]
+  logp_before: jax.Array
 
-    return logra.make_kl_predictor(
-        features,
-        params,
-        batch,
-        token_mask=batch.completion_mask_BxT,
-        subsample=config.optimizer.kl_subsample,
-        frozen_unembedding=frozen_unembedding,
-    )
 
-  def micro_loss(params, micro):
-    logp_BxT, entropy_BxT = logprobs(params, micro, with_entropy=True)
-    num, den, metrics = algo.loss_terms(
-        logp_BxT,
-        micro.completion_mask_BxT,
-        micro.advantages_B,
-        micro.old_logp_BxT,
-        micro.ref_logp_BxT,
-        config.loss,
-    )
-    mask_BxT = micro.completion_mask_BxT.astype(jnp.float32)
-    metrics["entropy"] = (
-        jnp.sum(jax.lax.stop_gradient(entropy_BxT) * mask_BxT),
-        mask_BxT.sum(),
-    )
-    return num, (den, metrics, jax.lax.stop_gradient(logp_BxT))
+def _totals(value, grad_sum) -> _Totals:
+  """The :class:`_Totals` of micro-batch ``(numerator, denominator)`` pairs."""
+  nums, (dens, metrics, logp_before) = value
+  den = dens.sum()
+  grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
+  return _Totals(
+      algo.finalize(nums.sum(), den),
+      grads,
+      jax.tree.map(lambda x: x.sum(axis=0), metrics),
+      logp_before,
+  )
 
-  def train_step(params, opt_state, batch: algo.RolloutBatch):
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TrainStep:
+  """One update of the policy, traced by :func:`make_train_step`: a shared
+  loss (:meth:`micro_loss`) and metrics (:meth:`metrics`) around three ways
+  to apply the optimizer, picked by the layout of the weights and the state:
+  :meth:`dense_step` (dense weights, or LoRA adapters), :meth:`projected_step`
+  (LoGRA on full gradients) and :meth:`factored_step` (LoGRA on sketches).
+
+  Attributes:
+    graphdef: the model's graph definition.
+    tx: the optimizer (from :func:`policy_state.make_optimizer`).
+    config: the run's configuration.
+  """
+
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  config: TrainConfig
+
+  def train_step(self, params, opt_state, batch: algo.RolloutBatch):
+    """``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    step = self.path(params, opt_state)
+    micro = batch.micro_batches(self.config.micro_batches)
+    return step(params, opt_state, batch, micro)
+
+  def path(self, params, opt_state) -> Callable:
+    """The step for this layout of the weights and the optimizer's state;
+    refuses an unguarded optimizer and weights of the wrong layout."""
     if not isinstance(opt_state, non_finite.SkipNonFiniteState):
       raise TypeError(
           "make_train_step needs an optimizer wrapped in "
           "skip_non_finite (make_optimizer wraps it), got a state "
           f"of type {type(opt_state).__name__}"
       )
-    micro = batch.micro_batches(config.micro_batches)
     low_rank = sketch_grad.project_state(opt_state) is not None
-    factored = sketch_mode and low_rank
+    factored = self.config.optimizer.gradient_mode == "sketch" and low_rank
     if factored != policy_state.has_factored(params):
       raise ValueError(
           "make_train_step: "
@@ -168,93 +167,75 @@ def make_train_step(
           )
       )
     if factored:
-      return factored_train_step(params, opt_state, batch, micro)
-    # What the optimizer moves: the params, or only the adapters of LoRA
-    # weights (then completed with the frozen rest for the model).
+      return self.factored_step
+    return self.projected_step if low_rank else self.dense_step
+
+  def dense_step(self, params, opt_state, batch, micro):
+    """The optimizer moves the params, or only the adapters of LoRA weights
+    (then completed with the frozen rest for the model)."""
     adapted = lora_lib.has_adapters(params)
     trainable = lora_lib.trainable(params) if adapted else params
     complete = lambda t: lora_lib.with_frozen(t, params) if adapted else t
+    # Under LoRA the unembedding (the LM head, or the tied embedding) moves
+    # only when adapted.
+    frozen_unembedding = adapted and not (
+        {"lm_head", "embed"} & set(self.config.optimizer.lora_targets)
+    )
     view = lambda t: lora_lib.view(complete(t))
-    extra = (
-        {
-            "kl_predictor": kl_predictor(
-                trainable,
-                batch,
-                view,
-                frozen_unembedding=adapted and not lm_head_adapted,
-            )
-        }
-        if kl_control
-        else {}
+    extra = self.kl_extra(trainable, batch, view, frozen_unembedding)
+    totals = self.gradients(trainable, view, micro)
+    updates, opt_state = self.tx.update(
+        totals.grads, opt_state, trainable, loss=totals.loss, **extra
     )
-    loss, grads, metrics, logp_before = totals(
-        *sketch_grad.value_and_grad_sum(
-            lambda t, micro: micro_loss(view(t), micro), has_aux=True
-        )(trainable, micro)
+    new_params = complete(optax.apply_updates(trainable, updates))
+    update_norm = optax.global_norm(updates)
+    return self.outputs(
+        new_params, opt_state, batch, totals, update_norm, lora_lib.view
     )
-    if low_rank:
-      # LoGRA's updates P N are expanded and applied inside the guard, leaf by
-      # leaf, so that they need not all exist at once (7B, fsdp=8: -0.7 GiB
-      # per device, `logra memory`). A dense optimizer's update is cheaper
-      # returned: applied inside, it cost Adam +0.3 GiB at 7B, +4.3 at 27B.
-      (new_params, update_norm), opt_state = tx.update(
-          grads,
-          opt_state,
-          params,
-          loss=loss,
-          apply_fn=lambda u: (
-              optax.apply_updates(params, u),
-              optax.global_norm(u),
-          ),
-          **extra,
-      )
-    else:
-      updates, opt_state = tx.update(
-          grads, opt_state, trainable, loss=loss, **extra
-      )
-      new_params = complete(optax.apply_updates(trainable, updates))
-      update_norm = optax.global_norm(updates)
 
-    return (
-        new_params,
+  def projected_step(self, params, opt_state, batch, micro):
+    """LoGRA on dense weights: its updates ``P N`` are expanded and applied
+    inside the guard, leaf by leaf, so that they need not all exist at once
+    (a dense optimizer's update is cheaper returned, :meth:`dense_step`)."""
+    extra = self.kl_extra(params, batch, lora_lib.view)
+    totals = self.gradients(params, lora_lib.view, micro)
+    (new_params, update_norm), opt_state = self.tx.update(
+        totals.grads,
         opt_state,
-        step_metrics(
-            batch,
-            opt_state,
-            loss,
-            grads,
-            update_norm,
-            metrics,
-            logp_before,
-            lambda: logprobs(lora_lib.view(new_params), batch),
-            low_rank,
+        params,
+        loss=totals.loss,
+        apply_fn=lambda u: (
+            optax.apply_updates(params, u),
+            optax.global_norm(u),
         ),
+        **extra,
+    )
+    return self.outputs(
+        new_params, opt_state, batch, totals, update_norm, lora_lib.view
     )
 
-  def factored_train_step(params, opt_state, batch, micro):
+  def factored_step(self, params, opt_state, batch, micro):
     """The step on factored weights: the window merged at a refresh, the
     sketches taken at ``c B + P A``, and only ``A``, ``c`` and the dense
     leaves updated."""
-    params = factored_lib.merge_at_refresh(params, opt_state, seed=config.seed)
+    params = factored_lib.merge_at_refresh(
+        params, opt_state, seed=self.config.seed
+    )
     value, grad_sum, projectors = sketch_grad.value_and_sketch_grad(
-        micro_loss,
+        self.micro_loss,
         has_aux=True,
         micro_batched=True,
         constrain=parallel.constrain,
     )(params, opt_state, micro)
-    loss, grads, metrics, logp_before = totals(value, grad_sum)
-    view = lambda weights: sketch_grad.factored_view(
-        weights, projectors.projectors
-    )
-    extra = {"projectors": projectors}
-    if kl_control:
-      extra["kl_predictor"] = kl_predictor(params, batch, view)
+    totals = _totals(value, grad_sum)
+    view = lambda w: sketch_grad.factored_view(w, projectors.projectors)
+    extra = {"projectors": projectors, **self.kl_extra(params, batch, view)}
     trainable = factored_lib.without_base(params)
-    (new_trainable, update_norm), opt_state = tx.update(
-        grads,
+    (new_trainable, update_norm), opt_state = self.tx.update(
+        totals.grads,
         opt_state,
         params,
-        loss=loss,
+        loss=totals.loss,
         apply_fn=lambda u: (
             factored_lib.apply_updates(trainable, u),
             factored_lib.update_norm(u, params, projectors.projectors),
@@ -262,50 +243,105 @@ def make_train_step(
         **extra,
     )
     new_params = factored_lib.with_base(new_trainable, params)
+    return self.outputs(new_params, opt_state, batch, totals, update_norm, view)
+
+  def gradients(self, trainable, view: Callable, micro) -> _Totals:
+    """The :class:`_Totals` of the loss of ``view(trainable)``."""
+    return _totals(
+        *sketch_grad.value_and_grad_sum(
+            lambda t, micro: self.micro_loss(view(t), micro), has_aux=True
+        )(trainable, micro)
+    )
+
+  def logprobs(self, params, batch, with_entropy=False):
+    """The completion's log-probs (and entropies) under ``params``."""
+    return models.token_logprobs(
+        self.graphdef,
+        params,
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT,
+        batch.completion_mask_BxT,
+        temperature=self.config.rollout.temperature,
+        return_entropy=with_entropy,
+    )
+
+  def micro_loss(self, params, micro):
+    """One micro-batch's ``(numerator, (denominator, metrics, logp))``."""
+    logp_BxT, entropy_BxT = self.logprobs(params, micro, with_entropy=True)
+    num, den, metrics = algo.loss_terms(
+        logp_BxT,
+        micro.completion_mask_BxT,
+        micro.advantages_B,
+        micro.old_logp_BxT,
+        micro.ref_logp_BxT,
+        self.config.loss,
+    )
+    mask_BxT = micro.completion_mask_BxT.astype(jnp.float32)
+    metrics["entropy"] = (
+        jnp.sum(jax.lax.stop_gradient(entropy_BxT) * mask_BxT),
+        mask_BxT.sum(),
+    )
+    return num, (den, metrics, jax.lax.stop_gradient(logp_BxT))
+
+  def kl_extra(
+      self, params, batch, view: Callable, frozen_unembedding: bool = False
+  ) -> dict[str, Any]:
+    """The optimizer's ``kl_predictor`` argument under KL control (else
+    none): the predictor of updates of ``params``; ``view`` maps them to
+    what the model takes (the factored view, whose coordinates the updates
+    move, or the adapters completed with the frozen weights)."""
+    if self.config.optimizer.target_kl is None:
+      return {}
+    scale = completion_logits_scale(self.config.rollout.temperature)
+
+    def features(params, batch):
+      hidden_BxTxD, w_DxV = models.completion_hidden_states(
+          self.graphdef,
+          view(params),
+          batch.prompt_tokens_BxP,
+          batch.prompt_mask_BxP,
+          batch.completion_tokens_BxT,
+          batch.completion_mask_BxT,
+      )
+      return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
+
+    return {
+        "kl_predictor": logra.make_kl_predictor(
+            features,
+            params,
+            batch,
+            token_mask=batch.completion_mask_BxT,
+            subsample=self.config.optimizer.kl_subsample,
+            frozen_unembedding=frozen_unembedding,
+        )
+    }
+
+  def outputs(
+      self, new_params, opt_state, batch, totals, update_norm, view
+  ) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """``(new_params, opt_state, metrics)``; ``view`` maps the new params to
+    the model's weights for the realized KL's forward pass."""
     return (
         new_params,
         opt_state,
-        step_metrics(
+        self.metrics(
             batch,
             opt_state,
-            loss,
-            grads,
+            totals,
             update_norm,
-            metrics,
-            logp_before,
-            lambda: logprobs(view(new_params), batch),
-            True,
+            lambda: self.logprobs(view(new_params), batch),
         ),
     )
 
-  def totals(value, grad_sum):
-    """The loss, gradients, metric sums and log-probs of the micro-batches
-    (their ``(numerator, denominator)`` pairs summed first)."""
-    nums, (dens, metrics, logp_before) = value
-    den = dens.sum()
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), grad_sum)
-    return (
-        algo.finalize(nums.sum(), den),
-        grads,
-        jax.tree.map(lambda x: x.sum(axis=0), metrics),
-        logp_before,
-    )
-
-  def step_metrics(
-      batch,
-      opt_state,
-      loss,
-      grads,
-      update_norm,
-      metrics,
-      logp_before,
-      logp_after,
-      low_rank,
-  ):
+  def metrics(
+      self, batch, opt_state, totals: _Totals, update_norm, logp_after
+  ) -> dict[str, jax.Array]:
     """The step's metrics; ``logp_after()``, a forward pass of the updated
     weights, runs only on the steps that measure the realized KL."""
+    config = self.config
     mask_BxT = batch.completion_mask_BxT.astype(jnp.float32)
-    logp_before_BxT = logp_before.reshape(mask_BxT.shape)
+    logp_before_BxT = totals.logp_before.reshape(mask_BxT.shape)
     # The last of a step's num_iterations updates (whose metrics the
     # trainer records) on step 1 and every realized_kl_every-th step.
     update, iterations = opt_state.count, config.num_iterations
@@ -318,11 +354,11 @@ def make_train_step(
     )
     tokens = jnp.maximum(mask_BxT.sum(), 1.0)
     log_ratio_BxT = (logp_before_BxT - logp_after_BxT) * mask_BxT
-    out = algo.finalize_metrics(metrics)
+    out = algo.finalize_metrics(totals.metrics)
     out.update(
         {
-            "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "loss": totals.loss,
+            "grad_norm": optax.global_norm(totals.grads),
             "update_norm": update_norm,
             "kl/realized": log_ratio_BxT.sum() / tokens,
             "kl/realized_k3": jnp.sum(
@@ -331,11 +367,10 @@ def make_train_step(
             / tokens,
         }
     )
-    if low_rank:
-      out["projector/non_finite"] = sketch_grad.project_state(
-          opt_state
-      ).non_finite
-    if kl_control:
+    project = sketch_grad.project_state(opt_state)
+    if project is not None:
+      out["projector/non_finite"] = project.non_finite
+    if config.optimizer.target_kl is not None:
       kl_state = logra.predicted_kl_state(opt_state)
       applied = jnp.square(kl_state.scale) * kl_state.predicted_kl
       out.update(
@@ -346,20 +381,3 @@ def make_train_step(
           }
       )
     return out
-
-  if shardings is None:
-    return jax.jit(train_step, donate_argnums=(0, 1))
-  params_sharding, state_sharding, batch_sharding = shardings
-  mesh = jax.tree.leaves(params_sharding)[0].mesh
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def sharded_train_step(params, opt_state, batch):
-    with parallel.activation_sharding(mesh, activation_rules):
-      return train_step(params, opt_state, batch)
-
-  return jax.jit(
-      sharded_train_step,
-      donate_argnums=(0, 1),
-      in_shardings=(params_sharding, state_sharding, batch_sharding),
-      out_shardings=(params_sharding, state_sharding, replicated),
-  )
