@@ -9,6 +9,9 @@ import pytest
 
 from logra_jax.data import tasks
 from logra_jax.rl import rewards
+from logra_jax.rl.rewards import builtin
+from logra_jax.rl.rewards import guarded
+from logra_jax.rl.rewards import loading
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +439,9 @@ def test_a_reward_that_hangs_on_the_check_is_refused():
   release.set()
 
 
-def test_docstring_examples_run():
-  result = doctest.testmod(rewards, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [builtin, guarded, loading])
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.failed == 0 and result.attempted > 0
 
 

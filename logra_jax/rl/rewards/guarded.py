@@ -1,0 +1,304 @@
+"""The guarded evaluator that never lets a bad reward stop training.
+
+:func:`evaluate_rewards` runs the reward functions sample by sample off the
+main thread with a per-sample deadline: a sample whose reward raises, returns a
+non-number or runs past ``timeout_s`` gets 0 and is counted, and the run goes
+on. :class:`RewardFailureWarnings` turns a reward that fails on most of a
+batch (e.g. unparseable reference answers) into a rate-limited console
+warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from logra_jax.rl.rewards.builtin import check_weights
+from logra_jax.rl.rewards.builtin import reward_names
+from logra_jax.rl.rewards.builtin import RewardFn
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardReport:
+  """Rewards of one batch from :func:`evaluate_rewards`, with per-function health.
+
+  Attributes:
+    rewards: float32 ``[N]``, the weighted sum over functions (failed samples count 0).
+    per_function: name -> float32 ``[N]`` unweighted scores.
+    failures: name -> number of samples whose reward raised or returned a non-finite or
+      malformed value.
+    timeouts: name -> number of samples past the deadline.
+    first_errors: name -> description of the first failure or timeout (only names with
+      any), to make a misconfigured reward visible.
+  """
+
+  rewards: np.ndarray
+  per_function: dict[str, np.ndarray]
+  failures: dict[str, int]
+  timeouts: dict[str, int]
+  first_errors: dict[str, str]
+
+  @property
+  def failure_fraction(self) -> dict[str, float]:
+    """name -> fraction of the samples that failed or timed out (0 if none)."""
+    n = max(len(self.rewards), 1)
+    return {
+        name: (self.failures[name] + self.timeouts[name]) / n
+        for name in self.per_function
+    }
+
+  def metrics(self) -> dict[str, float]:
+    """Flat metrics: ``reward/<name>`` means,
+    ``reward_{failures,timeouts}/<name>`` counts and
+    ``reward_failure_fraction/<name>``."""
+    out = {"reward/total": float(self.rewards.mean())}
+    fractions = self.failure_fraction
+    for name, scores in self.per_function.items():
+      out[f"reward/{name}"] = float(scores.mean())
+      out[f"reward_failures/{name}"] = float(self.failures[name])
+      out[f"reward_timeouts/{name}"] = float(self.timeouts[name])
+      out[f"reward_failure_fraction/{name}"] = fractions[name]
+    return out
+
+
+def _one_score(out: Any) -> float:
+  """The single finite float a reward returned for one sample, or a ValueError."""
+  if isinstance(out, np.ndarray):
+    out = out.reshape(-1).tolist() if out.ndim == 1 else out
+  if (
+      isinstance(out, (str, bytes))
+      or not isinstance(out, Sequence)
+      or len(out) != 1
+  ):
+    raise ValueError(
+        f"expected a list of one float for one sample, got {out!r}"
+    )
+  value = float(out[0])
+  if not math.isfinite(value):
+    raise ValueError(f"non-finite reward {value}")
+  return value
+
+
+def _score_samples(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    start: int,
+    results: queue.SimpleQueue,
+    cancelled: threading.Event,
+) -> None:
+  """Worker: scores samples ``start, start+1, ...`` one at a time until done or cancelled."""
+  for i in range(start, len(completions)):
+    if cancelled.is_set():
+      return
+    try:
+      out = fn(
+          prompts=[prompts[i]],
+          completions=[completions[i]],
+          **{k: [v[i]] for k, v in columns.items()},
+      )
+      results.put((True, _one_score(out)))
+    except Exception as e:  # noqa: BLE001 -- any failure of user code scores 0.
+      results.put((False, f"{type(e).__name__}: {e}"))
+
+
+def _guarded_scores(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    timeout_s: float,
+) -> tuple[np.ndarray, int, int, str | None]:
+  """Scores every sample in a worker thread; a sample past the deadline abandons the worker.
+
+  The abandoned worker is told to stop and exits as soon as the hung call returns; a fresh
+  worker resumes at the next sample, so at most one live thread per hung call remains.
+  """
+  n = len(completions)
+  scores = np.zeros(n, np.float32)
+  failures = timeouts = 0
+  first_error = None
+  i = 0
+  while i < n:
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    cancelled = threading.Event()
+    threading.Thread(
+        target=_score_samples,
+        args=(fn, prompts, completions, columns, i, results, cancelled),
+        name=f"reward-{getattr(fn, '__name__', 'fn')}",
+        daemon=True,
+    ).start()
+    while i < n:
+      try:
+        ok, value = results.get(timeout=timeout_s)
+      except queue.Empty:
+        cancelled.set()
+        timeouts += 1
+        first_error = (
+            first_error or f"sample {i}: no result within {timeout_s} s"
+        )
+        i += 1
+        break
+      if ok:
+        scores[i] = value
+      else:
+        failures += 1
+        first_error = first_error or f"sample {i}: {value}"
+      i += 1
+  return scores, failures, timeouts, first_error
+
+
+def evaluate_rewards(
+    fns: Sequence[tuple[RewardFn, float]],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    timeout_s: float = 10.0,
+) -> RewardReport:
+  """Weighted rewards of a batch, robust to reward functions that raise or hang.
+
+  Each function scores one sample per call in a worker thread. A sample whose call raises,
+  returns something other than one finite number, or takes longer than ``timeout_s`` scores
+  0 for that function and is counted in ``failures`` / ``timeouts``; nothing propagates. A
+  hung call cannot be interrupted: its daemon thread is abandoned and exits once the call
+  returns.
+
+  Args:
+    fns: ``(reward_fn, weight)`` pairs; metrics use each function's
+      ``__name__``; weights are finite numbers (negative ones are penalties).
+    prompts: ``N`` prompts.
+    completions: ``N`` completions.
+    columns: column name -> ``N`` values (``answer``, ``entry``, ...), passed as keywords.
+    timeout_s: per-sample deadline for each function, in seconds.
+
+  Returns:
+    A :class:`RewardReport`.
+
+  Raises:
+    ValueError: when the inputs are misaligned, ``fns`` is empty or a weight
+      is not a finite number (caller bugs, not reward failures).
+
+  Example:
+    >>> from logra_jax.rl.rewards import exact_match
+    >>> report = evaluate_rewards([(exact_match, 1.0)], ["q"], ["12"], {"answer": ["12"]})
+    >>> report.rewards, report.failures
+    (array([1.], dtype=float32), {'exact_match': 0})
+  """
+  if not fns:
+    raise ValueError(
+        "evaluate_rewards needs at least one (reward_fn, weight) pair."
+    )
+  check_weights(fns)
+  if timeout_s <= 0:
+    raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+  columns = dict(columns or {})
+  if len(prompts) != len(completions):
+    raise ValueError(
+        f"got {len(prompts)} prompts but {len(completions)} completions."
+    )
+  for column, values in columns.items():
+    if len(values) != len(completions):
+      raise ValueError(
+          f"column {column!r} has {len(values)} values for {len(completions)} completions."
+      )
+  total = np.zeros(len(completions), np.float32)
+  per_function, failures, timeouts, first_errors = {}, {}, {}, {}
+  for name, (fn, weight) in zip(reward_names([fn for fn, _ in fns]), fns):
+    scores, failed, timed_out, error = _guarded_scores(
+        fn, prompts, completions, columns, timeout_s
+    )
+    per_function[name], failures[name], timeouts[name] = (
+        scores,
+        failed,
+        timed_out,
+    )
+    if error is not None:
+      first_errors[name] = error
+    total += np.float32(weight) * scores
+  return RewardReport(
+      rewards=total,
+      per_function=per_function,
+      failures=failures,
+      timeouts=timeouts,
+      first_errors=first_errors,
+  )
+
+
+class RewardFailureWarnings:
+  """Rate-limited warnings for reward functions that fail on most of a batch.
+
+  A reward that fails on every sample (unparseable reference answers, a
+  missing column) scores 0 everywhere and the run learns nothing, visible only
+  in the metrics. Called on each batch's :class:`RewardReport`, this logs one
+  line when a function fails (raises, returns a bad value or times out) on more
+  than ``threshold`` of the batch: the first time, then at most once every
+  ``every`` batches per function, counting the batches it held back.
+
+  Args:
+    log: where warning lines go (e.g. the trainer's console log).
+    threshold: the failure fraction above which a batch is reported, in
+      ``[0, 1)``.
+    every: the fewest batches between two warnings about one function.
+
+  Example:
+    >>> from logra_jax.rl.rewards import math_verify_equivalence
+    >>> warn = RewardFailureWarnings(print)
+    >>> warn(evaluate_rewards([(math_verify_equivalence, 1.0)], ["q"], ["1"],
+    ...                       {"answer": [""]}))  # doctest: +ELLIPSIS
+    warning: reward math_verify_equivalence failed on 1 of 1 samples (100%) ...
+  """
+
+  def __init__(
+      self,
+      log: Callable[[str], None] = print,
+      *,
+      threshold: float = 0.5,
+      every: int = 50,
+  ):
+    if not 0 <= threshold < 1:
+      raise ValueError(f"threshold must be in [0, 1), got {threshold}.")
+    if every < 1:
+      raise ValueError(f"every must be >= 1, got {every}.")
+    self._log, self._threshold, self._every = log, threshold, every
+    self._batches = 0
+    self._last: dict[str, int] = {}  # name -> batch of its last warning
+    self._held: dict[str, int] = {}  # name -> bad batches not warned since
+
+  def __call__(self, report: RewardReport) -> None:
+    """Logs the functions of ``report`` that failed on too much of the batch."""
+    self._batches += 1
+    n = len(report.rewards)
+    for name, fraction in report.failure_fraction.items():
+      if fraction <= self._threshold:
+        continue
+      last = self._last.get(name)
+      if last is not None and self._batches - last < self._every:
+        self._held[name] = self._held.get(name, 0) + 1
+        continue
+      failed = report.failures[name] + report.timeouts[name]
+      line = (
+          f"warning: reward {name} failed on {failed} of {n} samples "
+          f"({fraction:.0%}) of a batch; first: "
+          f"{report.first_errors[name].rstrip('.')}."
+      )
+      if last is None:
+        line += (
+            " Check the reward and the task's answers; this warning "
+            f"repeats at most every {self._every} batches."
+        )
+      else:
+        held = self._held.pop(name, 0)
+        line += (
+            f" Since the last warning: {held} more batch"
+            f"{'es' if held != 1 else ''} over {self._threshold:.0%}."
+        )
+      self._last[name] = self._batches
+      self._log(line)
