@@ -419,25 +419,9 @@ def scale_by_predicted_kl(
           predicted_kl=jnp.full([], jnp.nan, jnp.float32),
           scale=jnp.ones([], jnp.float32),
       )
-    if token_quantile_cap is None:
-      predicted = jnp.asarray(kl_predictor(updates), jnp.float32)
-      quantile_scale = jnp.inf
-    else:
-      if not hasattr(kl_predictor, "token_kl"):
-        raise TypeError(
-            "token_quantile_cap needs a predictor with per-token "
-            "values (from make_kl_predictor)"
-        )
-      mask = kl_predictor.token_mask
-      token_kl = kl_predictor.token_kl(updates)
-      tokens = jnp.sum(mask)
-      predicted = jnp.where(
-          tokens > 0,
-          jnp.sum(token_kl * mask) / jnp.where(tokens > 0, tokens, 1.0),
-          jnp.nan,
-      )
-      top = jnp.nanquantile(jnp.where(mask > 0, token_kl, jnp.nan), quantile)
-      quantile_scale = kl_scale(top, token_quantile_cap, 0.0, math.inf)
+    predicted, quantile_scale = _predict(
+        kl_predictor, updates, token_quantile_cap, quantile
+    )
     valid = jnp.isfinite(predicted) & (predicted >= 0)
     scale = jnp.minimum(
         kl_scale(predicted, target_kl, min_scale, max_scale), quantile_scale
@@ -454,6 +438,28 @@ def scale_by_predicted_kl(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _predict(kl_predictor, updates, token_quantile_cap, quantile):
+  """The predicted KL of ``updates`` and the scale that caps its
+  ``quantile`` token at ``token_quantile_cap`` (inf without a cap)."""
+  if token_quantile_cap is None:
+    return jnp.asarray(kl_predictor(updates), jnp.float32), jnp.inf
+  if not hasattr(kl_predictor, "token_kl"):
+    raise TypeError(
+        "token_quantile_cap needs a predictor with per-token "
+        "values (from make_kl_predictor)"
+    )
+  mask = kl_predictor.token_mask
+  token_kl = kl_predictor.token_kl(updates)
+  tokens = jnp.sum(mask)
+  predicted = jnp.where(
+      tokens > 0,
+      jnp.sum(token_kl * mask) / jnp.where(tokens > 0, tokens, 1.0),
+      jnp.nan,
+  )
+  top = jnp.nanquantile(jnp.where(mask > 0, token_kl, jnp.nan), quantile)
+  return predicted, kl_scale(top, token_quantile_cap, 0.0, math.inf)
 
 
 def predicted_kl_state(

@@ -111,8 +111,12 @@ def project(
   ``mask`` or ``dimension_numbers`` exclude) pass through as dense float32
   gradients.
 
+  Matrices too small for the rank (both sides shorter than ``rank``, e.g. a
+  ``2 x 3`` weight at ``rank=8``) are kept dense, as a projection could not
+  make their moments smaller; :func:`logra_jax.kept_dense_paths` lists them.
+
   Sketch-direct mode: when the gradients were sketched during
-  differentiation (:func:`logra_jax.sketch_grad.value_and_sketch_grad`), the
+  differentiation (:func:`logra_jax.value_and_sketch_grad`), the
   projected leaves of ``updates`` already hold ``S`` (``[batch, rank,
   short]``) and the extra argument ``projectors`` gives this step's ``P`` per
   leaf (a pytree like the parameters, or the :class:`SketchProjectors` that
@@ -136,7 +140,8 @@ def project(
   whole.
 
   Args:
-    rank: projection rank ``r``; clipped to the shorter side of each matrix.
+    rank: projection rank ``r``; clipped to the shorter side of each matrix
+      (a matrix with both sides shorter than ``r`` is kept dense).
     kind: ``"range"``, ``"random"`` or ``"svd"``.
     refresh_every: steps between projector refreshes.
     power_iters: power iterations of the range finder.

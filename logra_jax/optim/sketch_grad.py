@@ -33,16 +33,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from logra_jax import lowrank
 from logra_jax.lowrank import LowRankDelta
 from logra_jax.optim import factored as factored_lib
-from logra_jax.optim import projectors as proj_lib
 from logra_jax.optim import projection
 from logra_jax.optim import state_queries
 from logra_jax.optim.types import ProjectionSpec
 from logra_jax.optim.types import ProjectState
 from logra_jax.optim.types import SketchProjectors
-from logra_jax.optim.dimension_numbers import LeafPlan
+from logra_jax.optim.sketch_passes import Passes
+from logra_jax.optim.sketch_passes import range_steps
 
 
 def _view_leaf(
@@ -212,27 +211,15 @@ def value_and_sketch_grad(
     (16, 8)
   """
 
+  value_and_grad = value_and_grad_sum if micro_batched else jax.value_and_grad
+
   def fn(params, opt_state, *args):
     state = _project_state(opt_state)
     spec = state.spec
     plans = spec.plans
     params_flat = _check_params(spec, params)
     old_projectors = spec.treedef.flatten_up_to(state.projectors)
-    for plan, p in zip(plans, old_projectors):
-      if (
-          plan.projected
-          and p is not None
-          and tuple(p.shape) != plan.projector_shape
-      ):
-        raise ValueError(
-            f"the optimizer state's projector for parameter {plan.path!r} has "
-            f"shape {tuple(p.shape)} but its plan needs "
-            f"{plan.projector_shape} (rank {plan.rank}): the state is stale, "
-            "from another rank or model; re-initialize it"
-        )
-    config = spec.config
-    window = state.count // config.refresh_every
-    refresh = state.count % config.refresh_every == 0
+    _check_projector_shapes(plans, old_projectors)
     # Factored weights enter as c B + P A with the last update's projectors,
     # so the loss sees W whether or not the window was merged.
     params_flat = [
@@ -244,54 +231,18 @@ def value_and_sketch_grad(
             ),
         )
     ]
-    passes = _Passes(
+    passes = Passes(
         loss_fn,
         has_aux,
-        micro_batched,
+        value_and_grad,
         spec,
         params_flat,
         args,
         constrain or (lambda x, _: x),
     )
-
-    def refuse(projectors):
-      """Refreshed projectors with non-finite matrices replaced, and the
-      number replaced."""
-      pairs = [
-          None
-          if p is None
-          else projection.refuse_non_finite_projector(
-              p, p_old, plan, config, state.count
-          )
-          for plan, p, p_old in zip(plans, projectors, old_projectors)
-      ]
-      refused = sum(
-          (pair[1] for pair in pairs if pair is not None),
-          jnp.zeros([], jnp.int32),
-      )
-      return [None if pair is None else pair[0] for pair in pairs], refused
-
-    no_refusal = jnp.zeros([], jnp.int32)
-    if config.kind == "random":
-      projectors = [
-          projection.random_window_projector(plan, config, window)
-          if plan.projected
-          else None
-          for plan in plans
-      ]
-      value, dense, sketches = passes.long(projectors)
-      refused = no_refusal
-    elif config.kind == "svd":
-      value, dense, sketches, projectors, refused = jax.lax.cond(
-          refresh,
-          lambda: passes.dense_svd(refuse),
-          lambda: (*passes.long(old_projectors), old_projectors, no_refusal),
-      )
-    else:
-      value, dense, sketches, projectors, refused = _range_steps(
-          passes, old_projectors, window, refresh, refuse
-      )
-
+    value, dense, sketches, projectors, refused = _sketch(
+        passes, state, old_projectors
+    )
     grads = [
         s if plan.projected else d for plan, s, d in zip(plans, sketches, dense)
     ]
@@ -305,6 +256,70 @@ def value_and_sketch_grad(
     )
 
   return fn
+
+
+def _check_projector_shapes(plans, projectors) -> None:
+  """Refuses stored projectors of another rank than their plans."""
+  for plan, p in zip(plans, projectors):
+    if (
+        plan.projected
+        and p is not None
+        and tuple(p.shape) != plan.projector_shape
+    ):
+      raise ValueError(
+          f"the optimizer state's projector for parameter {plan.path!r} has "
+          f"shape {tuple(p.shape)} but its plan needs "
+          f"{plan.projector_shape} (rank {plan.rank}): the state is stale, "
+          "from another rank or model; re-initialize it"
+      )
+
+
+def _refuser(state: ProjectState, old_projectors: list) -> Callable:
+  """``refuse(projectors)``: refreshed projectors with non-finite matrices
+  replaced, and the number replaced."""
+  plans, config = state.spec.plans, state.spec.config
+
+  def refuse(projectors):
+    pairs = [
+        None
+        if p is None
+        else projection.refuse_non_finite_projector(
+            p, p_old, plan, config, state.count
+        )
+        for plan, p, p_old in zip(plans, projectors, old_projectors)
+    ]
+    refused = sum(
+        (pair[1] for pair in pairs if pair is not None),
+        jnp.zeros([], jnp.int32),
+    )
+    return [None if pair is None else pair[0] for pair in pairs], refused
+
+  return refuse
+
+
+def _sketch(passes: Passes, state: ProjectState, old_projectors: list):
+  """``(value, dense, sketches, projectors, refused)`` of this step, by the
+  projector kind."""
+  plans, config = state.spec.plans, state.spec.config
+  window = state.count // config.refresh_every
+  refresh = state.count % config.refresh_every == 0
+  refuse = _refuser(state, old_projectors)
+  no_refusal = jnp.zeros([], jnp.int32)
+  if config.kind == "random":
+    projectors = [
+        projection.random_window_projector(plan, config, window)
+        if plan.projected
+        else None
+        for plan in plans
+    ]
+    return (*passes.long(projectors), projectors, no_refusal)
+  if config.kind == "svd":
+    return jax.lax.cond(
+        refresh,
+        lambda: passes.dense_svd(refuse),
+        lambda: (*passes.long(old_projectors), old_projectors, no_refusal),
+    )
+  return range_steps(passes, old_projectors, window, refresh, refuse)
 
 
 def project_state(opt_state) -> ProjectState | None:
@@ -366,265 +381,3 @@ def _check_params(spec: ProjectionSpec, params) -> list:
           "must be factored"
       )
   return flat
-
-
-class _Passes:
-  """Backward passes that return thin products of every projected gradient.
-
-  In terms of the long view ``Gl`` of a gradient (``[batch, long, short]``,
-  ``G`` or ``G^T``): ``long(Q)`` returns ``Q^T Gl`` (``[batch, k, short]``,
-  the sketch when ``Q = P``) and ``short(Omega)`` returns ``Gl Omega``
-  (``[batch, long, k]``). Both also return the loss value and the ordinary
-  gradients of the dense leaves.
-  """
-
-  def __init__(
-      self, loss_fn, has_aux, micro_batched, spec, params_flat, args, constrain
-  ):
-    self.loss_fn, self.has_aux, self.constrain = loss_fn, has_aux, constrain
-    self.micro_batched = micro_batched
-    self.spec, self.params_flat, self.args = spec, params_flat, args
-
-  def _grad(self, fn, diff):
-    if self.micro_batched:
-      return value_and_grad_sum(fn, has_aux=self.has_aux)(diff, *self.args)
-    return jax.value_and_grad(fn, has_aux=self.has_aux)(diff, *self.args)
-
-  def _run(self, mats: list, long_side: bool):
-    plans, params_flat = self.spec.plans, self.params_flat
-    # rows=True: W + F Z (dZ = F^T G); rows=False: W + Z F^T (dZ = G F).
-    rows = [plan.left == long_side for plan in plans]
-    coords0 = []
-    for plan, mat, r in zip(plans, mats, rows):
-      if not plan.projected:
-        coords0.append(None)
-        continue
-      batch_shape, k = plan.shape[:-2], mat.shape[-1]
-      z = jnp.zeros(
-          batch_shape + ((k, plan.n) if r else (plan.m, k)), jnp.float32
-      )
-      coords0.append(z)
-    dense0 = [
-        None if plan.projected else p for plan, p in zip(plans, params_flat)
-    ]
-
-    def lifted_loss(diff, *args):
-      dense, coords = diff
-      leaves = []
-      for plan, p, d, mat, z, r in zip(
-          plans, params_flat, dense, mats, coords, rows
-      ):
-        if not plan.projected:
-          leaves.append(d)
-          continue
-        factor = self._split_large_axis(
-            mat.reshape(plan.shape[:-2] + mat.shape[-2:]), -2
-        )
-        # Constrained here, where it is differentiated, so that its
-        # cotangent (accumulated over the layers' scan) is split too.
-        z = self._split_large_axis(z, -1 if r else -2)
-        leaves.append(
-            LowRankDelta(p, factor, z, rows=r, path=plan.path, at_zero=True)
-        )
-      with lowrank.recording_uses() as consumed:
-        out = self.loss_fn(self.spec.treedef.unflatten(leaves), *args)
-      unused = [
-          plan.path
-          for plan in plans
-          if plan.projected and plan.path not in consumed
-      ]
-      if unused:
-        raise ValueError(
-            f"the loss never used projected parameters {unused[:5]} through "
-            "logra_jax.lowrank.matmul or take: it must take the params as "
-            "its first argument and use them (not close over another copy), "
-            "and the model must apply those weights with matmul or take"
-        )
-      return out
-
-    value, (dense_grads, coord_grads) = self._grad(
-        lifted_loss, (dense0, coords0)
-    )
-    products = []
-    for plan, g, r in zip(plans, coord_grads, rows):
-      if not plan.projected:
-        products.append(None)
-        continue
-      g = g.reshape((plan.batch,) + g.shape[-2:])
-      # long pass: rows gives F^T G = [k, n] = Q^T Gl (left); cols gives
-      # G F = [m, k] = (Q^T Gl)^T (right). Short pass: the mirror image.
-      products.append(g if r == long_side else jnp.swapaxes(g, 1, 2))
-    return value, dense_grads, products
-
-  def _split_large_axis(self, x, axis: int):
-    axes = [None] * x.ndim
-    axes[axis] = "batch"
-    return self.constrain(x, tuple(axes))
-
-  def long(self, q_BxLxK: list):
-    return self._run(q_BxLxK, long_side=True)
-
-  def short(self, omega_BxSxK: list):
-    return self._run(omega_BxSxK, long_side=False)
-
-  def dense_svd(self, refuse: Callable):
-    """Dense-gradient fallback of ``kind="svd"`` refresh steps; ``refuse``
-    replaces non-finite projectors (see :func:`value_and_sketch_grad`)."""
-    params = self.spec.treedef.unflatten(
-        [
-            p.dense() if isinstance(p, LowRankDelta) else p
-            for p in self.params_flat
-        ]
-    )
-    value, grads = self._grad(self.loss_fn, params)
-    grads_flat = self.spec.treedef.flatten_up_to(grads)
-    projectors, refused = refuse(
-        [
-            proj_lib.svd_projector(plan.to_matrix(g), plan.rank, plan.left)
-            if plan.projected
-            else None
-            for plan, g in zip(self.spec.plans, grads_flat)
-        ]
-    )
-    sketches = [
-        None if p is None else plan.sketch(p, g)
-        for plan, p, g in zip(self.spec.plans, projectors, grads_flat)
-    ]
-    dense = [
-        None if plan.projected else g
-        for plan, g in zip(self.spec.plans, grads_flat)
-    ]
-    return value, dense, sketches, projectors, refused
-
-
-def _range_steps(
-    passes: _Passes, old_projectors: list, window, refresh, refuse: Callable
-):
-  """One step of ``kind="range"``: the sketch, and on refresh steps the new
-  projector from the randomized range finder run on thin gradient products.
-
-  All passes run in one ``lax.while_loop`` whose body picks a long or short
-  pass with ``lax.cond``, so the program holds two copies of the backward
-  pass whatever ``power_iters`` is. Non-refresh steps run one long pass with
-  the stored projector (padded to the range finder's width). Refresh steps
-  run the range finder of :func:`projectors.range_projector` exactly:
-  ``Q = qr(Gl Omega)``, then per power iteration ``Z = qr(Gl^T Q)``,
-  ``Q = qr(Gl Z)``, and a last ``Q^T Gl`` that gives both the rotation to the
-  top singular directions and the sketch. If ``refuse`` replaces a rotated
-  projector that is not finite, one more long pass takes the sketches with
-  the projectors in use.
-  """
-  spec = passes.spec
-  config = spec.config
-  plans = spec.plans
-  widths = [
-      min(plan.rank + config.oversample, plan.short) if plan.projected else 0
-      for plan in plans
-  ]
-  qr = proj_lib.orthonormal_columns
-
-  def first_omega(plan: LeafPlan, k):
-    key = proj_lib.window_key(config.seed, plan.index, window)
-    return jax.random.normal(key, (plan.batch, plan.short, k), jnp.float32)
-
-  def pad(x, k, axis):
-    pad_widths = [(0, 0)] * x.ndim
-    pad_widths[axis] = (0, k - x.shape[axis])
-    return jnp.pad(x, pad_widths)
-
-  q0 = [
-      pad(p, k, 2) if plan.projected else None
-      for plan, p, k in zip(plans, old_projectors, widths)
-  ]
-  small0 = [
-      jnp.zeros((plan.batch, k, plan.short), jnp.float32)
-      if plan.projected
-      else None
-      for plan, k in zip(plans, widths)
-  ]
-  value_shape, dense_shape, _ = jax.eval_shape(passes.long, q0)
-  n_refresh = 2 * (config.power_iters + 1)
-  no_refusal = jnp.zeros([], jnp.int32)
-
-  def rotate(q, small):
-    """``P = Q U`` and ``U^T Q^T Gl`` with ``U`` the top left singular vectors
-    of ``Q^T Gl``, padded to the width; refused projectors replaced."""
-    projectors, sketches = [], []
-    for plan, q_BxLxK, small_BxKxS in zip(plans, q, small):
-      if not plan.projected:
-        projectors.append(None)
-        sketches.append(None)
-        continue
-      u_BxKxK, _, _ = proj_lib.thin_svd(small_BxKxS)
-      u_BxKxR = u_BxKxK[:, :, : plan.rank]
-      projectors.append(q_BxLxK @ u_BxKxR)
-      sketches.append(jnp.swapaxes(u_BxKxR, 1, 2) @ small_BxKxS)
-    projectors, refused = refuse(projectors)
-    return (
-        [
-            None if p is None else pad(p, k, 2)
-            for p, k in zip(projectors, widths)
-        ],
-        [None if x is None else pad(x, k, 1) for x, k in zip(sketches, widths)],
-        refused,
-    )
-
-  def body(carry):
-    i, n_passes, q, small, refused, _, _ = carry
-
-    def short_pass():
-      omegas = [
-          None
-          if not plan.projected
-          else jax.lax.cond(
-              i == 0,
-              lambda plan=plan, k=k: first_omega(plan, k),
-              lambda s=s: qr(jnp.swapaxes(s, 1, 2)),
-          )
-          for plan, k, s in zip(plans, widths, small)
-      ]
-      value, dense, products = passes.short(omegas)
-      return (
-          value,
-          dense,
-          [None if y is None else qr(y) for y in products],
-          small,
-      )
-
-    def long_pass():
-      value, dense, products = passes.long(q)
-      return value, dense, q, products
-
-    value, dense, q, small = jax.lax.cond(
-        refresh & (i % 2 == 0) & (i < n_refresh), short_pass, long_pass
-    )
-    q, small, new_refused = jax.lax.cond(
-        refresh & (i == n_refresh - 1),
-        lambda: rotate(q, small),
-        lambda: (q, small, no_refusal),
-    )
-    n_passes = n_passes + (new_refused > 0).astype(jnp.int32)
-    return i + 1, n_passes, q, small, refused + new_refused, value, dense
-
-  _, _, q, small, refused, value, dense = jax.lax.while_loop(
-      lambda carry: carry[0] < carry[1],
-      body,
-      (
-          jnp.zeros([], jnp.int32),
-          jnp.where(refresh, n_refresh, 1),
-          q0,
-          small0,
-          no_refusal,
-          jax.tree.map(jnp.zeros_like, value_shape),
-          jax.tree.map(jnp.zeros_like, dense_shape),
-      ),
-  )
-  projectors = [
-      None if not plan.projected else q_BxLxK[:, :, : plan.rank]
-      for plan, q_BxLxK in zip(plans, q)
-  ]
-  sketches = [
-      None if not plan.projected else small_BxKxS[:, : plan.rank]
-      for plan, small_BxKxS in zip(plans, small)
-  ]
-  return value, dense, sketches, projectors, refused
