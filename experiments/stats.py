@@ -19,7 +19,9 @@ sample variances ``s^2`` (denominator ``n - 1``):
 
 ``F_t`` is Student's t distribution (scipy.stats.t). Samples of one value
 have no variance estimate: their intervals and p-values are NaN and the
-verdict is "inconclusive".
+verdict is "inconclusive". Two samples without any spread make the tests
+certain: Welch's p is 1 for equal means and 0 otherwise, the
+non-inferiority p is 0 when ``m_a - m_b > -delta`` and 1 otherwise.
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ class Comparison:
   margin: float
 
 
+def t_half_width(std, n: int, level: float = 0.95):
+  """Half width of the Student-t interval of a mean of ``n`` values of
+  sample standard deviation ``std`` (a number or an array):
+  ``t_{(1+level)/2, n-1} std / sqrt(n)``.
+
+  Example:
+    >>> round(t_half_width(1.0, 3), 6)
+    2.484138
+  """
+  return float(scipy_stats.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n)
+
+
 def mean_ci(values: Sequence[float], level: float = 0.95) -> Interval:
   """The mean and its Student-t confidence interval.
 
@@ -83,15 +97,13 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> Interval:
   mean = statistics.fmean(values)
   if n < 2:
     return Interval(mean, math.nan, math.nan, n)
-  half = scipy_stats.t.ppf((1 + level) / 2, n - 1) * math.sqrt(
-      statistics.variance(values) / n
-  )
+  half = t_half_width(statistics.stdev(values), n, level)
   return Interval(mean, float(mean - half), float(mean + half), n)
 
 
 def _welch(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
   """Welch's standard error of ``mean(a) - mean(b)`` and its degrees of
-  freedom (NaN when either sample has one value, or both no spread)."""
+  freedom (NaN when either sample has one value; 0 and NaN without spread)."""
   if len(a) < 2 or len(b) < 2:
     return math.nan, math.nan
   va = statistics.variance(a) / len(a)
@@ -111,8 +123,10 @@ def welch_t_test(a: Sequence[float], b: Sequence[float]) -> float:
     0.0101
   """
   se, df = _welch(a, b)
-  if not se or math.isnan(df):
+  if math.isnan(se):
     return math.nan
+  if se == 0:
+    return float(statistics.fmean(a) == statistics.fmean(b))
   t = (statistics.fmean(a) - statistics.fmean(b)) / se
   return float(2 * scipy_stats.t.sf(abs(t), df))
 
@@ -143,9 +157,18 @@ def compare(
     raise ValueError(f"the margin must be > 0, got {margin}")
   difference = statistics.fmean(a) - statistics.fmean(b)
   se, df = _welch(a, b)
-  if not se or math.isnan(df):
+  if math.isnan(se):
     return Comparison(
         difference, math.nan, math.nan, math.nan, math.nan, margin
+    )
+  if se == 0:  # no spread in either sample: the tests are certain
+    return Comparison(
+        difference,
+        difference,
+        difference,
+        float(difference == 0),
+        float(difference + margin <= 0),
+        margin,
     )
   half = float(scipy_stats.t.ppf(1 - ALPHA / 2, df)) * se
   return Comparison(

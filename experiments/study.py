@@ -1,14 +1,21 @@
 """What the studies in `experiments/` share: arms x tasks x seeds of
-`logra train` (finished runs reused), and their reports (CSV, markdown, PNG)
-under `experiments/results/<study>/`.
+`logra train` (finished runs reused only when their config and the code's
+numerics fingerprint match), bad input refused before anything runs, and
+reports (CSV, markdown, PNG) that record their provenance under
+`experiments/results/<study>/`.
 
 A study is a table of named arms (config overrides) run on named tasks
 (config overrides) over seeds. `--quick` shrinks every run to the smoke
 preset for a few steps, so that the test suite can check a study's outputs
 are well-formed; its results go to a folder of their own and never replace
 a full run's. A results folder remembers the command-line settings that made
-it (`study.json`): a run with other settings is refused there unless
-`--overwrite` says so.
+it (`study.json`): a run with other settings is refused there (exit 2)
+unless `--overwrite` says so.
+
+Reuse: a run folder holds `fingerprint.json`, the numerics fingerprint
+(:mod:`provenance`) of the code that started it. A finished (or
+interrupted) run is reused only when its config and that fingerprint both
+match this invocation's; otherwise it is run again from the start.
 """
 
 from __future__ import annotations
@@ -17,18 +24,20 @@ import argparse
 import csv
 import json
 import pathlib
-import platform
-import statistics
-import time
+import sys
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+import provenance
+import stats
 from logra_jax import configs
 from logra_jax.rl import trainer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 # The tiny preset with fewer prompts per step, so that one run takes about a
-# minute on 2 cores (the default's 64 prompts x 260 steps take 7).
+# minute on 2 cores (the default's 64 prompts x 260 steps take 2.5).
 FULL = [
     "steps=120",
     "rollout.prompts_per_step=32",
@@ -93,7 +102,18 @@ def parser(description: str, study: str) -> argparse.ArgumentParser:
       action="store_true",
       help="replace a results folder made with other settings",
   )
+  p.add_argument(
+      "--fingerprint-cache",
+      default="runs/fingerprints",
+      help="where the code's numerics fingerprints are cached",
+  )
   return p
+
+
+def fail(message: str) -> None:
+  """Bad input: one line on stderr, exit status 2 (as argparse's)."""
+  print(f"{pathlib.Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+  raise SystemExit(2)
 
 
 def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -102,33 +122,51 @@ def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
   if args.seeds is None:
     args.seeds = 1 if args.quick else 3
   if args.seeds < 1:
-    parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    fail(f"--seeds must be >= 1, got {args.seeds}")
   return args
 
 
 def check_names(
     parser: argparse.ArgumentParser, kind: str, names: Sequence[str], valid
 ) -> None:
-  """Exits with an error naming the unknown names and the valid ones."""
+  """Exits (status 2, one line) naming the unknown names and the valid
+  ones."""
   unknown = [n for n in names if n not in valid]
   if unknown:
-    parser.error(f"unknown {kind} {unknown}; valid: {sorted(valid)}")
+    parser.exit(
+        2,
+        f"{parser.prog}: error: unknown {kind} {unknown}; valid: "
+        f"{sorted(valid)}\n",
+    )
   if len(set(names)) != len(names):
-    parser.error(f"{kind} named twice: {list(names)}")
+    parser.exit(2, f"{parser.prog}: error: {kind} named twice: {list(names)}\n")
+
+
+def run_config(args: argparse.Namespace, overrides: list[str], preset=None):
+  """The config of one run: ``preset`` (smoke with ``--quick``, else tiny)
+  with ``overrides``, then ``--set``; a bad override exits (status 2)."""
+  preset = preset or ("smoke" if args.quick else "tiny")
+  try:
+    return configs.apply_overrides(
+        configs.get_preset(preset), overrides + args.set
+    )
+  except ValueError as error:
+    fail(" ".join(str(error).split()))
+
+
+def task_overrides(args: argparse.Namespace, task: str, seed: int) -> list:
+  """The overrides of a run of :data:`TASKS`' ``task`` (before an arm's)."""
+  return FULL + TASKS[task] + (QUICK if args.quick else []) + [f"seed={seed}"]
 
 
 def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
-  """The results folder, claimed for the run's settings (arms, tasks,
-  seeds, overrides, quick and the study's own options; written to its
-  ``study.json``). A folder holding results of other settings is refused
-  (SystemExit naming both) unless ``--overwrite``."""
+  """The results folder, claimed for the run's settings (every flag but
+  those of :data:`_NOT_SETTINGS`; written to its ``study.json``). A folder
+  holding results of other settings is refused (exit 2, naming both)
+  unless ``--overwrite``. Call it after every check
+  of the input, so that bad input leaves nothing behind."""
   settings = {
-      "arms": args.arms,
-      "tasks": args.tasks,
-      "seeds": args.seeds,
-      "set": args.set,
-      "quick": args.quick,
-      **_own_options(args),
+      k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS
   }
   default = RESULTS / (f"{study}-quick" if args.quick else study)
   folder = pathlib.Path(args.results) if args.results else default
@@ -141,7 +179,7 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
           for k in set(earlier) | set(settings)
           if earlier.get(k) != settings.get(k)
       )
-      raise SystemExit(
+      fail(
           f"{folder} holds the results of other settings ({', '.join(changed)}"
           f" differ: there {[earlier.get(k) for k in changed]}, now "
           f"{[settings.get(k) for k in changed]}); pass --overwrite to "
@@ -152,6 +190,45 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
   return folder
 
 
+def fingerprint(args: argparse.Namespace) -> str:
+  """This code's numerics fingerprint (computed once per invocation)."""
+  return provenance.fingerprint(args.fingerprint_cache)
+
+
+def needs_rerun(folder: pathlib.Path, fingerprint_value: str) -> bool:
+  """Whether a run folder's contents were made by code of another numerics
+  fingerprint (or of an unknown one): then it is run again from scratch.
+
+  Example:
+    >>> needs_rerun(pathlib.Path("/nonexistent"), "ab12")
+    True
+  """
+  record = folder / "fingerprint.json"
+  if not record.exists():
+    return True
+  return json.loads(record.read_text()).get("fingerprint") != fingerprint_value
+
+
+def train(
+    args: argparse.Namespace, config, folder: pathlib.Path
+) -> dict[str, Any]:
+  """``config`` trained in ``folder``, reused when it finished there with
+  the same config and fingerprint; its summary and per-step metrics
+  (``"history"``)."""
+  value = fingerprint(args)
+  rerun = args.rerun or needs_rerun(folder, value)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "fingerprint.json").write_text(
+      json.dumps({"fingerprint": value}) + "\n"
+  )
+  summary = trainer.train_or_reuse(config, folder, rerun)
+  history = [
+      json.loads(line)
+      for line in (folder / "metrics.jsonl").read_text().splitlines()
+  ]
+  return {"summary": summary, "history": history}
+
+
 def run(
     args: argparse.Namespace,
     arm: str,
@@ -159,125 +236,122 @@ def run(
     task: str,
     seed: int,
 ) -> dict[str, Any]:
-  """One run of the study (reused when finished): its summary and its
-  per-step metrics (``"history"``)."""
-  preset = "smoke" if args.quick else "tiny"
-  overrides = (
-      FULL
-      + TASKS[task]
-      + (QUICK if args.quick else [])
-      + arm_overrides
-      + args.set
-      + [f"seed={seed}"]
-  )
-  config = configs.apply_overrides(configs.get_preset(preset), overrides)
+  """One run of a study on :data:`TASKS` (reused when finished): its
+  summary and its per-step metrics (``"history"``)."""
+  config = run_config(args, task_overrides(args, task, seed) + arm_overrides)
   out = pathlib.Path(args.out) / ("quick" if args.quick else "full")
-  folder = out / task / f"{arm}-seed{seed}"
-  summary = trainer.train_or_reuse(config, folder, args.rerun)
-  history = [
-      json.loads(line)
-      for line in (folder / "metrics.jsonl").read_text().splitlines()
-  ]
+  result = train(args, config, out / task / f"{arm}-seed{seed}")
+  summary = result["summary"]
   print(
       f"{task} {arm} seed {seed}: held-out accuracy "
       f"{summary['eval_accuracy_before']:.3f} -> "
       f"{summary['eval_accuracy_after']:.3f}",
       flush=True,
   )
-  return {"summary": summary, "history": history, "overrides": overrides}
+  return result
 
 
 # Flags that say where things go or whether to redo them, not what is run.
-_NOT_SETTINGS = ("out", "results", "rerun", "overwrite")
-_COMMON = ("quick", "seeds", "arms", "tasks", "set")
-
-
-def _own_options(args: argparse.Namespace) -> dict[str, Any]:
-  """A study's own options (e.g. kl_control's ``--target-kl``)."""
-  return {
-      k: v
-      for k, v in sorted(vars(args).items())
-      if k not in _NOT_SETTINGS + _COMMON
-  }
-
-
-def command(study: str, args: argparse.Namespace) -> str:
-  """The command line that reproduces a study's results."""
-  return " ".join(
-      [f"python experiments/{study}.py"]
-      + (["--quick"] if args.quick else [])
-      + [f"--seeds {args.seeds}", "--arms", *args.arms, "--tasks", *args.tasks]
-      + [f"--set {s}" for s in args.set]
-      + [
-          f"--{name.replace('_', '-')} {value}"
-          for name, value in _own_options(args).items()
-      ]
-  )
-
-
-def mean_std(values: Sequence[float]) -> str:
-  """``mean ± std`` (std over seeds; 0 for one)."""
-  std = statistics.stdev(values) if len(values) > 1 else 0.0
-  return f"{statistics.mean(values):.3f} ± {std:.3f}"
-
-
-def write_csv(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+_NOT_SETTINGS = ("out", "results", "rerun", "overwrite", "fingerprint_cache")
 
 
 def footer(command: str) -> str:
-  """The line under every table: command, date, machine."""
-  import jax
+  """The line under a benchmark's table: command, commit, date, machine,
+  versions (no numerics fingerprint: benchmarks measure time, not
+  numbers)."""
+  return provenance.footer(provenance.collect(command, "not computed"))
 
-  device = jax.devices()[0]
-  machine = (
-      f"{platform.machine()} CPU"
-      if device.platform == "cpu"
-      else f"{jax.device_count()} x {device.device_kind}"
+
+def provenance_record(args: argparse.Namespace) -> dict[str, Any]:
+  """This invocation's provenance (:func:`provenance.collect`)."""
+  return provenance.collect(provenance.this_command(), fingerprint(args))
+
+
+def write_provenance(record: dict[str, Any], folder: pathlib.Path) -> None:
+  """``provenance.json`` beside a study's reports."""
+  (folder / "provenance.json").write_text(
+      json.dumps(record, indent=1, sort_keys=True) + "\n"
   )
-  return f"Command: `{command}`; {time.strftime('%Y-%m-%d')}, {machine}."
+
+
+def mean_ci(values: Sequence[float]) -> str:
+  """``mean [95% CI]`` over seeds (:func:`stats.mean_ci`)."""
+  return str(stats.mean_ci(values))
+
+
+def write_csv(
+    rows: list[dict[str, Any]], path: pathlib.Path, record: dict[str, Any]
+) -> None:
+  """The rows, each with the commit and fingerprint of ``record`` unless
+  it has its own."""
+  stamped = [
+      {"commit": record["commit"], "fingerprint": record["fingerprint"], **r}
+      for r in rows
+  ]
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(stamped[0]))
+    writer.writeheader()
+    writer.writerows(stamped)
+
+
+def _band(values):
+  """Mean over seeds (rows) of each column's finite values and its 95%
+  Student-t half width (0 where a column has one finite value)."""
+  means, halves = [], []
+  for column in values.T:
+    finite = column[np.isfinite(column)]
+    means.append(finite.mean() if len(finite) else np.nan)
+    halves.append(
+        stats.t_half_width(finite.std(ddof=1), len(finite))
+        if len(finite) > 1
+        else 0.0
+    )
+  return np.array(means), np.array(halves)
 
 
 def plot_bands(
-    panels: list[tuple[str, dict[str, list[list[dict]]]]],
-    metric: Callable[[dict], float],
+    panels: list[tuple[str, dict[str, list[list[tuple[float, float]]]]]],
     ylabel: str,
     path: pathlib.Path,
-    yscale: str = "linear",
+    record: dict[str, Any],
+    geometric: bool = False,
+    decorate: Callable | None = None,
 ) -> None:
-  """One panel per ``(title, {arm: [history per seed]})``: ``metric`` of each
-  step, mean over seeds with a band of one standard deviation, on a
-  ``yscale`` axis."""
+  """One panel per ``(title, {arm: [[(step, value), ...] per seed]})``:
+  the mean over seeds with its 95% confidence band (Student t), a legend
+  on every panel, on a ``yscale`` axis; ``decorate(ax)`` adds reference
+  lines. With ``geometric``, the mean and band are those of the values'
+  logarithms (the geometric mean; values <= 0 left out), drawn on a log
+  axis. The PNG carries the provenance ``record``."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
 
   fig, axes = plt.subplots(
-      1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False
+      1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False
   )
   for ax, (title, arms) in zip(axes[0], panels):
-    for arm, histories in arms.items():
-      length = min(len(h) for h in histories)
-      values = np.array(
-          [[metric(row) for row in h[:length]] for h in histories], float
-      )
-      steps = [row["step"] for row in histories[0][:length]]
-      mean, std = values.mean(axis=0), values.std(axis=0)
-      (line,) = ax.plot(steps, mean, label=arm)
-      ax.fill_between(
-          steps, mean - std, mean + std, color=line.get_color(), alpha=0.2
-      )
+    for arm, series in arms.items():
+      length = min(len(s) for s in series)
+      steps = [x for x, _ in series[0][:length]]
+      values = np.array([[y for _, y in s[:length]] for s in series], float)
+      if geometric:
+        values = np.log(np.where(values > 0, values, np.nan))
+      mean, half = _band(values)
+      low, high = mean - half, mean + half
+      if geometric:
+        mean, low, high = np.exp(mean), np.exp(low), np.exp(high)
+      (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(series)})")
+      ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+    if decorate is not None:
+      decorate(ax)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
-    ax.set_yscale(yscale)
+    ax.set_yscale("log" if geometric else "linear")
     ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
+    ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, metadata=provenance.png_metadata(record))
   plt.close(fig)

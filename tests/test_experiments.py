@@ -1,10 +1,14 @@
 """The studies in experiments/ run in their --quick modes and write
 well-formed reports (files present, columns and rows complete, values
-finite); their conclusions are the full runs' business. Bad names and a
-results folder of other settings are refused before anything runs."""
+finite, provenance recorded); their conclusions are the full runs'
+business. Bad input (unknown names, a non-positive learning rate, a bad
+override, a results folder of other settings) is refused in one line with
+exit status 2 before anything runs or is written. A finished run is reused
+only when its config and numerics fingerprint both match."""
 
 import argparse
 import csv
+import doctest
 import json
 import math
 import pathlib
@@ -13,10 +17,24 @@ import sys
 
 import pytest
 
+from logra_jax import configs
+
 EXPERIMENTS = pathlib.Path(__file__).parent.parent / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+import parity  # noqa: E402
+import provenance  # noqa: E402
+import study  # noqa: E402
+
+PROVENANCE = ("commit", "dirty", "fingerprint", "date", "machine")
 
 
-def _study(name, *args, tmp_path):
+@pytest.fixture(scope="module")
+def fingerprints(tmp_path_factory):
+  """One fingerprint cache for the module's studies (one smoke run)."""
+  return tmp_path_factory.mktemp("fingerprints")
+
+
+def _study(name, *args, tmp_path, cache=None):
   return subprocess.run(
       [
           sys.executable,
@@ -24,6 +42,11 @@ def _study(name, *args, tmp_path):
           "--quick",
           f"--out={tmp_path / 'runs'}",
           f"--results={tmp_path / 'results'}",
+          *(
+              [f"--fingerprint-cache={cache or tmp_path / 'fingerprints'}"]
+              if name in ("parity", "kl_control", "ablations")
+              else []
+          ),
           *args,
       ],
       capture_output=True,
@@ -43,18 +66,44 @@ def _assert_finite(rows, columns):
       assert math.isfinite(float(row[column])), (column, row)
 
 
+def _assert_provenance(results, rows):
+  record = json.loads((results / "provenance.json").read_text())
+  assert set(PROVENANCE + ("versions", "command")) <= set(record)
+  assert {"jax", "jaxlib", "flax", "optax", "numpy", "python"} <= set(
+      record["versions"]
+  )
+  assert (
+      record["command"].startswith("python ") and "--quick" in record["command"]
+  )
+  assert all(
+      (r["commit"], r["fingerprint"])
+      == (record["commit"], record["fingerprint"])
+      for r in rows
+  )
+  return record
+
+
 # Each study's --quick mode on a few of its arms and tasks (every arm is a
 # config the optimizer tests cover; here the reports are what is checked).
 @pytest.mark.parametrize(
     "name, arms, tasks",
     [
-        ("parity", ["lora", "logra"], ["tiny", "count_bits"]),
-        ("ablations", ["default", "rank=8", "kind=random"], ["tiny"]),
+        ("ablations", ["default", "rank=8"], ["tiny"]),
         ("kl_control", ["logra+kl", "lora"], ["tiny"]),
     ],
 )
-def test_quick_study_writes_its_reports(name, arms, tasks, tmp_path):
-  done = _study(name, "--arms", *arms, "--tasks", *tasks, tmp_path=tmp_path)
+def test_quick_study_writes_its_reports(
+    name, arms, tasks, tmp_path, fingerprints
+):
+  done = _study(
+      name,
+      "--arms",
+      *arms,
+      "--tasks",
+      *tasks,
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   results = tmp_path / "results"
   rows = _rows(results / f"{name}.csv")
@@ -65,18 +114,140 @@ def test_quick_study_writes_its_reports(name, arms, tasks, tmp_path):
       rows,
       ["eval_accuracy_before", "eval_accuracy_after", "optimizer_state_bytes"],
   )
+  record = _assert_provenance(results, rows)
   table = (results / f"{name}.md").read_text()
   assert all(f"| {arm} |" in table for arm in arms)
-  assert "Command: `python experiments/" in table and "--quick" in table
+  assert f"Command: `{record['command']}`" in table
+  assert record["fingerprint"] in table
   assert (results / f"{name}.png").stat().st_size > 0
-  if name == "parity":
-    assert all(f"{task}: LoGRA " in table for task in tasks)
-    _assert_finite(rows, ["weights_bytes", "wall_seconds"])
   if name == "kl_control":
     _assert_finite(rows, ["kl_k3_median", "k3_within_2x"])
     controlled = [r for r in rows if r["arm"].endswith("+kl")]
     _assert_finite(controlled, ["predicted_over_k3_median", "scale_median"])
     assert "| train step + predictor" in table
+
+
+def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
+  """The parity study's --quick mode: a 2-rate sweep (1 seed), 2 seeds at
+  the chosen rate, a KL-matched seed; rows written one file per run; CSVs,
+  tables with CIs and verdicts, plots and provenance."""
+  done = _study(
+      "parity",
+      "--settings",
+      "tiny",
+      "--arms",
+      "logra",
+      "adam",
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  rows = _rows(results / "parity.csv")
+  assert sorted((r["arm"], r["seed"]) for r in rows) == sorted(
+      [(a, s) for a in ("logra", "adam") for s in ("0", "1")]
+      + [("logra+kl", "0"), ("adam+kl", "0")]
+  )
+  for row in rows:
+    assert (row["validation_prompts"], row["test_prompts"]) == ("8", "8")
+  _assert_finite(
+      rows,
+      [
+          "learning_rate",
+          "train_prompts",
+          "validation_before",
+          "validation_after",
+          "test_before",
+          "test_after",
+          "memory_bytes",
+      ],
+  )
+  sweep = _rows(results / "sweep.csv")
+  assert len(sweep) == 4 and {r["learning_rate"] for r in sweep} == {
+      "0.0003",
+      "0.001",
+  }
+  _assert_provenance(results, rows + sweep)
+  assert len(list((results / "rows").rglob("*.json"))) == 8
+  table = (results / "parity.md").read_text()
+  assert "| logra vs adam |" in table and "| logra+kl vs adam+kl |" in table
+  assert "Chosen learning rates" in table and "Command: `python " in table
+  for png in ("parity.png", "sweep.png"):
+    assert (results / png).stat().st_size > 0
+
+
+@pytest.mark.parametrize("module", [provenance, study])
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.failed == 0 and result.attempted > 0
+
+
+def test_metrics_hash_leaves_out_time_and_compile_keys():
+  line = lambda **kv: json.dumps({"step": 1, "loss": 0.5, **kv})
+  assert provenance.metrics_hash(
+      [line(**{"time/step_s": 1.0, "compile/count": 3.0})]
+  ) == provenance.metrics_hash([line(**{"time/step_s": 2.0})])
+  assert provenance.metrics_hash([line()]) != provenance.metrics_hash(
+      [line(loss=0.25)]
+  )
+
+
+def _config():
+  return configs.apply_overrides(configs.get_preset("smoke"), ["steps=1"])
+
+
+def test_a_run_of_another_fingerprint_is_not_reused(tmp_path, monkeypatch):
+  """study.train asks the trainer to rerun a folder whose fingerprint is
+  another (or unknown), and to reuse it when it matches."""
+  reruns = []
+
+  def fake_train_or_reuse(config, folder, rerun):
+    reruns.append(rerun)
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    return {"eval_accuracy_before": 0.0}
+
+  monkeypatch.setattr(study.trainer, "train_or_reuse", fake_train_or_reuse)
+  value = {"fingerprint": "aaaa"}
+  monkeypatch.setattr(
+      study.provenance, "fingerprint", lambda cache: value["fingerprint"]
+  )
+  args = argparse.Namespace(rerun=False, fingerprint_cache="unused")
+  folder = tmp_path / "run"
+  study.train(args, _config(), folder)  # a new folder: no fingerprint yet
+  study.train(args, _config(), folder)  # the same code: reused
+  value["fingerprint"] = "bbbb"
+  study.train(args, _config(), folder)  # other code: run again
+  assert reruns == [True, False, True]
+  assert json.loads((folder / "fingerprint.json").read_text()) == {
+      "fingerprint": "bbbb"
+  }
+
+
+def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
+    tmp_path, monkeypatch
+):
+  args = argparse.Namespace(
+      quick=True, set=[], rerun=False, out=str(tmp_path), target_kl=5e-3
+  )
+  key = parity.key_of(args, "tiny", "logra", 1e-3, 0, False)
+  path = parity.row_path(tmp_path, key)
+  path.parent.mkdir(parents=True)
+  row = {"config_hash": parity.config_hash(key["config"]), "fingerprint": "a"}
+  path.write_text(json.dumps(row))
+
+  def train(*_):
+    raise RuntimeError("trained")
+
+  monkeypatch.setattr(study, "train", train)
+  ctx = lambda fingerprint: parity.Context(
+      args, tmp_path, parity.Evaluator(), {"fingerprint": fingerprint}
+  )
+  assert parity.run_row(ctx("a"), key) == row
+  with pytest.raises(RuntimeError, match="trained"):
+    parity.run_row(ctx("b"), key)
+  path.write_text(json.dumps({**row, "config_hash": "another config's"}))
+  with pytest.raises(RuntimeError, match="trained"):
+    parity.run_row(ctx("a"), key)
 
 
 def test_async_study_quick(tmp_path):
@@ -95,40 +266,54 @@ def test_async_study_quick(tmp_path):
     "name, args, message",
     [
         ("parity", ["--arms", "logra", "sgd"], "unknown arms ['sgd']"),
-        ("parity", ["--tasks", "gsm9k"], "unknown tasks ['gsm9k']"),
-        ("parity", ["--arms", "adam"], "must include logra"),
+        ("parity", ["--settings", "gsm9k"], "unknown settings ['gsm9k']"),
+        (
+            "parity",
+            ["--lr-grid", "adam=1e-3,0"],
+            "learning rates must be > 0, got [0.0]",
+        ),
+        ("parity", ["--lr-grid", "sgd=1e-3"], "unknown arms ['sgd']"),
+        ("parity", ["--set", "optimizer.rank=-1"], "optimizer.rank"),
+        ("parity", ["--kl-seeds", "0"], "--kl-seeds must be >= 1"),
         ("ablations", ["--arms", "rank=7"], "unknown arms ['rank=7']"),
+        ("ablations", ["--arms", "rank=8"], "must include 'default'"),
         ("kl_control", ["--arms", "sgd+kl"], "unknown arms ['sgd+kl']"),
-        ("parity", ["--seeds", "0"], "--seeds must be >= 1"),
+        ("kl_control", ["--tasks", "gsm9k"], "unknown tasks ['gsm9k']"),
+        ("kl_control", ["--set", "steps=0"], "steps"),
+        ("ablations", ["--seeds", "0"], "--seeds must be >= 1"),
     ],
 )
-def test_bad_names_are_refused_before_running(name, args, message, tmp_path):
+def test_bad_input_is_refused_before_running(name, args, message, tmp_path):
   done = _study(name, *args, tmp_path=tmp_path)
-  assert done.returncode == 2 and message in done.stderr
-  assert not (tmp_path / "runs").exists()
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert message in done.stderr and len(done.stderr.splitlines()) == 1
+  assert not list(tmp_path.iterdir())  # nothing run, nothing written
 
 
 def test_results_of_other_settings_are_not_overwritten(tmp_path):
   results = tmp_path / "results"
   results.mkdir()
-  (results / "study.json").write_text(
-      '{"arms": ["logra"], "quick": true, "seeds": 1, "set": [], '
-      '"tasks": ["tiny"]}\n'
-  )
+  (results / "study.json").write_text('{"arms": ["logra"], "quick": true}\n')
   (results / "parity.md").write_text("earlier\n")
   done = _study(
-      "parity", "--arms", "logra", "adam", "--tasks", "tiny", tmp_path=tmp_path
+      "parity",
+      "--arms",
+      "logra",
+      "adam",
+      "--settings",
+      "tiny",
+      tmp_path=tmp_path,
   )
-  assert done.returncode == 1
-  assert "holds the results of other settings (arms differ" in done.stderr
+  assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+  assert "holds the results of other settings (" in done.stderr
   assert "--overwrite" in done.stderr
   assert (results / "parity.md").read_text() == "earlier\n"
-  assert not (tmp_path / "runs").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
 
 
-def test_a_study_option_is_part_of_its_results_settings(tmp_path, monkeypatch):
+def test_a_study_option_is_part_of_its_results_settings(tmp_path):
   """kl_control's own options (here --target-kl) claim the results folder
-  too, and the reported command repeats them."""
+  too."""
   results = tmp_path / "results"
   results.mkdir()
   settings = {
@@ -153,19 +338,9 @@ def test_a_study_option_is_part_of_its_results_settings(tmp_path, monkeypatch):
       "0.01",
       tmp_path=tmp_path,
   )
-  assert done.returncode == 1
+  assert done.returncode == 2
   assert "(target_kl differ: there [0.005], now [0.01])" in done.stderr
   assert not (tmp_path / "runs").exists()
-  monkeypatch.syspath_prepend(str(EXPERIMENTS))
-  import study  # noqa: PLC0415
-
-  args = argparse.Namespace(
-      **settings, out="o", results="r", rerun=False, overwrite=False
-  )
-  assert study.command("kl_control", args).endswith(
-      "--kl-subsample 128 --lr-multiplier 10.0 --overhead-repeats 10 "
-      "--target-kl 0.005"
-  )
 
 
 def test_quick_gpu_bench_writes_its_tables(tmp_path):

@@ -78,3 +78,12 @@ def test_verdict_worse_and_too_few_seeds():
 def test_docstring_examples_run():
   result = doctest.testmod(stats)
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_samples_without_spread_make_certain_tests():
+  same = stats.compare([0.5, 0.5], [0.5, 0.5], margin=0.02)
+  assert (same.welch_p, same.non_inferiority_p) == (1.0, 0.0)
+  assert stats.verdict(same) == "non-inferior at margin 0.02, p = 0"
+  below = stats.compare([0.4, 0.4], [0.5, 0.5], margin=0.02)
+  assert (below.welch_p, below.non_inferiority_p) == (0.0, 1.0)
+  assert stats.verdict(below).startswith("worse by 0.100")

@@ -1,0 +1,183 @@
+"""Where a study's numbers come from: the code (commit, dirty tree, a
+numerics fingerprint), the date, the machine, the package versions and
+the exact command.
+
+The numerics fingerprint is a hash of a short deterministic run's metrics:
+``logra train --preset smoke`` (3 steps), its ``metrics.jsonl`` without the
+``time/`` and ``compile/`` keys (which vary from run to run), hashed with
+SHA-256. Two trees whose smoke runs agree bit for bit share it; a change
+that moves any loss, reward or KL changes it. It is computed once per
+invocation and cached by code version (commit, the hash of the uncommitted
+changes to ``logra_jax/`` and the JAX backend) in a cache folder.
+
+Example:
+  >>> record = collect("python experiments/parity.py --quick", "0" * 16)
+  >>> sorted(record)  # doctest: +NORMALIZE_WHITESPACE
+  ['command', 'commit', 'date', 'dirty', 'fingerprint', 'machine',
+   'versions']
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+ROOT = pathlib.Path(__file__).parent.parent
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# Metrics that vary from run to run of the same code.
+UNSTABLE = ("time/", "compile/")
+
+
+def _git(*args: str) -> str:
+  """The output of a git command in the repository ('' outside one)."""
+  try:
+    done = subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return ""
+  return done.stdout
+
+
+def commit() -> tuple[str, bool]:
+  """``git rev-parse HEAD`` ("unknown" outside a repository) and whether
+  the tracked files differ from it."""
+  head = _git("rev-parse", "HEAD").strip() or "unknown"
+  dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+  return head, dirty
+
+
+def code_version() -> str:
+  """The cache key of the fingerprint: commit, the hash of the package's
+  uncommitted changes and the JAX backend."""
+  head, _ = commit()
+  changes = hashlib.sha256(
+      _git("diff", "HEAD", "--", "logra_jax").encode()
+  ).hexdigest()[:12]
+  return f"{head[:12]}-{changes}-{jax.default_backend()}"
+
+
+def metrics_hash(lines: list[str]) -> str:
+  """SHA-256 (16 hex digits) of metrics JSON lines without the
+  ``time/`` and ``compile/`` keys.
+
+  Example:
+    >>> a = metrics_hash(['{"loss": 1.5, "time/step_s": 0.2}'])
+    >>> a == metrics_hash(['{"loss": 1.5, "time/step_s": 0.9}'])
+    True
+  """
+  stable = [
+      {k: v for k, v in json.loads(line).items() if not k.startswith(UNSTABLE)}
+      for line in lines
+      if line.strip()
+  ]
+  text = json.dumps(stable, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def fingerprint(cache: str | os.PathLike) -> str:
+  """The numerics fingerprint of this tree on this backend (a smoke run's
+  metrics hash), from ``cache`` when this code version's is there.
+
+  Raises:
+    RuntimeError: the smoke run failed (its log's tail).
+  """
+  path = pathlib.Path(cache) / f"{code_version()}.json"
+  if path.exists():
+    return json.loads(path.read_text())["fingerprint"]
+  with tempfile.TemporaryDirectory() as folder:
+    run = pathlib.Path(folder) / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "logra_jax.cli", "train", "--preset", "smoke"]
+        + ["--out", str(run), "--no-progress"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+      raise RuntimeError(
+          "the fingerprint's smoke run failed: " + done.stderr[-2000:]
+      )
+    value = metrics_hash((run / "metrics.jsonl").read_text().splitlines())
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"fingerprint": value}) + "\n")
+  return value
+
+
+def machine() -> dict[str, Any]:
+  """Platform, CPU count and the JAX backend's devices."""
+  return {
+      "platform": platform.platform(),
+      "cpu_count": os.cpu_count(),
+      "jax_backend": jax.default_backend(),
+      "devices": [d.device_kind for d in jax.devices()],
+  }
+
+
+def versions() -> dict[str, str]:
+  """Python's and the numerical packages' versions."""
+  found = {"python": platform.python_version()}
+  for name in PACKAGES:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = "absent"
+  return found
+
+
+def this_command() -> str:
+  """The command line of this process, quoted for a shell."""
+  return shlex.join(["python", *sys.argv])
+
+
+def collect(command: str, fingerprint_value: str) -> dict[str, Any]:
+  """The provenance record of a results file."""
+  head, dirty = commit()
+  return {
+      "commit": head,
+      "dirty": dirty,
+      "fingerprint": fingerprint_value,
+      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "machine": machine(),
+      "versions": versions(),
+      "command": command,
+  }
+
+
+def footer(record: dict[str, Any]) -> str:
+  """The line under every table: command, commit, fingerprint, date,
+  machine and versions.
+
+  Example:
+    >>> footer(collect("python x.py", "ab12")).startswith(
+    ...     "Command: `python x.py`; commit ")
+    True
+  """
+  m, v = record["machine"], record["versions"]
+  return (
+      f"Command: `{record['command']}`; commit {record['commit'][:12]}"
+      f"{' (dirty tree)' if record['dirty'] else ''}, numerics fingerprint "
+      f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
+      f"{m['cpu_count']} CPUs, {m['jax_backend']} "
+      f"({', '.join(sorted(set(m['devices'])))}); "
+      + ", ".join(f"{k} {v[k]}" for k in ("python", *PACKAGES))
+      + "."
+  )
+
+
+def png_metadata(record: dict[str, Any]) -> dict[str, str]:
+  """The record as PNG text chunks (``savefig(metadata=...)``)."""
+  return {"Description": json.dumps(record, sort_keys=True)}
