@@ -1,0 +1,457 @@
+"""The planner: the real train step compiled on abstract inputs.
+
+:func:`plan_memory` builds the learner's actual train step for a model, mesh
+and optimizer on abstract inputs (``jax.ShapeDtypeStruct``: no weight is
+ever allocated), compiles it with the run's shardings, and reads XLA's
+compiled memory analysis, which is exact for that program on the compiling
+backend (:mod:`logra_jax.memory.compiling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Optional
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax import configs
+from logra_jax import models
+from logra_jax import parallel
+from logra_jax import policy_state
+from logra_jax.memory.compiling import compiled_memory, ensure_devices
+from logra_jax.memory.presets import load_model_config
+from logra_jax.memory.report import GIB, MemoryReport
+from logra_jax.optim import sketch_grad
+from logra_jax.rl import algo
+from logra_jax.rl import learner
+
+OPTIMIZERS = ("adam", "logra", "lora")
+
+
+def _sharded_bytes(tree: Any, shardings: Any) -> int:
+  """Bytes one device holds of ``tree`` laid out as ``shardings``."""
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shape = sharding.shard_shape(leaf.shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def rollout_reservation(
+    config: models.DecoderConfig,
+    mesh: parallel.MeshConfig,
+    seqs: int,
+    tokens: int,
+) -> int:
+  r"""Per-device bytes of a colocated rollout engine.
+
+  Its bfloat16 weights laid out like the params (split over ``fsdp`` and
+  ``tp``, whole on each ``dp`` replica) and its bfloat16 KV cache,
+  :math:`2 \cdot L \cdot K \cdot h \cdot 2\,\mathrm{B}` per token, as the
+  sampler lays it out (``models.init_cache``): sequences over the data axes
+  (padded up to a multiple of them), key/value heads over ``tp`` where
+  ``tp`` divides them.
+
+  Args:
+    config: the decoder.
+    mesh: the mesh.
+    seqs: sequences in the cache (0: the weights alone).
+    tokens: slots per sequence.
+
+  Example:
+    >>> config = models.DecoderConfig.tiny()
+    >>> one = parallel.MeshConfig()
+    >>> rollout_reservation(config, one, 1, 8) - rollout_reservation(
+    ...     config, one, 0, 8)  # 2 (k, v) x 2 layers x 2 heads x 8 x 16 x 2 B
+    2048
+  """
+  device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
+  _, params = models.split_model(
+      nnx.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
+  weights = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), params
+  )
+  data = mesh.dp * mesh.fsdp
+  shape = (
+      config.num_layers,
+      -(-seqs // data) * data,
+      config.num_kv_heads,
+      tokens,
+      config.head_dim,
+  )
+  layout = parallel.logical_to_mesh(
+      (None, "batch", "cache_kv_heads", None, None), device_mesh, shape=shape
+  )
+  cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  return _sharded_bytes(
+      weights, parallel.param_shardings(params, device_mesh)
+  ) + 2 * _sharded_bytes(cache, layout)
+
+
+def _sketched_gradient_bytes(
+    state: Any, params: Any, params_sharding: Any
+) -> int:
+  """Per-device bytes of a sketch-direct gradient: float32 sketches of the
+  projected leaves (counted whole: they are small and not sharded) plus the
+  dense leaves' gradients laid out like their params."""
+  spec = sketch_grad.project_state(state).spec
+  total = 0
+  for plan, sharding in zip(
+      spec.plans, spec.treedef.flatten_up_to(params_sharding)
+  ):
+    shape = (
+        plan.sketch_shape
+        if plan.projected
+        else sharding.shard_shape(plan.shape)
+    )
+    total += math.prod(shape) * 4
+  return total
+
+
+class _Layout(NamedTuple):
+  """A plan's abstract train state and its shardings."""
+
+  graphdef: Any
+  params: Any
+  params_sharding: Any
+  tx: Any
+  weights: Any
+  weights_sharding: Any
+  state: Any
+  state_sharding: Any
+
+
+def _layout(
+    config: models.DecoderConfig,
+    opt_config: configs.OptimizerConfig,
+    device_mesh: jax.sharding.Mesh,
+) -> _Layout:
+  """The abstract weights and optimizer state of ``config`` under
+  ``opt_config``, laid out on ``device_mesh`` as a run lays them out."""
+  graphdef, params = models.split_model(
+      nnx.eval_shape(lambda: models.init_model(config, rngs=0))
+  )
+  params_sharding = parallel.param_shardings(params, device_mesh)
+  tx = policy_state.make_optimizer(opt_config, params)
+  state = policy_state.abstract_opt_state(opt_config, tx, params)
+  weights = policy_state.abstract_weights(opt_config, tx, params)
+  weights_sharding = parallel.weight_shardings(
+      weights, params_sharding, device_mesh
+  )
+  state_sharding = parallel.optimizer_state_shardings(
+      tx,
+      policy_state.optimized(weights, params),
+      policy_state.optimized(weights_sharding, params_sharding),
+      device_mesh,
+  )
+  return _Layout(
+      graphdef,
+      params,
+      params_sharding,
+      tx,
+      weights,
+      weights_sharding,
+      state,
+      state_sharding,
+  )
+
+
+def _abstract_batch(
+    rows: int,
+    prompt_len: int,
+    completion_len: int,
+    reference_dtype: Optional[str],
+) -> algo.RolloutBatch:
+  """A rollout batch of ``rows`` sequences, as shapes and dtypes."""
+  sds = jax.ShapeDtypeStruct
+  return algo.RolloutBatch(
+      prompt_tokens_BxP=sds((rows, prompt_len), jnp.int32),
+      prompt_mask_BxP=sds((rows, prompt_len), jnp.int32),
+      completion_tokens_BxT=sds((rows, completion_len), jnp.int32),
+      completion_mask_BxT=sds((rows, completion_len), jnp.int32),
+      old_logp_BxT=sds((rows, completion_len), jnp.float32),
+      advantages_B=sds((rows,), jnp.float32),
+      num_generations=rows,
+      ref_logp_BxT=(
+          None
+          if reference_dtype is None
+          else sds((rows, completion_len), jnp.float32)
+      ),
+  )
+
+
+def _step_memory(
+    layout: _Layout,
+    opt_config: configs.OptimizerConfig,
+    batch: algo.RolloutBatch,
+    batch_sharding: Any,
+    reference_dtype: Optional[str],
+    device_mesh: jax.sharding.Mesh,
+) -> Any:
+  """XLA's memory analysis of the learner's train step on ``batch``."""
+  run_config = dataclasses.replace(
+      configs.TrainConfig(),
+      optimizer=opt_config,
+      micro_batches=1,
+      loss=dataclasses.replace(
+          configs.TrainConfig().loss,
+          beta=0.0 if reference_dtype is None else 0.04,
+      ),
+  )
+  step = learner.make_train_step(
+      layout.graphdef,
+      layout.tx,
+      run_config,
+      shardings=(
+          layout.weights_sharding,
+          layout.state_sharding,
+          batch_sharding,
+      ),
+      activation_rules=parallel.PARTITION_RULES,
+  )
+  return compiled_memory(
+      step.lower(layout.weights, layout.state, batch),
+      device_mesh.devices.flat[0].platform,
+  )
+
+
+def _gradient_bytes(
+    layout: _Layout, opt_config: configs.OptimizerConfig
+) -> int:
+  """Per-device bytes of the gradient the step materializes."""
+  if opt_config.name == "logra" and opt_config.gradient_mode == "sketch":
+    return _sketched_gradient_bytes(
+        layout.state, layout.params, layout.params_sharding
+    )
+  if opt_config.name == "lora":  # float32 adapters' gradients
+    return _sharded_bytes(
+        policy_state.optimized(layout.weights, layout.params),
+        policy_state.optimized(layout.weights_sharding, layout.params_sharding),
+    )
+  return _sharded_bytes(layout.weights, layout.weights_sharding)
+
+
+def _reference_bytes(layout: _Layout, reference_dtype: Optional[str]) -> int:
+  """Per-device bytes of a frozen reference policy laid out like the
+  params (0: none)."""
+  if reference_dtype is None:
+    return 0
+  return _sharded_bytes(
+      jax.tree.map(
+          lambda p: jax.ShapeDtypeStruct(p.shape, reference_dtype),
+          layout.params,
+      ),
+      layout.params_sharding,
+  )
+
+
+def _check_arguments(
+    optimizer: str,
+    remat: str,
+    sizes: dict[str, int],
+    rollout: tuple[int, int],
+    reference_dtype: Optional[str],
+) -> None:
+  """Raises a ValueError naming the first argument out of its range."""
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(
+        f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}"
+    )
+  if remat not in models.REMAT:
+    raise ValueError(f"remat must be one of {models.REMAT}, got {remat!r}")
+  for name, value in sizes.items():
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
+  if min(rollout) < 0:
+    raise ValueError("rollout_seqs and rollout_tokens must be >= 0")
+  if reference_dtype not in (None, "bfloat16", "float32"):
+    raise ValueError(
+        f"reference_dtype must be 'bfloat16' or 'float32', got "
+        f"{reference_dtype!r}"
+    )
+
+
+def _plan_config(
+    model: str | models.DecoderConfig, remat: str, seq_len: int
+) -> models.DecoderConfig:
+  """The decoder planned: float32 weights computed in bfloat16, positions
+  for ``seq_len`` tokens."""
+  config = (
+      model
+      if isinstance(model, models.DecoderConfig)
+      else load_model_config(model)
+  )
+  return dataclasses.replace(
+      config,
+      remat=remat,
+      dtype="bfloat16",
+      param_dtype="float32",
+      max_position_embeddings=max(config.max_position_embeddings, seq_len),
+  )
+
+
+def _description(
+    name: str,
+    num_params: int,
+    mesh: parallel.MeshConfig,
+    opt: configs.OptimizerConfig,
+    reference_dtype: Optional[str],
+    workload: str,
+) -> str:
+  """The plan's first line: model, mesh, optimizer and workload."""
+  return (
+      f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {opt.name}"
+      + (
+          f" rank {opt.rank}, {opt.gradient_mode} gradients"
+          if opt.name == "logra"
+          else f" rank {opt.rank}"
+          if opt.name == "lora"
+          else ""
+      )
+      + (", embeddings projected" if opt.project_embeddings else "")
+      + (f", {opt.base_dtype} base" if opt.base_dtype != "float32" else "")
+      + (f", {reference_dtype} reference policy" if reference_dtype else "")
+      + workload
+  )
+
+
+def plan_memory(
+    model: str | models.DecoderConfig,
+    mesh: parallel.MeshConfig = parallel.MeshConfig(),
+    optimizer: str = "logra",
+    rank: int = 64,
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    remat: str = "block",
+    prompt_len: Optional[int] = None,
+    rollout_seqs: int = 0,
+    rollout_tokens: int = 0,
+    device_memory_gib: Optional[float] = None,
+    gradient_mode: str = "sketch",
+    project_embeddings: bool = False,
+    reference_dtype: Optional[str] = None,
+    base_dtype: str = "float32",
+) -> MemoryReport:
+  r"""Compiles the train step on abstract inputs and reports memory per device.
+
+  Args:
+    model: a preset name (:data:`~logra_jax.memory.MODEL_PRESETS`), a local ``config.json``,
+      or a ``DecoderConfig``.
+    mesh: the mesh; its size is the number of devices.
+    optimizer: ``"adam"`` (dense AdamW: float32 moments), ``"logra"`` or
+      ``"lora"`` (AdamW on adapters of every projection matrix, the rest
+      frozen: ``params`` counts the frozen weights and the adapters,
+      ``grads`` and the state the adapters' alone).
+    rank: LoGRA's projection rank; LoRA's adapter rank.
+    seq_len: tokens per sequence (prompt and completion).
+    micro_batch: sequences per data-parallel device per step.
+    remat: ``policy.remat`` (``DecoderConfig.remat``): ``"block"``
+      (recompute each block), ``"dots_saveable"`` (keep the weight
+      projections' outputs) or ``"none"``.
+    prompt_len: prompt part of ``seq_len``; default ``seq_len // 4``.
+    rollout_seqs: sequences of a colocated rollout engine's KV cache.
+    rollout_tokens: tokens per rollout sequence.
+    device_memory_gib: the device memory to check the total against.
+    gradient_mode: LoGRA's gradients: ``"sketch"`` (sketch-direct, the
+      default: ``grads`` counts the float32 sketches ``[L, r, short]``, which
+      are not sharded, and the dense leaves' gradients) or ``"dense"`` (a full
+      float32 gradient laid out like the params, then projected). Adam always
+      takes dense gradients.
+    project_embeddings: LoGRA also projects the embedding table and LM head
+      (their gradients and moments become low-rank too).
+    reference_dtype: hold a frozen reference policy in this dtype
+      (``"bfloat16"`` or ``"float32"``), as a run with ``loss.beta > 0``
+      does: its weights, laid out like the params, stay resident, and the
+      batch carries its log-probabilities. Its forward pass runs in a
+      program of its own, before the step, with fewer temporaries than the
+      step. None: no reference (``loss.beta = 0``).
+    base_dtype: LoGRA with sketch-direct gradients keeps each projected
+      weight factored, ``W = c B + P A``: the dtype of ``B`` (``"float32"``
+      or ``"bfloat16"``); ``params`` counts ``B``, ``A`` and ``c``. LoRA:
+      the dtype of the frozen weights under the adapters.
+
+  Returns:
+    A :class:`MemoryReport`; the rollout reservation is
+    :func:`rollout_reservation`: bfloat16 inference weights laid out like
+    the params plus the KV cache as the sampler lays it out.
+
+  Example:
+    >>> report = plan_memory(models.DecoderConfig.tiny(), seq_len=64)
+    >>> report.total > report.params > 0
+    True
+  """
+  _check_arguments(
+      optimizer,
+      remat,
+      {"rank": rank, "seq_len": seq_len, "micro_batch": micro_batch},
+      (rollout_seqs, rollout_tokens),
+      reference_dtype,
+  )
+  prompt_len = seq_len // 4 if prompt_len is None else prompt_len
+  if not 1 <= prompt_len < seq_len:
+    raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
+  opt_config = configs.OptimizerConfig(
+      name=optimizer,
+      rank=rank,
+      warmup_steps=0,
+      gradient_mode=gradient_mode,
+      project_embeddings=project_embeddings,
+      base_dtype=base_dtype,
+  )
+  config = _plan_config(model, remat, seq_len)
+  device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
+  layout = _layout(config, opt_config, device_mesh)
+  batch = _abstract_batch(
+      micro_batch * mesh.dp * mesh.fsdp,
+      prompt_len,
+      seq_len - prompt_len,
+      reference_dtype,
+  )
+  batch_sharding = parallel.data_shardings(batch, device_mesh)
+  stats = _step_memory(
+      layout, opt_config, batch, batch_sharding, reference_dtype, device_mesh
+  )
+  grads = _gradient_bytes(layout, opt_config)
+  outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+  reference = _reference_bytes(layout, reference_dtype)
+  rollout = (
+      rollout_reservation(config, mesh, rollout_seqs, rollout_tokens)
+      if rollout_seqs
+      else 0
+  )
+  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.params))
+  workload = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
+  if rollout_seqs:
+    workload += f", rollout {rollout_seqs}x{rollout_tokens} tokens"
+  return MemoryReport(
+      params=_sharded_bytes(layout.weights, layout.weights_sharding),
+      grads=grads,
+      optimizer_state=_sharded_bytes(layout.state, layout.state_sharding),
+      batch=_sharded_bytes(batch, batch_sharding),
+      temporaries=stats.temp_size_in_bytes - grads,
+      outputs=outputs,
+      reference=reference,
+      rollout=rollout,
+      total=stats.argument_size_in_bytes
+      + outputs
+      + stats.temp_size_in_bytes
+      + reference
+      + rollout,
+      device_memory=(
+          None if device_memory_gib is None else int(device_memory_gib * GIB)
+      ),
+      num_params=int(num_params),
+      description=_description(
+          model if isinstance(model, str) else "custom",
+          num_params,
+          mesh,
+          opt_config,
+          reference_dtype,
+          workload,
+      ),
+  )

@@ -1,0 +1,98 @@
+"""What the planner reports: per-device bytes of one train step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Per-device bytes of one train step (and an optional rollout reservation).
+
+  ``params`` and ``optimizer_state`` are the step's resident inputs;
+  ``grads`` the gradient it materializes (full, or the sketches in
+  sketch-direct mode); ``temporaries`` everything
+  else XLA allocates during the step (activations, workspace);
+  ``reference`` the frozen reference policy's weights of a KL penalty, so
+  that ``total = params + optimizer_state + batch + grads + temporaries +
+  outputs not aliased to inputs + reference + rollout``.
+
+  Example:
+    >>> report = MemoryReport(
+    ...     params=GIB, grads=GIB, optimizer_state=2 * GIB, batch=0,
+    ...     temporaries=GIB, outputs=0, reference=0, rollout=0,
+    ...     total=5 * GIB, device_memory=8 * GIB, num_params=2**28,
+    ...     description="example")
+    >>> report.fits, report.summary().splitlines()[-1]
+    (True, 'fits in 8 GiB: yes (3.00 GiB free)')
+  """
+
+  params: int
+  grads: int
+  optimizer_state: int
+  batch: int
+  temporaries: int
+  outputs: int
+  reference: int
+  rollout: int
+  total: int
+  device_memory: Optional[int]
+  num_params: int
+  description: str
+
+  @property
+  def fits(self) -> Optional[bool]:
+    """Whether the total fits in the device memory (None: not given)."""
+    return (
+        None
+        if self.device_memory is None
+        else (self.total <= self.device_memory)
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as a JSON-serializable dict (bytes per device)."""
+    return {
+        "params": self.params,
+        "grads": self.grads,
+        "optimizer_state": self.optimizer_state,
+        "temporaries": self.temporaries,
+        "reference": self.reference,
+        "rollout": self.rollout,
+        "total": self.total,
+        "fits": self.fits,
+        "batch": self.batch,
+        "outputs": self.outputs,
+        "device_memory": self.device_memory,
+        "num_params": self.num_params,
+        "description": self.description,
+    }
+
+  def summary(self) -> str:
+    """The report as a table in GiB per device, for the console."""
+    rows = [
+        ("parameters", self.params),
+        ("gradients", self.grads),
+        ("optimizer state", self.optimizer_state),
+        ("batch", self.batch),
+        ("temporaries", self.temporaries),
+        ("outputs (not aliased)", self.outputs),
+        ("reference policy", self.reference),
+        ("rollout reservation", self.rollout),
+        ("total", self.total),
+    ]
+    lines = [self.description, "per device:"]
+    lines += [f"  {name:<22} {value / GIB:9.2f} GiB" for name, value in rows]
+    if self.device_memory is not None:
+      margin = (self.device_memory - self.total) / GIB
+      lines.append(
+          f"fits in {self.device_memory / GIB:.0f} GiB: "
+          + (
+              f"yes ({margin:.2f} GiB free)"
+              if self.fits
+              else f"NO, over by {-margin:.2f} GiB"
+          )
+      )
+    return "\n".join(lines)
