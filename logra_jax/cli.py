@@ -8,9 +8,18 @@ import json
 import signal
 import sys
 import time
+from typing import Any
 
+from logra_jax import checkpoint
 from logra_jax import configs
+from logra_jax import memory
+from logra_jax import parallel
 from logra_jax.models import config as models_config
+from logra_jax.models import gguf_io
+from logra_jax.rl import scoring
+from logra_jax.rl import setup
+from logra_jax.rl import trainer
+from logra_jax.rollout import engine
 
 
 def _config(args: argparse.Namespace) -> configs.TrainConfig:
@@ -22,9 +31,6 @@ def _config(args: argparse.Namespace) -> configs.TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
-  from logra_jax import parallel
-  from logra_jax.rl import trainer
-
   config = _config(args)
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
@@ -50,9 +56,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-  from logra_jax import checkpoint
-  from logra_jax import parallel
-
   # Export reads a checkpoint into one folder on one host: launched as
   # several processes, process 0 alone does it (without joining the others).
   if parallel.launched_process_id() != 0:
@@ -65,24 +68,18 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-  from logra_jax.models import gguf_io
-
   out = gguf_io.convert_gguf(args.gguf, args.out, overwrite=args.overwrite)
   print(f"policy written to {out}")
   return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-  from logra_jax import parallel
-  from logra_jax.rl import trainer
-  from logra_jax.rollout import engine
-
   config = _config(args)
   # Several processes: each samples the examples on its own devices and
   # scores its share of them; process 0 prints the result.
   parallel.join_from_environment()
-  task = trainer.load_task(config)
-  rewards = trainer.run_rewards(config, task)
+  task = setup.load_task(config)
+  rewards = setup.run_rewards(config, task)
   _, eval_examples = task.split(config.task.eval_size, seed=config.task.seed)
   policy = engine.Policy.load(
       args.policy,
@@ -90,7 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
       system_prompt=config.task.system_prompt,
       attention=config.policy.attention,
   )
-  result = engine.evaluate(
+  result = scoring.evaluate(
       policy,
       policy.params,
       eval_examples,
@@ -113,9 +110,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-  from logra_jax import memory
-  from logra_jax import parallel
-
   report = memory.plan_memory(
       args.model,
       mesh=parallel.MeshConfig.parse(args.mesh),
@@ -136,11 +130,8 @@ def _memory(args: argparse.Namespace) -> int:
   return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog="logra", description="LoGRA: memory-efficient RL post-training."
-  )
-  commands = parser.add_subparsers(dest="command", required=True)
+def _common_options() -> argparse.ArgumentParser:
+  """The run config options of ``train`` and ``eval``."""
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument(
       "--preset",
@@ -169,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="more overrides, applied after --set; values are "
       "YAML, e.g. task.options={max_terms: 4}",
   )
+  return common
+
+
+def _add_train(commands: Any, common: argparse.ArgumentParser) -> None:
+  """``logra train``."""
   train = commands.add_parser(
       "train", parents=[common], help="run RL post-training"
   )
@@ -198,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
       "another mesh or number of processes",
   )
   train.set_defaults(run=_train)
+
+
+def _add_eval(commands: Any, common: argparse.ArgumentParser) -> None:
+  """``logra eval``."""
   evaluate = commands.add_parser(
       "eval", parents=[common], help="held-out accuracy of a policy folder"
   )
@@ -205,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
       "--policy", required=True, help="Hugging Face folder of the policy"
   )
   evaluate.set_defaults(run=_eval)
-  plan = commands.add_parser(
-      "memory", help="per-device memory of a train step, without allocating"
-  )
+
+
+def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
+  """``logra memory``'s model, mesh and optimizer options."""
   plan.add_argument(
       "--model",
       default="qwen2.5-7b",
@@ -249,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="hold a frozen reference policy in this dtype (a "
       "run with loss.beta > 0); default: none",
   )
+
+
+def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
+  """``logra memory``'s sequence, rollout and output options."""
   plan.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
   plan.add_argument(
       "--micro-batch",
@@ -285,7 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
       action="store_true",
       help="print one JSON object (bytes per device)",
   )
+
+
+def _add_memory(commands: Any) -> None:
+  """``logra memory``."""
+  plan = commands.add_parser(
+      "memory", help="per-device memory of a train step, without allocating"
+  )
+  _add_memory_setup(plan)
+  _add_memory_workload(plan)
   plan.set_defaults(run=_memory)
+
+
+def _add_export(commands: Any) -> None:
+  """``logra export``."""
   export = commands.add_parser(
       "export", help="write a checkpoint's policy as a Hugging Face folder"
   )
@@ -303,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
       "--overwrite", action="store_true", help="replace an existing --out"
   )
   export.set_defaults(run=_export)
+
+
+def _add_convert(commands: Any) -> None:
+  """``logra convert``."""
   convert = commands.add_parser(
       "convert",
       help="write a GGUF checkpoint as a Hugging Face policy "
@@ -320,6 +342,26 @@ def build_parser() -> argparse.ArgumentParser:
       "--overwrite", action="store_true", help="replace an existing --out"
   )
   convert.set_defaults(run=_convert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The ``logra`` command line: one subcommand per verb.
+
+  Example:
+    >>> args = build_parser().parse_args(["memory", "--rank=8", "--json"])
+    >>> args.command, args.rank, args.optimizer, args.json
+    ('memory', 8, 'logra', True)
+  """
+  parser = argparse.ArgumentParser(
+      prog="logra", description="LoGRA: memory-efficient RL post-training."
+  )
+  commands = parser.add_subparsers(dest="command", required=True)
+  common = _common_options()
+  _add_train(commands, common)
+  _add_eval(commands, common)
+  _add_memory(commands)
+  _add_export(commands)
+  _add_convert(commands)
   return parser
 
 

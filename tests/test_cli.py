@@ -7,6 +7,7 @@ import pytest
 
 from logra_jax import checkpoint
 from logra_jax import checks
+from logra_jax import cli
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
 from logra_jax import configs
@@ -188,6 +189,6 @@ def test_mesh_entries_may_have_spaces():
 
 
 def test_docstring_examples_run():
-  for module in (checks, configs.loading, sharding):
+  for module in (checks, cli, configs.loading, sharding):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, module.__name__
