@@ -17,13 +17,52 @@ import optax
 import optax.contrib
 
 import logra_jax as logra
-from logra_jax import models
 from logra_jax.configs import OptimizerConfig
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import sketch_grad
 from logra_jax.optim import state_queries
+from logra_jax.optim.dimension_numbers import DimensionNumbers
 from logra_jax.optim.non_finite import skip_non_finite
+
+
+def matrix_dimension_numbers(
+    params: nnx.State, include_embeddings: bool = False
+) -> nnx.State:
+  """Which axes of each parameter form the matrix, for LoGRA projection.
+
+  Args:
+    params: from ``models.split_model``.
+    include_embeddings: also treat `embed [V, D]` and `lm_head [D, V]` as
+      matrices (reduction axis 0, output axis 1).
+
+  Returns:
+    A tree shaped like `params` with, at each `Param`, either None (vectors,
+    norms, biases; embeddings and LM head unless asked) or
+    `DimensionNumbers(reduction_axes=(1,), output_axes=(2,), batch_axes=(0,))`
+    for the stacked layer matrices `[L, in, out]`.
+
+  Example:
+    >>> from logra_jax import models
+    >>> _, params = models.split_model(
+    ...     models.init_model(models.DecoderConfig.tiny(), 0))
+    >>> matrix_dimension_numbers(params)["layers"]["q_proj"].batch_axes
+    (0,)
+  """
+
+  def spec(path, variable):
+    names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+    if names[0] == "layers" and variable.ndim == 3:
+      return DimensionNumbers(
+          reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
+      )
+    if include_embeddings and names[0] in ("embed", "lm_head"):
+      return DimensionNumbers(reduction_axes=(0,), output_axes=(1,))
+    return None
+
+  return jax.tree_util.tree_map_with_path(
+      spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
 
 
 def make_optimizer(
@@ -48,7 +87,7 @@ def make_optimizer(
       if config.warmup_steps
       else config.learning_rate
   )
-  dims = models.matrix_dimension_numbers(
+  dims = matrix_dimension_numbers(
       params, include_embeddings=config.project_embeddings
   )
   if config.name == "logra":
@@ -126,6 +165,7 @@ def init_train_state(
   params, or the adapters).
 
   Example:
+    >>> from logra_jax import models
     >>> from logra_jax.configs import OptimizerConfig
     >>> _, params = models.split_model(
     ...     models.init_model(models.DecoderConfig.tiny(), rngs=0))

@@ -242,59 +242,8 @@ class DecoderConfig:
       24
     """
     family = hf_config.model_type
-    architectures = list(
-        hf_config.architectures or [HF_ARCHITECTURES.get(family, "")]
-    )
-    supported = ", ".join(
-        f"{a} (model_type {f!r})" for f, a in HF_ARCHITECTURES.items()
-    )
-    if family not in HF_ARCHITECTURES or any(
-        a != HF_ARCHITECTURES[family] for a in architectures
-    ):
-      raise ValueError(
-          f"Unsupported model: architectures={architectures}, "
-          f"model_type={family!r}. Supported: {supported}."
-      )
-    if hf_config.hidden_act != "silu":
-      raise ValueError(
-          f"Unsupported hidden_act {hf_config.hidden_act!r}; only "
-          "'silu' (SwiGLU) is supported."
-      )
-    if getattr(hf_config, "mlp_bias", False):
-      raise ValueError("Unsupported: mlp_bias=True.")
-    if getattr(hf_config, "use_sliding_window", False):
-      raise ValueError("Unsupported: use_sliding_window=True.")
-    rope = dict(
-        getattr(hf_config, "rope_parameters", None)
-        or getattr(hf_config, "rope_scaling", None)
-        or {}
-    )
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 1e4))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError("Unsupported: partial_rotary_factor != 1.")
-    if rope_type == "default":
-      scaling = None
-    elif rope_type == "linear":
-      scaling = RopeScaling("linear", float(rope["factor"]))
-    elif rope_type == "llama3":
-      scaling = RopeScaling(
-          "llama3",
-          float(rope["factor"]),
-          float(rope["low_freq_factor"]),
-          float(rope["high_freq_factor"]),
-          int(
-              rope.get(
-                  "original_max_position_embeddings",
-                  hf_config.max_position_embeddings,
-              )
-          ),
-      )
-    else:
-      raise ValueError(
-          f"Unsupported rope type {rope_type!r}; supported: "
-          "'default', 'linear', 'llama3'."
-      )
+    _check_hf_supported(hf_config)
+    rope_theta, scaling = _hf_rope(hf_config)
     head_dim = (
         getattr(hf_config, "head_dim", None)
         or hf_config.hidden_size // hf_config.num_attention_heads
@@ -472,3 +421,66 @@ def attention_implementation(
         f"'auto', 'xla' or 'chunked')"
     )
   return attention, None
+
+
+def _check_hf_supported(hf_config: Any) -> None:
+  """Refuses architectures, activations and options the decoder lacks."""
+  family = hf_config.model_type
+  architectures = list(
+      hf_config.architectures or [HF_ARCHITECTURES.get(family, "")]
+  )
+  supported = ", ".join(
+      f"{a} (model_type {f!r})" for f, a in HF_ARCHITECTURES.items()
+  )
+  if family not in HF_ARCHITECTURES or any(
+      a != HF_ARCHITECTURES[family] for a in architectures
+  ):
+    raise ValueError(
+        f"Unsupported model: architectures={architectures}, "
+        f"model_type={family!r}. Supported: {supported}."
+    )
+  if hf_config.hidden_act != "silu":
+    raise ValueError(
+        f"Unsupported hidden_act {hf_config.hidden_act!r}; only "
+        "'silu' (SwiGLU) is supported."
+    )
+  if getattr(hf_config, "mlp_bias", False):
+    raise ValueError("Unsupported: mlp_bias=True.")
+  if getattr(hf_config, "use_sliding_window", False):
+    raise ValueError("Unsupported: use_sliding_window=True.")
+
+
+def _hf_rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
+  """The RoPE base and scaling of a `transformers` config."""
+  rope = dict(
+      getattr(hf_config, "rope_parameters", None)
+      or getattr(hf_config, "rope_scaling", None)
+      or {}
+  )
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 1e4))
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("Unsupported: partial_rotary_factor != 1.")
+  if rope_type == "default":
+    scaling = None
+  elif rope_type == "linear":
+    scaling = RopeScaling("linear", float(rope["factor"]))
+  elif rope_type == "llama3":
+    scaling = RopeScaling(
+        "llama3",
+        float(rope["factor"]),
+        float(rope["low_freq_factor"]),
+        float(rope["high_freq_factor"]),
+        int(
+            rope.get(
+                "original_max_position_embeddings",
+                hf_config.max_position_embeddings,
+            )
+        ),
+    )
+  else:
+    raise ValueError(
+        f"Unsupported rope type {rope_type!r}; supported: "
+        "'default', 'linear', 'llama3'."
+    )
+  return rope_theta, scaling

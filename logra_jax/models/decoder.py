@@ -12,22 +12,22 @@ H query heads, K kv heads, G = H // K, h head dim, V vocab, L layers.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.models.attention import attention
+from logra_jax.models.cache import KVCache
+from logra_jax.models.cache import write_cache
 from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
-from logra_jax.optim import DimensionNumbers
 from logra_jax.parallel.sharding import constrain
 from logra_jax.lowrank import LowRankDelta
 from logra_jax.lowrank import matmul
 from logra_jax.lowrank import take
-
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 # Logical axis names of every parameter, by path (the sharding hook). The
 # vocabulary tables are split along the vocabulary only (see PARTITION_RULES).
@@ -108,78 +108,6 @@ def param_shapes(
   return shapes
 
 
-class KVCache(NamedTuple):
-  """Fixed-size key/value cache for incremental decoding (a pytree).
-
-  Attributes:
-    k: keys `[L, B, K, S, h]` (RoPE applied; heads-major for fast decoding).
-    v: values `[L, B, K, S, h]`.
-    mask: `[B, S]` bool, True where a slot holds a real (non-pad) token.
-    index: int32 scalar, the next slot to write (shared by the batch, so
-      ragged prompts are left-padded).
-  """
-
-  k: jax.Array
-  v: jax.Array
-  mask: jax.Array
-  index: jax.Array
-
-  @property
-  def max_length(self) -> int:
-    """S, the number of slots."""
-    return self.k.shape[3]
-
-
-def init_cache(
-    config: DecoderConfig, batch_size: int, max_length: int, dtype: Any = None
-) -> KVCache:
-  """Returns an empty cache of `max_length` slots.
-
-  Args:
-    config: the decoder config.
-    batch_size: B.
-    max_length: S, prompt plus generated tokens must fit.
-    dtype: cache dtype; defaults to the compute dtype.
-
-  Returns:
-    A zero `KVCache` with `index == 0` and no valid slot.
-
-  Example:
-    >>> cache = init_cache(DecoderConfig.tiny(), batch_size=2, max_length=8)
-    >>> cache.k.shape
-    (2, 2, 2, 8, 16)
-  """
-  shape = (
-      config.num_layers,
-      batch_size,
-      config.num_kv_heads,
-      max_length,
-      config.head_dim,
-  )
-  dtype = dtype or config.dtype
-  return _constrain_cache(
-      KVCache(
-          k=jnp.zeros(shape, dtype),
-          v=jnp.zeros(shape, dtype),
-          mask=jnp.zeros((batch_size, max_length), bool),
-          index=jnp.zeros((), jnp.int32),
-      )
-  )
-
-
-def _constrain_cache(cache: KVCache) -> KVCache:
-  """The cache laid out like the activations that fill it: rows split along
-  the batch axes, keys and values along the key/value heads where tp divides
-  them ("cache_kv_heads"; whole otherwise), under
-  `parallel.activation_sharding` (unchanged outside it)."""
-  heads = (None, "batch", "cache_kv_heads", None, None)
-  return cache._replace(
-      k=constrain(cache.k, heads),
-      v=constrain(cache.v, heads),
-      mask=constrain(cache.mask, ("batch", None)),
-  )
-
-
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
   """Inverse RoPE frequencies `[h/2]` (float32), with linear/llama3 scaling.
 
@@ -233,45 +161,6 @@ def _apply_rope(
   cos, sin = cos_BxTxr[:, :, None], sin_BxTxr[:, :, None]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxh.dtype)
-
-
-def _fused_attention(
-    q_BxTxHxh: jax.Array,
-    blocks: list[tuple[jax.Array, jax.Array]],
-    mask_BxTxS: jax.Array,
-    lengths_B: jax.Array | None,
-    implementation: str,
-) -> jax.Array:
-  """Attention by `jax.nn.dot_product_attention` (`[B, T, H, h]`).
-
-  Packed rows (`lengths_B`): causal over each row's first `lengths_B` keys,
-  given as sequence lengths, so no mask is materialized and cuDNN's flash
-  kernel skips the masked blocks. Otherwise (a prefill into a cache) the
-  boolean mask over `[past; new]` keys.
-  """
-  to_BxSxKxh = lambda x_BxKxSxh: x_BxKxSxh.transpose(0, 2, 1, 3)
-  if lengths_B is not None:
-    ((k_BxKxTxh, v_BxKxTxh),) = blocks
-    return jax.nn.dot_product_attention(
-        q_BxTxHxh,
-        to_BxSxKxh(k_BxKxTxh),
-        to_BxSxKxh(v_BxKxTxh),
-        is_causal=True,
-        query_seq_lengths=lengths_B,
-        key_value_seq_lengths=lengths_B,
-        implementation=implementation,
-    )
-  keys_BxSxKxh, values_BxSxKxh = (
-      jnp.concatenate([to_BxSxKxh(block[i]) for block in blocks], axis=1)
-      for i in (0, 1)
-  )
-  return jax.nn.dot_product_attention(
-      q_BxTxHxh,
-      keys_BxSxKxh,
-      values_BxSxKxh,
-      mask=mask_BxTxS[:, None],
-      implementation=implementation,
-  )
 
 
 def _pack(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -343,98 +232,17 @@ def _block(
   q_BxTxHxh = _apply_rope(q_BxTxHxh, cos_BxTxr, sin_BxTxr)
   k_BxTxKxh = _apply_rope(k_BxTxKxh, cos_BxTxr, sin_BxTxr)
 
-  # Heads-major layout: every (batch, kv head) pair is one contiguous matmul,
-  # which is several times faster on CPU than sequence-major when decoding.
-  q_BxKxGxTxh = q_BxTxHxh.reshape(B, T, K, H // K, h).transpose(0, 2, 3, 1, 4)
-  k_BxKxTxh = k_BxTxKxh.transpose(0, 2, 1, 3)
-  v_BxKxTxh = v_BxTxKxh.transpose(0, 2, 1, 3)
-  # Keys/values come in blocks ([past cache;] new) that are never
-  # concatenated (only the small score blocks are): no cache copy per step.
-  blocks = [(k_BxKxTxh, v_BxKxTxh)]
-  if past_k_BxKxSxh is not None:
-    blocks.insert(0, (past_k_BxKxSxh.astype(dt), past_v_BxKxSxh.astype(dt)))
-  if T == 1:
-    # Decoding: as elementwise products and reductions (not matmuls) the
-    # layer's slice of the stacked cache is read in place inside the fusion;
-    # a matmul would first copy it out, which costs more than the math.
-    def qk(q_BxKxGxTxh, keys_BxKxSxh):
-      return jnp.sum(
-          q_BxKxGxTxh.astype(jnp.float32)
-          * keys_BxKxSxh[:, :, None].astype(jnp.float32),
-          axis=-1,
-          keepdims=True,
-      ).swapaxes(-1, -2)
-
-    def pv(probs_BxKxGxTxS, values_BxKxSxh):
-      return jnp.sum(
-          probs_BxKxGxTxS.swapaxes(-1, -2).astype(jnp.float32)
-          * values_BxKxSxh[:, :, None].astype(jnp.float32),
-          axis=-2,
-          keepdims=True,
-      ).astype(dt)
-
-  else:
-
-    def qk(q_BxKxGxTxh, keys_BxKxSxh):
-      return jnp.einsum(
-          "bkgth,bksh->bkgts",
-          q_BxKxGxTxh,
-          keys_BxKxSxh,
-          preferred_element_type=jnp.float32,
-      )
-
-    def pv(probs_BxKxGxTxS, values_BxKxSxh):
-      return jnp.einsum("bkgts,bksh->bkgth", probs_BxKxGxTxS, values_BxKxSxh)
-
-  def attend(q_BxKxGxTxh, mask_BxTxS):
-    scores_BxKxGxTxS = jnp.concatenate(
-        [qk(q_BxKxGxTxh, keys) for keys, _ in blocks], axis=-1
-    ) * (h**-0.5)
-    scores_BxKxGxTxS = jnp.where(
-        mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASK_VALUE
-    )
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
-    attn_BxKxGxTxh, start = 0, 0
-    for _, values in blocks:
-      size = values.shape[2]
-      attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start : start + size], values)
-      start += size
-    return attn_BxKxGxTxh
-
-  C = c.attention_chunk
-  if implementation != "chunked" and T > 1:
-    attn_BxTxKxGxh = _fused_attention(
-        q_BxTxHxh,
-        blocks,
-        mask_BxTxS,
-        lengths_B,
-        implementation,
-    ).reshape(B, T, K, H // K, h)
-  elif T <= C:
-    attn_BxKxGxTxh = attend(q_BxKxGxTxh, mask_BxTxS)
-  else:
-    # Query blocks: each sees every key, so the result is exact; only one
-    # `C x S` score block is alive at a time, forward and backward.
-    n = -(-T // C)
-    pad = n * C - T
-    q_nxBxKxGxCxh = (
-        jnp.pad(q_BxKxGxTxh, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-        .reshape(B, K, H // K, n, C, h)
-        .transpose(3, 0, 1, 2, 4, 5)
-    )
-    mask_nxBxCxS = (
-        jnp.pad(mask_BxTxS, ((0, 0), (0, pad), (0, 0)))
-        .reshape(B, n, C, -1)
-        .swapaxes(0, 1)
-    )
-    attn_nxBxKxGxCxh = jax.lax.map(
-        lambda a: jax.checkpoint(attend)(*a), (q_nxBxKxGxCxh, mask_nxBxCxS)
-    )
-    attn_BxKxGxTxh = attn_nxBxKxGxCxh.transpose(1, 2, 3, 0, 4, 5).reshape(
-        B, K, H // K, n * C, h
-    )[:, :, :, :T]
-  if implementation == "chunked" or T == 1:
-    attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
+  attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh = attention(
+      q_BxTxHxh,
+      k_BxTxKxh,
+      v_BxTxKxh,
+      mask_BxTxS,
+      past_k_BxKxSxh,
+      past_v_BxKxSxh,
+      chunk=c.attention_chunk,
+      implementation=implementation,
+      lengths_B=lengths_B,
+  )
   out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
   if c.attention_out_bias:
     out_BxTxD = out_BxTxD + w["o_bias"].astype(dt)
@@ -446,6 +254,28 @@ def _block(
   )
   x_BxTxD = x_BxTxD + dense(act_BxTxF, "down_proj")
   return x_BxTxD, k_BxKxTxh, v_BxKxTxh
+
+
+def _positions(attention_mask_BxT: jax.Array, cache: KVCache | None):
+  """RoPE positions: the running count of real tokens (so left padding is
+  handled), continuing after the cache's tokens."""
+  positions_BxT = jnp.cumsum(attention_mask_BxT, axis=1, dtype=jnp.int32) - 1
+  if cache is not None:
+    positions_BxT += jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
+  return jnp.maximum(positions_BxT, 0)
+
+
+def _attention_mask(attention_mask_BxT: jax.Array, cache: KVCache | None):
+  """Which keys of ``[past; new]`` each new token sees (`[B, T, S]`)."""
+  B, T = attention_mask_BxT.shape
+  causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+  mask_BxTxS = causal_TxT[None] & attention_mask_BxT[:, None, :]
+  if cache is not None:
+    past_BxTxS = jnp.broadcast_to(
+        cache.mask[:, None, :], (B, T, cache.max_length)
+    )
+    mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
+  return mask_BxTxS
 
 
 def forward_hidden(
@@ -480,22 +310,12 @@ def forward_hidden(
     attention_mask_BxT = jnp.ones((B, T), bool)
   attention_mask_BxT = attention_mask_BxT.astype(bool)
   if positions_BxT is None:
-    positions_BxT = jnp.cumsum(attention_mask_BxT, axis=1, dtype=jnp.int32) - 1
-    if cache is not None:
-      positions_BxT += jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
-    positions_BxT = jnp.maximum(positions_BxT, 0)
+    positions_BxT = _positions(attention_mask_BxT, cache)
   freqs_BxTxr = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(
       rope_inv_freq(c)
   )
   cos_BxTxr, sin_BxTxr = jnp.cos(freqs_BxTxr), jnp.sin(freqs_BxTxr)
-
-  causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-  mask_BxTxS = causal_TxT[None] & attention_mask_BxT[:, None, :]
-  if cache is not None:
-    past_BxTxS = jnp.broadcast_to(
-        cache.mask[:, None, :], (B, T, cache.max_length)
-    )
-    mask_BxTxS = jnp.concatenate([past_BxTxS, mask_BxTxS], axis=-1)
+  mask_BxTxS = _attention_mask(attention_mask_BxT, cache)
 
   x_BxTxD = constrain(
       take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
@@ -539,23 +359,7 @@ def forward_hidden(
   hidden_BxTxD = _rms_norm(x_BxTxD, weights["final_norm"], c.rms_norm_eps)
   if cache is None:
     return hidden_BxTxD, None
-  k_LxBxKxTxh, v_LxBxKxTxh = new_kv
-  at = (0, 0, 0, cache.index, 0)
-  new_cache = _constrain_cache(
-      KVCache(
-          k=jax.lax.dynamic_update_slice(
-              cache.k, k_LxBxKxTxh.astype(cache.k.dtype), at
-          ),
-          v=jax.lax.dynamic_update_slice(
-              cache.v, v_LxBxKxTxh.astype(cache.v.dtype), at
-          ),
-          mask=jax.lax.dynamic_update_slice(
-              cache.mask, attention_mask_BxT, (0, cache.index)
-          ),
-          index=cache.index + T,
-      )
-  )
-  return hidden_BxTxD, new_cache
+  return hidden_BxTxD, write_cache(cache, *new_kv, attention_mask_BxT)
 
 
 def unembedding(
@@ -772,41 +576,4 @@ def logits_fn(
   model = nnx.merge(graphdef, params)
   return model(
       input_ids_BxT, positions=positions, attention_mask=attention_mask
-  )
-
-
-def matrix_dimension_numbers(
-    params: nnx.State, include_embeddings: bool = False
-) -> nnx.State:
-  """Which axes of each parameter form the matrix, for LoGRA projection.
-
-  Args:
-    params: from `split_model`.
-    include_embeddings: also treat `embed [V, D]` and `lm_head [D, V]` as
-      matrices (reduction axis 0, output axis 1).
-
-  Returns:
-    A tree shaped like `params` with, at each `Param`, either None (vectors,
-    norms, biases; embeddings and LM head unless asked) or
-    `DimensionNumbers(reduction_axes=(1,), output_axes=(2,), batch_axes=(0,))`
-    for the stacked layer matrices `[L, in, out]`.
-
-  Example:
-    >>> _, params = split_model(init_model(DecoderConfig.tiny(), 0))
-    >>> matrix_dimension_numbers(params)["layers"]["q_proj"].batch_axes
-    (0,)
-  """
-
-  def spec(path, variable):
-    names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
-    if names[0] == "layers" and variable.ndim == 3:
-      return DimensionNumbers(
-          reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
-      )
-    if include_embeddings and names[0] in ("embed", "lm_head"):
-      return DimensionNumbers(reduction_axes=(0,), output_axes=(1,))
-    return None
-
-  return jax.tree_util.tree_map_with_path(
-      spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )

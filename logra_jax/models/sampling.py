@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.models.cache import init_cache
+from logra_jax.models.cache import KVCache
 from logra_jax.models.decoder import Decoder
-from logra_jax.models.decoder import init_cache
 from logra_jax.models.decoder import project_logits
 from logra_jax.models.decoder import split_model
 from logra_jax.models.logprobs import completion_logits_scale
@@ -397,77 +398,78 @@ class Sampler:
     )
     logits_BxV = project_logits(hidden_BxPxD[:, -1:], w_DxV)[:, 0]
 
-    def emit(state):
-      step, cache, logits_BxV, done_B, tokens_BxN, mask_BxN, logprobs_BxN = (
-          state
+    def body(state: _Decoding) -> _Decoding:
+      state, token_B, live_B = _emit(
+          state, key, stop_ids, settings, self.pad_id
       )
-      token_B, logprob_B = sample_token(
-          logits_BxV, jax.random.fold_in(key, step), settings
-      )
-      live_B = ~done_B
-      token_B = jnp.where(live_B, token_B, self.pad_id)
-      tokens_BxN = tokens_BxN.at[:, step].set(token_B)
-      mask_BxN = mask_BxN.at[:, step].set(live_B)
-      logprobs_BxN = logprobs_BxN.at[:, step].set(
-          jnp.where(live_B, logprob_B, 0.0)
-      )
-      done_B = done_B | jnp.isin(token_B, stop_ids)
-      return (
-          step,
-          cache,
-          token_B,
-          done_B,
-          tokens_BxN,
-          mask_BxN,
-          logprobs_BxN,
-      ), live_B
-
-    def body(state):
-      (
-          step,
-          cache,
-          token_B,
-          done_B,
-          tokens_BxN,
-          mask_BxN,
-          logprobs_BxN,
-      ), live_B = emit(state)
       hidden_Bx1xD, cache = model.hidden_states(
-          token_B[:, None], attention_mask=live_B[:, None], cache=cache
+          token_B[:, None], attention_mask=live_B[:, None], cache=state.cache
       )
       logits_BxV = project_logits(hidden_Bx1xD, w_DxV)[:, 0]
-      return (
-          step + 1,
-          cache,
-          logits_BxV,
-          done_B,
-          tokens_BxN,
-          mask_BxN,
-          logprobs_BxN,
+      return state._replace(
+          step=state.step + 1, cache=cache, logits_BxV=logits_BxV
       )
 
-    def cond(state):
-      step, done_B = state[0], state[3]
-      return (step < N - 1) & ~jnp.all(done_B)
+    def cond(state: _Decoding) -> jax.Array:
+      return (state.step < N - 1) & ~jnp.all(state.done_B)
 
-    state = (
-        jnp.zeros((), jnp.int32),
-        cache,
-        logits_BxV,
-        jnp.zeros((B,), bool),
-        jnp.full((B, N), self.pad_id, jnp.int32),
-        jnp.zeros((B, N), bool),
-        jnp.zeros((B, N), jnp.float32),
+    state = _Decoding(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits_BxV=logits_BxV,
+        done_B=jnp.zeros((B,), bool),
+        tokens_BxN=jnp.full((B, N), self.pad_id, jnp.int32),
+        mask_BxN=jnp.zeros((B, N), bool),
+        logprobs_BxN=jnp.zeros((B, N), jnp.float32),
     )
     state = jax.lax.while_loop(cond, body, state)
     # The last token needs no forward pass after it (when every row stopped
     # early, this writes one more padding slot).
-    (_, _, _, _, tokens_BxN, mask_BxN, logprobs_BxN), _ = emit(state)
+    state, _, _ = _emit(state, key, stop_ids, settings, self.pad_id)
+    tokens_BxN, mask_BxN = state.tokens_BxN, state.mask_BxN
     return SampleOutput(
         prompt_ids=prompt_ids_BxP,
         prompt_mask=prompt_mask_BxP.astype(jnp.int32),
         tokens=tokens_BxN,
         mask=mask_BxN.astype(jnp.int32),
         lengths=jnp.sum(mask_BxN, axis=-1, dtype=jnp.int32),
-        logprobs=logprobs_BxN,
+        logprobs=state.logprobs_BxN,
     )
+
+
+class _Decoding(NamedTuple):
+  """The sampler's loop carry: the step, the cache, the logits of the next
+  token, which rows stopped, and the tokens, mask and log-probs so far."""
+
+  step: jax.Array
+  cache: KVCache
+  logits_BxV: jax.Array
+  done_B: jax.Array
+  tokens_BxN: jax.Array
+  mask_BxN: jax.Array
+  logprobs_BxN: jax.Array
+
+
+def _emit(
+    state: _Decoding,
+    key: jax.Array,
+    stop_ids: jax.Array,
+    settings: SamplingParams,
+    pad_id: int,
+) -> tuple[_Decoding, jax.Array, jax.Array]:
+  """Samples the token of ``state.step`` and writes it: ``(state, token_B,
+  live_B)``, padding in the rows that had stopped."""
+  token_B, logprob_B = sample_token(
+      state.logits_BxV, jax.random.fold_in(key, state.step), settings
+  )
+  live_B = ~state.done_B
+  token_B = jnp.where(live_B, token_B, pad_id)
+  state = state._replace(
+      tokens_BxN=state.tokens_BxN.at[:, state.step].set(token_B),
+      mask_BxN=state.mask_BxN.at[:, state.step].set(live_B),
+      logprobs_BxN=state.logprobs_BxN.at[:, state.step].set(
+          jnp.where(live_B, logprob_B, 0.0)
+      ),
+      done_B=state.done_B | jnp.isin(token_B, stop_ids),
+  )
+  return state, token_B, live_B

@@ -9,6 +9,7 @@ import transformers
 
 from logra_jax import models
 from logra_jax import parallel
+from logra_jax import policy_state
 from logra_jax.optim import DimensionNumbers
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
@@ -195,7 +196,7 @@ def test_matrix_dimension_numbers():
           )
       )
   )
-  dn = models.matrix_dimension_numbers(params)
+  dn = policy_state.matrix_dimension_numbers(params)
   stacked = DimensionNumbers(
       reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
   )
@@ -212,7 +213,9 @@ def test_matrix_dimension_numbers():
   for name in ("attn_norm", "mlp_norm", "q_bias"):
     assert dn["layers"][name] is None
   assert dn["embed"] is None and dn["lm_head"] is None
-  with_emb = models.matrix_dimension_numbers(params, include_embeddings=True)
+  with_emb = policy_state.matrix_dimension_numbers(
+      params, include_embeddings=True
+  )
   assert with_emb["lm_head"] == DimensionNumbers((0,), (1,))
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import logra_jax as logra
 from logra_jax import models
+from logra_jax import policy_state
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -138,7 +139,7 @@ def test_prediction_matches_exact_kl_for_small_steps(tiny_model):
 
 def test_factored_update_gives_the_same_prediction(tiny_model):
   graphdef, params, ids_BxT, _ = tiny_model
-  dims = models.matrix_dimension_numbers(params)
+  dims = policy_state.matrix_dimension_numbers(params)
   tx = optax.chain(
       logra.project(rank=2, dimension_numbers=dims),
       logra.low_rank_moments(optax.scale_by_adam()),
@@ -347,7 +348,7 @@ def test_logra_alias_with_target_kl_meets_the_target(tiny_model):
       learning_rate=1.0,
       rank=2,
       target_kl=1e-4,
-      dimension_numbers=models.matrix_dimension_numbers(params),
+      dimension_numbers=policy_state.matrix_dimension_numbers(params),
   )
   state = tx.init(params)
   predictor = logra.make_kl_predictor(

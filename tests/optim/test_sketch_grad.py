@@ -9,6 +9,7 @@ import pytest
 import logra_jax as logra
 from logra_jax import models
 from logra_jax import lowrank
+from logra_jax import policy_state
 from logra_jax.optim import sketch_grad
 from logra_jax.optim import projectors as proj_lib
 
@@ -39,7 +40,7 @@ def decoder():
 
 
 def _optimizer(params, include_embeddings=False, **kwargs):
-  dims = models.matrix_dimension_numbers(
+  dims = policy_state.matrix_dimension_numbers(
       params, include_embeddings=include_embeddings
   )
   return logra.logra(
@@ -270,7 +271,7 @@ def test_stale_projector_state_is_named(decoder):
       1e-2,
       rank=4,
       refresh_every=2,
-      dimension_numbers=models.matrix_dimension_numbers(params),
+      dimension_numbers=policy_state.matrix_dimension_numbers(params),
   ).init(params)
   # Projector arrays of another rank under this state's plan (e.g. restored
   # from a checkpoint of another configuration).
