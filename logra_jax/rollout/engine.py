@@ -217,9 +217,9 @@ def sync_fields(
 
 class Engine:
   """What every rollout engine offers: ``sync`` a message and ``sample``
-  with the synced weights. Prompts are encoded, completions decoded and
-  scored on the caller's side (``policy``'s tokenizer,
-  the RL side): the engine only samples.
+  with the synced weights. Prompts are encoded and completions decoded on
+  the caller's side (``policy``'s tokenizer) and scored by the RL side: the
+  engine only samples.
 
   Attributes:
     policy: the caller's :class:`Policy` (its tokenizer).
