@@ -71,7 +71,11 @@ TASKS: dict[str, list[str]] = {
 }
 
 
-def parser(description: str, study: str) -> argparse.ArgumentParser:
+def parser(
+    description: str,
+    study: str,
+    seeds_help: str = "seeds per arm and task (3; 1 with --quick)",
+) -> argparse.ArgumentParser:
   """The flags every study takes."""
   p = argparse.ArgumentParser(description=description)
   p.add_argument(
@@ -79,9 +83,7 @@ def parser(description: str, study: str) -> argparse.ArgumentParser:
       action="store_true",
       help="a few smoke-preset steps per run (checks the outputs only)",
   )
-  p.add_argument(
-      "--seeds", type=int, help="seeds per arm and task (3; 1 with --quick)"
-  )
+  p.add_argument("--seeds", type=int, help=seeds_help)
   p.add_argument("--out", default=f"runs/{study}", help="the runs' folders")
   p.add_argument(
       "--results",
@@ -316,22 +318,28 @@ def plot_bands(
     record: dict[str, Any],
     geometric: bool = False,
     decorate: Callable | None = None,
+    columns: int | None = None,
 ) -> None:
   """One panel per ``(title, {arm: [[(step, value), ...] per seed]})``:
   the mean over seeds with its 95% confidence band (Student t), a legend
   on every panel, on a ``yscale`` axis; ``decorate(ax)`` adds reference
   lines. With ``geometric``, the mean and band are those of the values'
   logarithms (the geometric mean; values <= 0 left out), drawn on a log
-  axis. The PNG carries the provenance ``record``."""
+  axis. ``columns`` panels a row (all in one row by default). The PNG
+  carries the provenance ``record``."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  columns = columns or len(panels)
+  rows = -(-len(panels) // columns)
   fig, axes = plt.subplots(
-      1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False
+      rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False
   )
-  for ax, (title, arms) in zip(axes[0], panels):
+  for ax in axes.flat[len(panels) :]:
+    ax.set_visible(False)
+  for ax, (title, arms) in zip(axes.flat, panels):
     for arm, series in arms.items():
       length = min(len(s) for s in series)
       steps = [x for x, _ in series[0][:length]]
