@@ -33,7 +33,12 @@ class ProjectionConfig:
   moment_policy: str
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["value", "projector", "basis_change", "refreshed"],
+    meta_fields=["plan", "config"],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sketched:
   """One leaf of the updates inside the LoGRA chain.
 
@@ -51,41 +56,16 @@ class Sketched:
     config: static ``ProjectionConfig``.
   """
 
-  def __init__(
-      self,
-      value,
-      projector=None,
-      basis_change=None,
-      refreshed=None,
-      *,
-      plan: LeafPlan,
-      config: ProjectionConfig,
-  ):
-    self.value = value
-    self.projector = projector
-    self.basis_change = basis_change
-    self.refreshed = refreshed
-    self.plan = plan
-    self.config = config
-
-  def tree_flatten(self):
-    children = (self.value, self.projector, self.basis_change, self.refreshed)
-    return children, (self.plan, self.config)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    plan, config = aux
-    return cls(*children, plan=plan, config=config)
+  value: Any
+  projector: Any = None
+  basis_change: Any = None
+  refreshed: Any = None
+  plan: LeafPlan = dataclasses.field(kw_only=True)
+  config: ProjectionConfig = dataclasses.field(kw_only=True)
 
   def replace(self, **kwargs) -> "Sketched":
-    fields = dict(
-        value=self.value,
-        projector=self.projector,
-        basis_change=self.basis_change,
-        refreshed=self.refreshed,
-    )
-    fields.update(kwargs)
-    return Sketched(**fields, plan=self.plan, config=self.config)
+    """A copy with the given fields replaced."""
+    return dataclasses.replace(self, **kwargs)
 
 
 def is_sketched(x) -> bool:
