@@ -21,6 +21,12 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
               validation 100, test 500. Opt-in: sized for an accelerator.
 
+Pilot (choosing the settings: one where tuned dense Adam gains >= 0.10
+held-out qualifies): ``python experiments/parity.py --arms adam
+--sweep-seeds 1 --seeds 1 --kl-seeds 1 --settings ... --results
+experiments/results/parity-pilot`` (Adam's grid, one seed each; its table
+gives the test accuracy before and after at the rate chosen on validation).
+
 Splits (:meth:`logra_jax.data.Task.splits`): the validation split chooses
 the learning rates, the test split alone gives the reported numbers; both
 are disjoint from the training prompts (each run holds out
