@@ -11,6 +11,7 @@ from logra_jax.optim.kl_control import ScaleByPredictedKLState
 from logra_jax.optim.moments import low_rank_moments
 from logra_jax.optim.projection import project
 from logra_jax.optim.state_queries import factored_updates
+from logra_jax.optim.state_queries import kept_dense_paths
 from logra_jax.optim.state_queries import optimizer_state_bytes
 from logra_jax.optim.types import FactoredDelta
 from logra_jax.optim.types import FactoredUpdate
@@ -18,5 +19,5 @@ from logra_jax.optim.types import LowRankMomentsState
 from logra_jax.optim.types import ProjectState
 from logra_jax.optim.types import Sketched
 from logra_jax.optim.types import SketchProjectors
-from logra_jax.optim.unprojection import unproject
 from logra_jax.optim.types import UnprojectState
+from logra_jax.optim.unprojection import unproject
