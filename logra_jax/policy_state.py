@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
-import logra_jax as logra
+from logra_jax import optim
 from logra_jax.configs import OptimizerConfig
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
@@ -75,7 +75,7 @@ def make_optimizer(
   stacked weight is projected as one ``[L*m, n]`` matrix. Vectors stay dense
   (AdamW) in both, and so do embeddings and the LM head unless
   ``config.project_embeddings``. With ``config.target_kl``,
-  every optimizer ends with :func:`logra.scale_by_predicted_kl` (so dense
+  every optimizer ends with :func:`optim.scale_by_predicted_kl` (so dense
   Adam with KL control is available as an ablation). The whole chain is
   wrapped in :func:`skip_non_finite`: an update with a non-finite loss,
   gradient, predicted KL or result leaves params unchanged. Under
@@ -91,7 +91,7 @@ def make_optimizer(
       params, include_embeddings=config.project_embeddings
   )
   if config.name == "logra":
-    core = logra.logra(
+    core = optim.logra(
         schedule,
         rank=config.rank,
         kind=config.kind,
@@ -126,7 +126,7 @@ def make_optimizer(
         galore_spec,
         dims,
         params,
-        is_leaf=lambda x: x is None or isinstance(x, logra.DimensionNumbers),
+        is_leaf=lambda x: x is None or isinstance(x, optim.DimensionNumbers),
     )
     core = optax.contrib.galore(
         schedule,
@@ -138,7 +138,7 @@ def make_optimizer(
     )
   if config.target_kl is not None and config.name != "logra":
     core = optax.chain(
-        core, logra.scale_by_predicted_kl(config.target_kl, mode=config.kl_mode)
+        core, optim.scale_by_predicted_kl(config.target_kl, mode=config.kl_mode)
     )
   if config.max_grad_norm:
     core = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), core)
@@ -272,7 +272,7 @@ def dense_adam_state_bytes(params: Any) -> int:
   f32 = jax.tree.map(
       lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params
   )
-  return logra.optimizer_state_bytes(jax.eval_shape(optax.adam(1.0).init, f32))
+  return optim.optimizer_state_bytes(jax.eval_shape(optax.adam(1.0).init, f32))
 
 
 def synced_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:

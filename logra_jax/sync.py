@@ -175,9 +175,7 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   return {n: int(v) for n, v in zip(names, values)}
 
 
-def _merges(
-    state: Optional[ProjectState], since: Optional[int]
-) -> list[int]:
+def _merges(state: Optional[ProjectState], since: Optional[int]) -> list[int]:
   """The steps of the merges the updates since the ``project`` stage's count
   ``since`` were preceded by (None: the last update's): the learner merges
   (``factored.merge_at_refresh``) when the count is a multiple of

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import transformers
 
 Family = Literal["llama", "qwen2", "qwen3"]
 RematPolicy = Literal["none", "block", "dots_saveable"]
@@ -295,8 +296,6 @@ class DecoderConfig:
       >>> type(DecoderConfig.tiny(family="qwen3", qk_norm=True).to_hf()).__name__
       'Qwen3Config'
     """
-    import transformers  # Only needed for export.
-
     expected_norm = self.family == "qwen3"
     if self.qk_norm != expected_norm:
       raise ValueError(

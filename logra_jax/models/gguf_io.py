@@ -23,6 +23,8 @@ import tempfile
 from collections.abc import Mapping
 
 import numpy as np
+import safetensors.numpy
+import transformers
 
 # GGUF ``general.architecture`` -> Hugging Face architecture of our decoder.
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
@@ -198,9 +200,6 @@ def convert_gguf(
         "converting a GGUF file needs the gguf package: pip "
         "install 'logra-jax[convert]'"
     ) from None
-  import safetensors.numpy
-  import transformers
-
   path, out = resolve_gguf(gguf_file), pathlib.Path(out)
   if out.exists() or out.is_symlink():
     if not overwrite:

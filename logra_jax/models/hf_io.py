@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
+import transformers
 
 from logra_jax.models.config import DecoderConfig
 from logra_jax.models.decoder import Decoder, param_shapes
@@ -200,8 +201,6 @@ def load_pretrained(
     >>> load_pretrained(path, dtype=jnp.bfloat16).embed.dtype
     dtype(bfloat16)
   """
-  import transformers  # Heavy import, only needed here.
-
   path = _folder(path)
   _read_config(path)
   hf_config = transformers.AutoConfig.from_pretrained(path)
@@ -397,8 +396,6 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
   Example:
     >>> tok = load_tokenizer("/path/to/Qwen2.5-0.5B")  # doctest: +SKIP
   """
-  import transformers  # Heavy import, only needed here.
-
   path = _folder(path)
   if not any(
       (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")

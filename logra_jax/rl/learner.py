@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
-import logra_jax as logra
+from logra_jax import optim
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.optim import sketch_grad
@@ -44,11 +44,11 @@ def make_train_step(
   The loss is accumulated over ``config.micro_batches`` chunks with
   ``lax.scan`` as (numerator, denominator) pairs, so the gradient equals the
   full-batch gradient for every aggregation. When ``tx`` has a
-  ``logra.project`` stage and ``gradient_mode="sketch"``, the weights are
+  ``optim.project`` stage and ``gradient_mode="sketch"``, the weights are
   factored, ``W = c B + P A`` (start from :func:`init_train_state`; see
   :mod:`logra_jax.optim.factored`): at a refresh the window is merged into
   ``B``, the gradients are differentiated directly as low-rank sketches
-  (:func:`logra.value_and_sketch_grad`; micro-batches sum sketches, no full
+  (:func:`optim.sketch_grad.value_and_sketch_grad`; micro-batches sum sketches, no full
   gradient of a projected weight exists) and the step updates only ``A``,
   ``c`` and the dense leaves. Weights with LoRA adapters
   (:mod:`logra_jax.optim.lora`) get gradients and updates of the adapters
@@ -69,7 +69,7 @@ def make_train_step(
   ``kl/scale`` the scale, and ``kl/skipped`` counts the steps dropped so far
   for an invalid prediction. Under LoGRA, ``projector/non_finite`` counts the
   refreshed projectors refused so far for not being finite
-  (``logra.project``).
+  (``optim.project``).
 
   With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
   from :mod:`logra_jax.parallel`), the step is jitted with those explicit
@@ -307,7 +307,7 @@ class _TrainStep:
       return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
 
     return {
-        "kl_predictor": logra.make_kl_predictor(
+        "kl_predictor": optim.make_kl_predictor(
             features,
             params,
             batch,
@@ -371,7 +371,7 @@ class _TrainStep:
     if project is not None:
       out["projector/non_finite"] = project.non_finite
     if config.optimizer.target_kl is not None:
-      kl_state = logra.predicted_kl_state(opt_state)
+      kl_state = optim.predicted_kl_state(opt_state)
       applied = jnp.square(kl_state.scale) * kl_state.predicted_kl
       out.update(
           {

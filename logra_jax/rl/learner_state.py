@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-import logra_jax as logra
+from logra_jax import optim
 from logra_jax import checkpoint
 from logra_jax import parallel
 from logra_jax import policy_state
@@ -278,7 +278,7 @@ class Learner:
     weights as held and of the reference; the number of parameters."""
     return {
         "optimizer": self._config.optimizer.name,
-        "optimizer_state_bytes": logra.optimizer_state_bytes(self.opt_state),
+        "optimizer_state_bytes": optim.optimizer_state_bytes(self.opt_state),
         # The learner's weights as held: dense, factored (B, A, c) or
         # frozen with adapters.
         "weights_bytes": sum(x.nbytes for x in jax.tree.leaves(self.weights)),

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import rich.console
 import rich.table
+import tensorboardX
 
 from logra_jax.rl import scoring
 
@@ -127,8 +128,6 @@ class Trackers:
     check_trackers(names)
     self._tensorboard = self._wandb = None
     if "tensorboard" in names:
-      import tensorboardX
-
       self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
     if "wandb" in names:
       import wandb

@@ -1,6 +1,5 @@
 """Tests for logra_jax.data.tasks: reasoning-gym and file tasks, splits, errors."""
 
-import doctest
 import json
 
 import pandas as pd
@@ -304,8 +303,3 @@ def test_rows_are_named_by_file_when_there_are_several(tmp_path):
     tasks.file_task([good, bad])
   task = tasks.file_task([good, good], answer_after="#### ")
   assert [e["answer"] for e in task.examples] == ["7", "42", "7", "42"]
-
-
-def test_docstring_examples_run():
-  result = doctest.testmod(tasks, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0 and result.attempted > 0

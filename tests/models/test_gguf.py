@@ -1,7 +1,6 @@
 """GGUF checkpoints become policy folders whose logits are transformers'
 own reading of the same file."""
 
-import doctest
 import importlib.util
 import pathlib
 import re
@@ -180,11 +179,6 @@ def test_converted_smollm2_logits_and_greedy_completions_equal_transformers(
         policy.decode([ours]),
         tokenizer.decode(generated),
     )
-
-
-def test_docstring_examples_run():
-  result = doctest.testmod(gguf_io, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0 and result.attempted > 0
 
 
 def test_overwrite_replaces_only_a_policy_folder(tmp_path, capsys, monkeypatch):

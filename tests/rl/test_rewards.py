@@ -1,6 +1,5 @@
 """Tests for logra_jax.rl.rewards: shipped rewards and the guarded evaluator."""
 
-import doctest
 import threading
 import time
 
@@ -9,9 +8,6 @@ import pytest
 
 from logra_jax.data import tasks
 from logra_jax.rl import rewards
-from logra_jax.rl.rewards import builtin
-from logra_jax.rl.rewards import guarded
-from logra_jax.rl.rewards import loading
 
 
 @pytest.fixture(scope="module")
@@ -437,12 +433,6 @@ def test_a_reward_that_hangs_on_the_check_is_refused():
   ):
     rewards.check_reward_functions([(hangs, 1.0)], EXAMPLES, timeout_s=0.2)
   release.set()
-
-
-@pytest.mark.parametrize("module", [builtin, guarded, loading])
-def test_docstring_examples_run(module):
-  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0 and result.attempted > 0
 
 
 def test_a_reward_returning_numpy_arrays_scores_as_a_list_would():

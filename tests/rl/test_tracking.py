@@ -2,7 +2,6 @@
 metrics; a missing one is refused before a run; sample rows and their log
 survive a resume without repeated steps."""
 
-import doctest
 import json
 import re
 import struct
@@ -140,11 +139,6 @@ def test_a_tracker_whose_library_is_missing_is_refused(monkeypatch):
       r"is not installed: pip install 'logra-jax\[wandb\]'",
   ):
     tracking.check_trackers(["tensorboard", "wandb"])
-
-
-def test_docstring_examples_run():
-  result = doctest.testmod(tracking, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0 and result.attempted > 0
 
 
 def test_a_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
