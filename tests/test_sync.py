@@ -34,7 +34,7 @@ def _params():
 
 
 def _learner(kind, base_dtype, weight_decay, donate=False):
-  """A factored LoGRA loop (the README's) on a small tree: ``(weights,
+  """A factored LoGRA loop (docs/sketch.md's) on a small tree: ``(weights,
   state, step)``; ``donate``: the step donates its inputs, as the
   trainer's does."""
   params = _params()
