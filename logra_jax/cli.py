@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
@@ -22,6 +23,19 @@ from logra_jax.rl import trainer
 from logra_jax.rollout import engine
 
 
+def _positive_gib(text: str) -> float:
+  """A device memory in GiB: a finite number > 0 (argparse's type)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(
+        f"expected a finite number > 0, got {text!r}"
+    )
+  return value
+
+
 def _config(args: argparse.Namespace) -> configs.TrainConfig:
   """The run config of ``--preset``, ``--config`` files and overrides
   (``--set`` ones, then positional ones), composed in that order."""
@@ -34,6 +48,8 @@ def _train(args: argparse.Namespace) -> int:
   config = _config(args)
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
+  if args.allow_reshard and not args.resume:
+    raise ValueError("--allow-reshard applies only with --resume")
   if parallel.join_from_environment() and not args.out:
     raise ValueError("a run of several processes needs --out (one folder)")
   out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -281,7 +297,7 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
   )
   plan.add_argument(
       "--device-memory-gib",
-      type=float,
+      type=_positive_gib,
       default=None,
       help="check the total against this much device memory",
   )

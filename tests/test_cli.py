@@ -169,6 +169,8 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(
         ("fsdp", "mesh entry 'fsdp': expected axis=size"),
         ("fsdp=2=2", "mesh entry 'fsdp=2=2': size must be an int"),
         ("fsdp=", "mesh entry 'fsdp=': size must be an int"),
+        ("fsdp=1_0", "mesh entry 'fsdp=1_0': size must be an int"),
+        ("fsdp=8.0", "mesh entry 'fsdp=8.0': size must be an int"),
     ],
 )
 def test_bad_mesh_entries_are_refused_naming_the_entry(text, message):
@@ -180,4 +182,27 @@ def test_bad_mesh_entries_are_refused_naming_the_entry(text, message):
 def test_mesh_entries_may_have_spaces():
   assert parallel.MeshConfig.parse(" dp = 2, fsdp=4 ") == parallel.MeshConfig(
       dp=2, fsdp=4
+  )
+
+
+def test_allow_reshard_without_resume_is_refused_before_the_run(
+    tmp_path, capsys
+):
+  out = tmp_path / "run"
+  assert (
+      cli_main(["train", "--preset=smoke", "--allow-reshard", f"--out={out}"])
+      == 2
+  )
+  assert "--allow-reshard applies only with --resume" in capsys.readouterr().err
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "abc"])
+def test_device_memory_must_be_a_finite_positive_number(value, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli_main(["memory", "--model=qwen2.5-0.5b", f"--device-memory-gib={value}"])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert (
+      f"--device-memory-gib: expected a finite number > 0, got {value!r}" in err
   )

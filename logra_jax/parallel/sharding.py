@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import re
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -112,10 +113,10 @@ class MeshConfig:
             f"mesh entry {item!r}: axis {axis} is given twice "
             f"(already {axis}={sizes[axis]})"
         )
-      try:
-        sizes[axis] = int(value)
-      except ValueError:
-        raise ValueError(f"mesh entry {item!r}: size must be an int") from None
+      # Decimal digits only: Python's int() also reads "1_0" as 10.
+      if not re.fullmatch(r"[+-]?[0-9]+", value):
+        raise ValueError(f"mesh entry {item!r}: size must be an int")
+      sizes[axis] = int(value)
       if sizes[axis] < 1:
         raise ValueError(f"mesh entry {item!r}: size must be a positive int")
     return cls(**sizes)
