@@ -234,10 +234,13 @@ def _override_layer(item: str) -> _Layer:
       layer = {part: layer}
     return source, OmegaConf.create(_escape_interpolations(layer))
   try:
-    return source, OmegaConf.from_dotlist([f"{key}={value.strip()}"])
+    parsed = OmegaConf.from_dotlist([f"{key}={value.strip()}"])
   except (omegaconf.errors.OmegaConfBaseException, yaml.YAMLError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source}: {problem}") from None
+  # The value as parsed, with "${" kept as text: never an interpolation.
+  raw = OmegaConf.to_container(parsed, resolve=False)
+  return source, OmegaConf.create(_escape_interpolations(raw))
 
 
 def _escape_interpolations(data: Any) -> Any:

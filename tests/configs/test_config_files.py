@@ -307,3 +307,13 @@ def test_text_fields_take_the_text_as_written(tmp_path):
       ).task.answer_after
       is None
   )
+
+
+def test_an_override_of_another_field_is_never_an_interpolation():
+  # ${steps} would resolve to the preset's steps (3) as an interpolation.
+  with pytest.raises(ValueError, match=r"optimizer\.rank.*\$\{steps\}"):
+    configs.load_config("smoke", overrides=["optimizer.rank=${steps}"])
+  config = configs.load_config(
+      "smoke", overrides=["task.options={note: '${steps}'}"]
+  )
+  assert config.task.options == {"note": "${steps}"}
