@@ -30,6 +30,7 @@ Run: python experiments/kl_control.py [--quick] [--seeds 3 (1 with --quick)]
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -213,8 +214,8 @@ def main() -> None:
   study.check_names(parser, "arms", args.arms, ARMS)
   study.check_names(parser, "tasks", args.tasks, study.TASKS)
   for name in ("lr_multiplier", "target_kl", "kl_subsample"):
-    if not getattr(args, name) > 0:
-      study.fail(f"--{name.replace('_', '-')} must be > 0")
+    if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+      study.fail(f"--{name.replace('_', '-')} must be a finite number > 0")
   for task in args.tasks:  # every config checked before anything is written
     for arm in args.arms:
       study.run_config(

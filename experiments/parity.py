@@ -535,8 +535,8 @@ def parse_args():
       ("target-kl", args.target_kl),
       ("kl-lr-multiplier", args.kl_lr_multiplier),
   ):
-    if not value > 0:
-      study.fail(f"--{name} must be > 0, got {value}")
+    if not (math.isfinite(value) and value > 0):
+      study.fail(f"--{name} must be a finite number > 0, got {value}")
   return args
 
 

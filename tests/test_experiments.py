@@ -281,6 +281,8 @@ def test_async_study_quick(tmp_path):
         ("kl_control", ["--tasks", "gsm9k"], "unknown tasks ['gsm9k']"),
         ("kl_control", ["--set", "steps=0"], "steps"),
         ("ablations", ["--seeds", "0"], "--seeds must be >= 1"),
+        ("kl_control", ["--target-kl", "inf"], "--target-kl must be a finite"),
+        ("parity", ["--target-kl", "nan"], "--target-kl must be a finite"),
     ],
 )
 def test_bad_input_is_refused_before_running(name, args, message, tmp_path):
