@@ -453,3 +453,27 @@ def test_a_reward_named_total_does_not_hide_the_total():
 
   metrics = rewards.evaluate_rewards([(total, 0.5)], ["q"], ["a"]).metrics()
   assert metrics["reward/total"] == 0.5 and metrics["reward/total_2"] == 1.0
+
+
+def test_a_reward_that_edits_its_columns_changes_nothing_for_the_others():
+  entries = [{"answer": "2"}, {"answer": "3"}]
+  columns = {"answer": ["2", "3"], "entry": entries}
+
+  def vandal(completions, answer, entry, **kwargs):
+    for row in entry:
+      row["answer"] = "wrong"
+    answer[:] = ["wrong"] * len(answer)
+    return [0.0] * len(completions)
+
+  def exact(completions, answer, entry, **kwargs):
+    return [
+        float(c == a == e["answer"])
+        for c, a, e in zip(completions, answer, entry)
+    ]
+
+  report = rewards.evaluate_rewards(
+      [(vandal, 1.0), (exact, 1.0)], ["q", "q"], ["2", "3"], columns
+  )
+  np.testing.assert_array_equal(report.per_function["exact"], [1.0, 1.0])
+  assert entries == [{"answer": "2"}, {"answer": "3"}]
+  assert columns["answer"] == ["2", "3"]

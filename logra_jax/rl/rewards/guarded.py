@@ -10,6 +10,7 @@ warning.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import queue
@@ -212,8 +213,10 @@ def evaluate_rewards(
   total = np.zeros(len(completions), np.float32)
   per_function, failures, timeouts, first_errors = {}, {}, {}, {}
   for name, (fn, weight) in zip(reward_names([fn for fn, _ in fns]), fns):
+    # Each function gets its own copies: one that edits a column (e.g.
+    # entry["answer"]) must not change what the others and later batches see.
     scores, failed, timed_out, error = _guarded_scores(
-        fn, prompts, completions, columns, timeout_s
+        fn, list(prompts), list(completions), copy.deepcopy(columns), timeout_s
     )
     per_function[name], failures[name], timeouts[name] = (
         scores,
