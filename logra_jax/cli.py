@@ -9,7 +9,7 @@ import math
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from logra_jax import checkpoint
 from logra_jax import configs
@@ -21,6 +21,20 @@ from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+  """An argparse type: a decimal int in ``[low, high]``."""
+
+  def parse(text: str) -> int:
+    value = int(text) if text.strip().lstrip("+-").isdecimal() else None
+    if value is None or not low <= value <= high:
+      raise argparse.ArgumentTypeError(
+          f"expected an int in [{low}, {high}], got {text!r}"
+      )
+    return value
+
+  return parse
 
 
 def _positive_gib(text: str) -> float:
@@ -239,7 +253,10 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       "--optimizer", choices=["adam", "logra", "lora"], default="logra"
   )
   plan.add_argument(
-      "--rank", type=int, default=64, help="LoGRA's projection or LoRA's rank"
+      "--rank",
+      type=_int_in(1, 2**16),
+      default=64,
+      help="LoGRA's projection or LoRA's rank",
   )
   plan.add_argument(
       "--gradient-mode",
@@ -270,10 +287,12 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
 
 def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
   """``logra memory``'s sequence, rollout and output options."""
-  plan.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+  plan.add_argument(
+      "--seq", type=_int_in(2, 2**22), default=4096, help="tokens per sequence"
+  )
   plan.add_argument(
       "--micro-batch",
-      type=int,
+      type=_int_in(1, 2**16),
       default=1,
       help="sequences per data-parallel device",
   )
@@ -285,13 +304,13 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
   )
   plan.add_argument(
       "--rollout-seqs",
-      type=int,
+      type=_int_in(0, 2**20),
       default=0,
       help="sequences of a colocated rollout's KV cache",
   )
   plan.add_argument(
       "--rollout-tokens",
-      type=int,
+      type=_int_in(0, 2**22),
       default=0,
       help="tokens per rollout sequence",
   )

@@ -206,3 +206,31 @@ def test_device_memory_must_be_a_finite_positive_number(value, capsys):
   assert (
       f"--device-memory-gib: expected a finite number > 0, got {value!r}" in err
   )
+
+
+@pytest.mark.parametrize(
+    "flag, value, bounds",
+    [
+        ("--seq", "0", "[2, 4194304]"),
+        ("--seq", "1000000000", "[2, 4194304]"),
+        ("--seq", "1_0", "[2, 4194304]"),
+        ("--micro-batch", "1000000000", "[1, 65536]"),
+        ("--rank", "0", "[1, 65536]"),
+        ("--rollout-seqs", "-1", "[0, 1048576]"),
+    ],
+)
+def test_planner_sizes_are_bounded_naming_the_flag(flag, value, bounds, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli_main(["memory", "--model=qwen2.5-0.5b", f"{flag}={value}"])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"argument {flag}: expected an int in {bounds}, got {value!r}" in err
+
+
+def test_a_planned_mesh_of_too_many_devices_is_refused(capsys):
+  # Before any device is made: 100,000 simulated devices took 4 GB.
+  assert cli_main(["memory", "--model=qwen2.5-0.5b", "--mesh=fsdp=100000"]) == 2
+  assert (
+      "the mesh has 100000 devices; the planner compiles for at most 4096"
+      in (capsys.readouterr().err)
+  )

@@ -45,13 +45,23 @@ def compiled_memory(
   ).memory_analysis()
 
 
+# Simulated CPU devices cost memory each: 100,000 of them took 4 GB.
+MAX_DEVICES = 4096
+
+
 def ensure_devices(count: int) -> list[jax.Device]:
   """``count`` devices to compile for: the accelerators if there are enough,
   else ``count`` CPU devices (configured before JAX's backend starts).
 
   Raises:
-    ValueError: fewer devices exist and JAX's backend has already started.
+    ValueError: ``count`` exceeds :data:`MAX_DEVICES`, or fewer devices exist
+      and JAX's backend has already started.
   """
+  if count > MAX_DEVICES:
+    raise ValueError(
+        f"the mesh has {count} devices; the planner compiles for at most "
+        f"{MAX_DEVICES} (one simulated CPU device each)"
+    )
   try:
     backend_started = bool(jax._src.xla_bridge._backends)  # noqa: SLF001
   except AttributeError:
