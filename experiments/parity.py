@@ -374,7 +374,10 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
   path = row_path(ctx.results, key)
   fingerprint = ctx.record["fingerprint"]
   if path.exists() and not args.rerun:
-    row = json.loads(path.read_text())
+    row = {  # null marks a value that does not apply (NaN in the tables)
+        k: math.nan if v is None else v
+        for k, v in json.loads(path.read_text()).items()
+    }
     if (row["config_hash"], row["fingerprint"]) == (
         config_hash(config),
         fingerprint,
@@ -425,7 +428,11 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
       "curve": curve,
   }
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(row, indent=1) + "\n")
+  strict = {  # JSON has no NaN: null stands for it
+      k: None if isinstance(v, float) and math.isnan(v) else v
+      for k, v in row.items()
+  }
+  path.write_text(json.dumps(strict, indent=1, allow_nan=False) + "\n")
   print(
       f"{row['setting']} {row['arm']} lr {key['rate']:g} seed {key['seed']}:"
       f" validation {row['validation_before']:.3f} -> "

@@ -66,6 +66,10 @@ def _assert_finite(rows, columns):
       assert math.isfinite(float(row[column])), (column, row)
 
 
+def _refuse_constant(name):
+  raise ValueError(f"{name} is not JSON")
+
+
 def _assert_provenance(results, rows):
   record = json.loads((results / "provenance.json").read_text())
   assert set(PROVENANCE + ("versions", "command")) <= set(record)
@@ -168,7 +172,10 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
       "0.001",
   }
   _assert_provenance(results, rows + sweep)
-  assert len(list((results / "rows").rglob("*.json"))) == 8
+  row_files = list((results / "rows").rglob("*.json"))
+  assert len(row_files) == 8
+  for path in row_files:  # strict JSON: no NaN or Infinity
+    json.loads(path.read_text(), parse_constant=_refuse_constant)
   table = (results / "parity.md").read_text()
   assert "| logra vs adam |" in table and "| logra+kl vs adam+kl |" in table
   assert "Chosen learning rates" in table and "Command: `python " in table
