@@ -10,7 +10,10 @@ preset for a few steps, so that the test suite can check a study's outputs
 are well-formed; its results go to a folder of their own and never replace
 a full run's. A results folder remembers the command-line settings that made
 it (`study.json`): a run with other settings is refused there (exit 2)
-unless `--overwrite` says so.
+unless `--overwrite` says so. A study that then fails on bad input gives the
+folder back as it found it. A study holds the lock of its runs' folder
+(`--out`) from then on: a second study on the same `--out` is refused, and a
+run folder that a live run holds is never touched.
 
 Reuse: a run folder holds `fingerprint.json`, the numerics fingerprint
 (:mod:`provenance`) of the code that started it. A finished (or
@@ -27,11 +30,13 @@ import pathlib
 import sys
 from typing import Any, Callable, Sequence
 
+import filelock
 import numpy as np
 
 import provenance
 import stats
 from logra_jax import configs
+from logra_jax.checkpoint import folders
 from logra_jax.rl import trainer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -112,8 +117,40 @@ def parser(
   return p
 
 
+# Bad input the trainer finds (as ``logra train``'s exit status 2).
+BAD_INPUT = (
+    ValueError,
+    FileExistsError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
+class _Claims:
+  """What this process claimed: the lock of its runs' folder (held until the
+  process exits) and how to give its results folder back."""
+
+  def __init__(self):
+    self.locks = []
+    self.undo: list[Callable[[], None]] = []
+
+  def give_back(self) -> None:
+    """Leaves the folders as this study found them; releases the locks."""
+    while self.undo:
+      self.undo.pop()()
+    while self.locks:
+      self.locks.pop().release()
+
+
+_CLAIMS = _Claims()
+
+
 def fail(message: str) -> None:
-  """Bad input: one line on stderr, exit status 2 (as argparse's)."""
+  """Bad input: one line on stderr, exit status 2 (as argparse's); a
+  results folder claimed by :func:`results_folder` is given back."""
+  _CLAIMS.give_back()
   print(f"{pathlib.Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
   raise SystemExit(2)
 
@@ -166,7 +203,9 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
   those of :data:`_NOT_SETTINGS`; written to its ``study.json``). A folder
   holding results of other settings is refused (exit 2, naming both)
   unless ``--overwrite``. Call it after every check
-  of the input, so that bad input leaves nothing behind."""
+  of the input, so that bad input leaves nothing behind; bad input found
+  later (:func:`fail`) gives the folder back. Takes the lock of the runs'
+  folder ``--out`` too (:func:`lock_runs`)."""
   settings = {
       k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS
   }
@@ -187,9 +226,47 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
           f"{[settings.get(k) for k in changed]}); pass --overwrite to "
           "replace them or --results for another folder"
       )
+  lock_runs(args)
+  _CLAIMS.undo.append(_restorer(folder, record))
   folder.mkdir(parents=True, exist_ok=True)
   record.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
   return folder
+
+
+def _restorer(folder: pathlib.Path, record: pathlib.Path) -> Callable:
+  """A function that puts back ``folder`` and its ``record`` as they are
+  now (the record's text, or no record and no folder if empty)."""
+  existed = folder.exists()
+  text = record.read_text() if record.exists() else None
+
+  def restore() -> None:
+    if text is not None:
+      record.write_text(text)
+      return
+    record.unlink(missing_ok=True)
+    if not existed and folder.is_dir() and not any(folder.iterdir()):
+      folder.rmdir()
+
+  return restore
+
+
+def lock_runs(args: argparse.Namespace) -> None:
+  """Holds the lock of the runs' folder ``--out`` until the process exits
+  (:func:`logra_jax.checkpoint.folders.run_lock`); exits (status 2) if
+  another study holds it."""
+  out = pathlib.Path(args.out)
+  undo = _restorer(out, out / ".lock")
+  out.mkdir(parents=True, exist_ok=True)
+  lock = folders.run_lock(out)
+  try:
+    lock.acquire(timeout=0)
+  except filelock.Timeout:
+    fail(
+        f"--out {out} is in use by another study (it holds {out / '.lock'});"
+        " wait for it to end or choose another --out"
+    )
+  _CLAIMS.locks.append(lock)
+  _CLAIMS.undo.append(undo)
 
 
 def fingerprint(args: argparse.Namespace) -> str:
@@ -216,14 +293,23 @@ def train(
 ) -> dict[str, Any]:
   """``config`` trained in ``folder``, reused when it finished there with
   the same config and fingerprint; its summary and per-step metrics
-  (``"history"``)."""
+  (``"history"``). A folder a live run holds is left as it is (exit
+  status 2), and so is bad input the trainer finds (one line, exit 2)."""
+  if folders.in_use(folder):
+    fail(
+        f"{folder} is in use by a run (it holds {folder / '.lock'}); wait "
+        "for it to end"
+    )
   value = fingerprint(args)
   rerun = args.rerun or needs_rerun(folder, value)
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "fingerprint.json").write_text(
       json.dumps({"fingerprint": value}) + "\n"
   )
-  summary = trainer.train_or_reuse(config, folder, rerun)
+  try:
+    summary = trainer.train_or_reuse(config, folder, rerun)
+  except BAD_INPUT as error:
+    fail(" ".join(str(error).split()))
   history = [
       json.loads(line)
       for line in (folder / "metrics.jsonl").read_text().splitlines()

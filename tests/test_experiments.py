@@ -18,6 +18,8 @@ import sys
 import pytest
 
 from logra_jax import configs
+from logra_jax.checkpoint import folders
+from logra_jax.rl import guards
 
 EXPERIMENTS = pathlib.Path(__file__).parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
@@ -350,6 +352,82 @@ def test_a_study_option_is_part_of_its_results_settings(tmp_path):
   assert done.returncode == 2
   assert "(target_kl differ: there [0.005], now [0.01])" in done.stderr
   assert not (tmp_path / "runs").exists()
+
+
+def test_a_second_study_on_one_out_is_refused(tmp_path):
+  """A study holds its --out's lock: a second one there deletes nothing."""
+  runs = tmp_path / "runs"
+  live = runs / "quick" / "tiny" / "logra+kl-seed0"
+  (live / "checkpoints" / "2").mkdir(parents=True)
+  (live / "samples.jsonl").write_text("{}\n")
+  lock = folders.run_lock(runs)
+  with lock:
+    done = _study(
+        "kl_control", "--arms", "logra+kl", "--tasks", "tiny", tmp_path=tmp_path
+    )
+  assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+  assert "is in use by another study" in done.stderr, done.stderr
+  assert sorted(p.name for p in live.iterdir()) == [
+      "checkpoints",
+      "samples.jsonl",
+  ]
+  assert not (tmp_path / "results").exists()
+
+
+def _claiming_args(tmp_path, monkeypatch):
+  """A study's flags, with this test's own claims and a fixed fingerprint."""
+  monkeypatch.setattr(study, "_CLAIMS", study._Claims())
+  monkeypatch.setattr(study.provenance, "fingerprint", lambda cache: "aaaa")
+  return argparse.Namespace(
+      quick=True,
+      seeds=1,
+      set=[],
+      out=str(tmp_path / "runs"),
+      results=str(tmp_path / "results"),
+      overwrite=False,
+      rerun=False,
+      fingerprint_cache="unused",
+  )
+
+
+def test_a_live_run_folder_is_left_alone(tmp_path, monkeypatch, capsys):
+  args = _claiming_args(tmp_path, monkeypatch)
+  folder = tmp_path / "run"
+  with guards.locked_run_folder(folder):
+    (folder / "samples.jsonl").write_text("{}\n")
+    (folder / "tensorboard").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+      study.train(args, _config(), folder)
+    names = sorted(p.name for p in folder.iterdir())
+  assert stopped.value.code == 2
+  assert names == [".lock", "samples.jsonl", "tensorboard"]
+  error = capsys.readouterr().err
+  assert error.count("\n") == 1 and "is in use by a run" in error, error
+
+
+def test_bad_input_found_by_the_trainer_gives_the_folder_back(
+    tmp_path, monkeypatch, capsys
+):
+  """The trainer's one-line refusal, exit 2, and the results folder as it
+  was: absent, or holding its earlier settings."""
+  args = _claiming_args(tmp_path, monkeypatch)
+  bad = configs.apply_overrides(_config(), ["policy.path=/nonexistent"])
+  study.results_folder(args, "study")
+  with pytest.raises(SystemExit) as stopped:
+    study.train(args, bad, tmp_path / "runs" / "run")
+  assert stopped.value.code == 2
+  error = capsys.readouterr().err
+  assert error.count("\n") == 1 and "/nonexistent does not exist" in error
+  assert not (tmp_path / "results").exists()
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "study.json").write_text('{"seeds": 3}\n')
+  args = _claiming_args(tmp_path, monkeypatch)
+  args.overwrite = True
+  study.results_folder(args, "study")
+  with pytest.raises(SystemExit):
+    study.train(args, bad, tmp_path / "runs" / "run")
+  assert (results / "study.json").read_text() == '{"seeds": 3}\n'
 
 
 def test_quick_gpu_bench_writes_its_tables(tmp_path):

@@ -27,7 +27,9 @@ its policy (:func:`export_policy`). Its parts:
   :class:`Restored`) and the restore targets (:func:`abstract_state`);
 - :mod:`~logra_jax.checkpoint.integrity`: the checksums in ``meta`` and the
   checks that name a damaged array or item;
-- :mod:`~logra_jax.checkpoint.export`: the policy as a Hugging Face folder.
+- :mod:`~logra_jax.checkpoint.export`: the policy as a Hugging Face folder;
+- :mod:`~logra_jax.checkpoint.folders`: a run's lock and the folders
+  ``--overwrite`` may replace.
 
 Example:
   >>> from logra_jax import checkpoint, configs

@@ -15,23 +15,34 @@ import transformers
 
 from logra_jax import models
 from logra_jax import policy_state
+from logra_jax.checkpoint import folders
 from logra_jax.checkpoint.items import abstract_state
 from logra_jax.checkpoint.store import Checkpointer, locate
 from logra_jax.configs import OptimizerConfig
 from logra_jax.staging import staged_folder
 
 
-def _check_out(out: pathlib.Path, overwrite: bool) -> None:
-  """Raises FileExistsError unless ``out`` may be written."""
+def _check_out(out: pathlib.Path, source: pathlib.Path, overwrite: bool):
+  """Raises FileExistsError unless ``out`` may be written: it does not
+  exist, or ``overwrite`` and it is an earlier export's folder
+  (:func:`~logra_jax.checkpoint.folders.check_replaceable`); never the
+  checkpoints ``source`` or a folder in them."""
   if out.exists() and not out.is_dir():
     raise FileExistsError(
         f"{out} is a file, not a folder: export writes a "
         "Hugging Face folder; choose another --out"
     )
+  if source.resolve() in out.resolve().parents:
+    raise FileExistsError(
+        f"{out} lies in the checkpoints being exported ({source}); choose "
+        "another --out"
+    )
   if out.exists() and not overwrite:
     raise FileExistsError(
         f"{out} exists; pass overwrite=True (--overwrite) " "to replace it"
     )
+  if out.exists():
+    folders.check_replaceable(out, source)
 
 
 def _decoder_config(meta: dict[str, Any]) -> models.DecoderConfig:
@@ -80,17 +91,21 @@ def export_policy(
   """Writes a checkpoint's policy as a Hugging Face folder.
 
   ``config.json`` and safetensors (``models.save_pretrained``) plus the
-  tokenizer files stored in the checkpoint; ``transformers`` loads the
-  folder with ``AutoModelForCausalLM`` and ``AutoTokenizer``. The folder is
-  assembled next to ``out`` and renamed into place when complete
-  (:func:`logra_jax.staging.staged_folder`).
+  tokenizer files stored in the checkpoint, and ``logra_export.json``
+  (:data:`~logra_jax.checkpoint.folders.EXPORT_MARKER`: the checkpoints
+  exported and the files written); ``transformers`` loads the folder with
+  ``AutoModelForCausalLM`` and ``AutoTokenizer``. The folder is assembled
+  next to ``out`` and renamed into place when complete
+  (:func:`logra_jax.staging.staged_folder`). ``overwrite`` replaces only an
+  earlier export's folder that holds nothing else: never the run exported,
+  a folder in its checkpoints, a run folder or a live run's.
 
   Args:
     checkpoint: a run folder, its ``checkpoints`` folder or one step in it.
     out: the HF folder to write.
     step: which checkpoint (default: the one ``checkpoint`` names, else the
       latest).
-    overwrite: replace an existing ``out``.
+    overwrite: replace an existing ``out`` that an export wrote.
 
   Returns:
     ``out``.
@@ -99,8 +114,8 @@ def export_policy(
     CheckpointError: no (readable) checkpoint.
     CorruptCheckpointError: the checkpoint's policy does not match its
       checksums (nothing is written).
-    FileExistsError: ``out`` is a file, or exists and ``overwrite`` is
-      False.
+    FileExistsError: ``out`` is a file, exists and ``overwrite`` is
+      False, or is no export's folder to replace (naming why).
 
   Example:
     >>> export_policy("runs/tiny-20250101-000000", "exported")  # doctest: +SKIP
@@ -108,7 +123,7 @@ def export_policy(
   directory, named_step = locate(checkpoint)
   step = step if step is not None else named_step
   out = pathlib.Path(out).absolute()
-  _check_out(out, overwrite)
+  _check_out(out, directory, overwrite)
   with Checkpointer(directory, read_only=True) as ckpt:
     meta = ckpt.read_meta(step)
     policy = _restore_policy(ckpt, step, meta)
@@ -116,4 +131,5 @@ def export_policy(
     models.save_pretrained(policy, folder)
     for name, data in meta.get("tokenizer", {}).items():
       (folder / name).write_bytes(base64.b64decode(data))
+    folders.write_marker(folder, directory)
   return out

@@ -13,6 +13,7 @@ import filelock
 import jax
 
 from logra_jax import parallel
+from logra_jax.checkpoint import folders
 from logra_jax.configs import TrainConfig
 from logra_jax.optim import non_finite
 from logra_jax.rollout import engine as engine_lib
@@ -28,9 +29,10 @@ class RunFolderInUseError(ValueError):
 def locked_run_folder(out: pathlib.Path) -> Iterator[None]:
   """Creates ``out`` and holds an exclusive lock on it for the block, so
   that two runs never write the same folder; the second is refused at once.
-  The lock dies with its process: a killed run leaves no stale lock."""
+  The lock dies with its process: a killed run leaves no stale lock
+  (:func:`logra_jax.checkpoint.folders.run_lock`)."""
   out.mkdir(parents=True, exist_ok=True)
-  lock = filelock.FileLock(out / ".lock")
+  lock = folders.run_lock(out)
   try:
     lock.acquire(timeout=0)
   except filelock.Timeout:

@@ -19,6 +19,7 @@ from logra_jax import configs
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
+from logra_jax.rl import guards
 from logra_jax.rollout import engine
 from logra_jax import policy_state
 from tolerances import decoder_reduction_length
@@ -394,3 +395,55 @@ def test_no_background_work_is_left_at_exit(tmp_path):
   assert failed.returncode == 2
   assert failed.stderr.startswith("logra train: error: nothing to resume")
   assert failed.stderr.count("\n") == 1, failed.stderr
+
+
+def _export(checkpoint_path, out, capsys, *flags):
+  """``logra export`` and its stderr."""
+  capsys.readouterr()
+  code = cli_main(
+      ["export", f"--checkpoint={checkpoint_path}", f"--out={out}", *flags]
+  )
+  return code, capsys.readouterr().err
+
+
+def _tree(folder):
+  return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_export_overwrite_replaces_only_an_export(straight, tmp_path, capsys):
+  run = copy_run(straight, tmp_path)
+  before = _tree(run)
+  other = tmp_path / "other-run"
+  shutil.copytree(straight, other)
+  live = tmp_path / "live"
+  plain = tmp_path / "plain"
+  plain.mkdir()
+  (plain / "notes.txt").write_text("keep")
+  refused = [
+      (run, "holds the checkpoints being exported"),
+      (run / "checkpoints", "holds the checkpoints being exported"),
+      (run / "checkpoints" / "6" / "hf", "lies in the checkpoints"),
+      (other, "is a run folder"),
+      (live, "is in use by a run"),
+      (plain, "was not written by logra export"),
+  ]
+  with guards.locked_run_folder(live):
+    (live / "samples.jsonl").write_text("{}\n")
+    for out, message in refused:
+      code, error = _export(run, out, capsys, "--overwrite")
+      assert code == 2 and error.count("\n") == 1, error
+      assert message in error, error
+    assert sorted(p.name for p in live.iterdir()) == [".lock", "samples.jsonl"]
+  assert _tree(run) == before
+  assert (plain / "notes.txt").read_text() == "keep"
+  assert _tree(other) == _tree(straight)
+  # An export's own folder is replaced; one holding a file it did not
+  # write is not.
+  out = tmp_path / "hf"
+  assert _export(run, out, capsys)[0] == 0
+  assert (out / checkpoint.folders.EXPORT_MARKER).is_file()
+  assert _export(run, out, capsys, "--overwrite")[0] == 0
+  (out / "mine.txt").write_text("keep")
+  code, error = _export(run, out, capsys, "--overwrite")
+  assert code == 2 and "did not write (mine.txt)" in error, error
+  assert (out / "mine.txt").read_text() == "keep"
