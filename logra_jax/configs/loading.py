@@ -12,6 +12,7 @@ values, e.g. ``rewards=[{function: my_rewards.py:fmt, weight: 0.1}]`` or
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pathlib
 import types
@@ -168,13 +169,54 @@ def _as_layer(data: Any, source: str) -> omegaconf.DictConfig:
   return OmegaConf.create(data)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """YAML's safe loader, refusing a key given twice in one map (YAML keeps
-  the last silently: a repeated section would drop the first one)."""
+# Bounds of a config file: a run config is a few hundred bytes of a few
+# levels; these leave room for long reward lists and task options while a
+# hostile file (an alias bomb of a few KB expands to billions of nodes, deep
+# nesting exhausts Python's stack) is refused before it is expanded.
+MAX_FILE_BYTES = 4 * 2**20
+MAX_DEPTH = 64
+MAX_NODES = 100_000
+
+
+class _Refused(yaml.YAMLError):
+  """A config file beyond the bounds or with a key that cannot be a field."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+  """YAML's safe loader for config files: refuses a key given twice in one
+  map (YAML keeps the last silently: a repeated section would drop the first
+  one), a key that is a map or a list (a complex key), nesting deeper than
+  :data:`MAX_DEPTH` and more than :data:`MAX_NODES` nodes with aliases
+  expanded (an alias bomb), or an alias inside what it names."""
+
+  def __init__(self, stream):
+    super().__init__(stream)
+    self._depth = 0
+
+  def compose_node(self, parent, index):
+    self._depth += 1
+    try:
+      if self._depth > MAX_DEPTH:
+        where = _where(self.peek_event().start_mark)
+        raise _Refused(f"nested deeper than {MAX_DEPTH} levels{where}")
+      return super().compose_node(parent, index)
+    finally:
+      self._depth -= 1
+
+  def get_single_node(self):
+    node = super().get_single_node()
+    if node is not None:
+      _expanded_size(node, {})
+    return node
 
   def construct_mapping(self, node, deep=False):
     keys = set()
     for key_node, _ in node.value:
+      if not isinstance(key_node, yaml.ScalarNode):
+        raise _Refused(
+            f"a key must be text or a number, not a {key_node.id}"
+            f"{_where(key_node.start_mark)}"
+        )
       key = self.construct_object(key_node, deep=deep)
       if key in keys:
         raise yaml.constructor.ConstructorError(
@@ -184,12 +226,53 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     return super().construct_mapping(node, deep=deep)
 
 
+def _where(mark: yaml.Mark) -> str:
+  """`` (line 3, column 5)``: where a YAML node starts."""
+  return f" (line {mark.line + 1}, column {mark.column + 1})"
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, Any]) -> int:
+  """Nodes under ``node`` (itself included) with every alias expanded;
+  raises :class:`_Refused` past :data:`MAX_NODES` or for an alias inside the
+  node it names (``sizes``: the sizes found so far, None while counting)."""
+  if id(node) in sizes:
+    if sizes[id(node)] is None:
+      raise _Refused(
+          f"an alias inside the value it names{_where(node.start_mark)}"
+      )
+    return sizes[id(node)]
+  sizes[id(node)] = None
+  children: list = []
+  if isinstance(node, yaml.SequenceNode):
+    children = node.value
+  elif isinstance(node, yaml.MappingNode):
+    children = [child for pair in node.value for child in pair]
+  total = 1
+  for child in children:
+    total += _expanded_size(child, sizes)
+    if total > MAX_NODES:
+      raise _Refused(f"more than {MAX_NODES} values with its aliases expanded")
+  sizes[id(node)] = total
+  return total
+
+
 def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:
   if not path.is_file():
     raise FileNotFoundError(f"{source}: no such file")
+  with open(path, "rb") as stream:
+    raw = stream.read(MAX_FILE_BYTES + 1)
+  if len(raw) > MAX_FILE_BYTES:
+    raise ValueError(
+        f"{source} is larger than {MAX_FILE_BYTES} bytes, the most a config "
+        "file may hold"
+    )
   try:
-    with open(path, encoding="utf-8") as stream:  # errors name the file
-      data = yaml.load(stream, Loader=_UniqueKeyLoader)
+    stream = io.StringIO(raw.decode("utf-8"))
+    stream.name = str(path)  # YAML's errors name the file
+    data = yaml.load(stream, Loader=_ConfigLoader)
+  except _Refused as error:
+    problem = " ".join(str(error).split())
+    raise ValueError(f"{source} is refused: {problem}") from None
   except (yaml.YAMLError, UnicodeDecodeError) as error:
     problem = " ".join(str(error).split())
     raise ValueError(f"{source} is not valid YAML: {problem}") from None
