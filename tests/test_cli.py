@@ -75,6 +75,22 @@ def _run_folder(folder):
             "a policy: write its policy as a Hugging Face folder with `logra export",
         ),
         (["--resume"], "nothing to resume in {tmp}/out"),
+        (
+            ["--set=task.size=2000000000"],
+            "task.size must be <= 1000000, got 2000000000",
+        ),
+        (["--set=task.template={{0}}"], "field {{0}} must be the name of a"),
+        (["--set=task.template={{prompt.nope}}"], "field {{prompt.nope}} must"),
+        (["--set=task.template={{prompt[99]}}"], "field {{prompt[99]}} must"),
+        (["--set=task.template={{prompt"], "is not a format string"),
+        (
+            ["--set=task.template={{prompt:d}}"],
+            "prompt template '{{prompt:d}}' cannot format tiny items",
+        ),
+        (
+            ["--set=task.options={{max_terms: abc}}"],
+            "invalid config {{'min_terms': 3, 'max_terms': 'abc', ",
+        ),
     ],
 )
 def test_bad_train_input_is_one_line_and_writes_nothing(

@@ -13,6 +13,7 @@ reads a config.
 from __future__ import annotations
 
 import dataclasses
+import string
 from typing import Any, Optional
 
 
@@ -50,6 +51,34 @@ def _check(section: str, config: Any, names: str, **bounds: float) -> None:
       check_range(f"{section}.{name}" if section else name, value, **bounds)
 
 
+# The most examples a task generates: they are held in memory (about 1 KB
+# each with their reasoning-gym items), so a size in the billions would fill
+# it before the first step.
+MAX_TASK_SIZE = 1_000_000
+
+
+def _check_template(template: str) -> None:
+  """Raises ValueError unless ``task.template`` formats named fields only
+  (``{prompt}``, ``{question}``: no positions, attributes or indices)."""
+  formatter = string.Formatter()
+  try:
+    parts = list(formatter.parse(template))
+    parts += [
+        p for _, _, spec, _ in parts if spec for p in formatter.parse(spec)
+    ]
+  except ValueError as error:
+    raise ValueError(
+        f"task.template={template!r} is not a format string ({error}); "
+        "write a literal brace as {{ or }}"
+    ) from None
+  for _, field, _, _ in parts:
+    if field is not None and not field.isidentifier():
+      raise ValueError(
+          f"task.template={template!r}: field {{{field}}} must be the name "
+          "of a field, such as {prompt} (no positions, attributes or indices)"
+      )
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """Where prompts, answers and the verifier come from, and how prompts are
@@ -59,7 +88,8 @@ class TaskConfig:
     name: ``"tiny"`` (short arithmetic from reasoning-gym's ``chain_sum``), a
       reasoning-gym dataset name, or a local ``.jsonl``/``.json``/``.parquet``
       path.
-    size: examples generated (reasoning-gym tasks).
+    size: examples generated (reasoning-gym tasks), at most
+      :data:`MAX_TASK_SIZE`.
     eval_size: held-out examples; disjoint from training prompts.
     seed: generation and split seed.
     options: the reasoning-gym generator's config fields, e.g.
@@ -99,6 +129,8 @@ class TaskConfig:
 
   def __post_init__(self):
     _check("task", self, "size eval_size max_digits", ge=1)
+    _check("task", self, "size", le=MAX_TASK_SIZE)
+    _check_template(self.template)
     _check("task", self, "seed", ge=0, le=_MAX_SEED)
     _check("task", self, "terms", ge=2)
     check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)

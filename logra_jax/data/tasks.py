@@ -152,13 +152,20 @@ class Task:
 
 
 def _format(template: str, fields: Mapping[str, Any], source: str) -> str:
-  """``template.format(**fields)`` with an error naming a missing field and the valid ones."""
+  """``template.format(**fields)`` with a one-line error naming a missing
+  field and the valid ones, or what else the template cannot format (a
+  position such as ``{0}``, an attribute or index the field lacks)."""
   try:
     return template.format(**fields)
   except KeyError as e:
     raise ValueError(
         f"prompt template {template!r} uses field {e.args[0]!r}, which {source} lacks; "
         f"available fields: {sorted(fields)}."
+    ) from None
+  except (IndexError, AttributeError, TypeError, ValueError) as e:
+    raise ValueError(
+        f"prompt template {template!r} cannot format {source}: "
+        f"{type(e).__name__}: {e}; use named fields such as {{prompt}}."
     ) from None
 
 
@@ -219,11 +226,13 @@ def reasoning_gym_task(
     generator = reasoning_gym.create_dataset(
         name, size=size, seed=seed, **config
     )
-  except AssertionError as e:
-    raise ValueError(f"invalid config {config} for {name!r}: {e}") from None
+  except (AssertionError, TypeError, ValueError) as e:
+    raise ValueError(
+        f"invalid config {config} for {name!r}: {type(e).__name__}: {e}"
+    ) from None
   examples = []
   for i in range(size):
-    entry = generator[i]
+    entry = _generate(generator, i, name, config)
     if callable(template):
       prompt = template(entry)
     else:
@@ -238,6 +247,18 @@ def reasoning_gym_task(
   return Task(
       name=name, examples=tuple(examples), score_answer=generator.score_answer
   )
+
+
+def _generate(generator: Any, i: int, name: str, config: Mapping) -> dict:
+  """Item ``i`` of a reasoning-gym generator; a config it cannot generate
+  from (a value of the wrong type) is a one-line ValueError."""
+  try:
+    return generator[i]
+  except (AssertionError, TypeError, ValueError, IndexError) as e:
+    raise ValueError(
+        f"invalid config {config} for {name!r}: item {i} cannot be generated"
+        f" ({type(e).__name__}: {e})"
+    ) from None
 
 
 def _is_empty_file(path: str) -> bool:

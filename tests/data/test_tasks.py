@@ -116,6 +116,12 @@ def test_reasoning_gym_errors():
       ValueError, match=r"uses field 'expr'.*available fields: \["
   ):
     tasks.reasoning_gym_task("chain_sum", size=2, template="{expr}=")
+  for template in ("{0}", "{prompt.nope}", "{prompt[99]}", "{prompt:d}"):
+    with pytest.raises(ValueError, match="cannot format 'chain_sum' items"):
+      tasks.reasoning_gym_task("chain_sum", size=2, template=template)
+  for options in ({"max_terms": "abc"}, {"max_terms": 2.5}):
+    with pytest.raises(ValueError, match=r"invalid config .* for 'chain_sum'"):
+      tasks.reasoning_gym_task("chain_sum", size=2, config=options)
 
 
 def _write_jsonl(path, rows):
