@@ -1,8 +1,9 @@
 """Loading run configs: presets, YAML files and overrides, with OmegaConf.
 
 :func:`load_config` composes, in this order, a named preset (a YAML file in
-``configs/presets/``), run config files and ``section.field=value``
-overrides, with OmegaConf structured configs (the dataclasses of
+``configs/presets/``), run config files (or the name of a recipe, a YAML
+file in ``configs/recipes/``) and ``section.field=value`` overrides, with
+OmegaConf structured configs (the dataclasses of
 :mod:`logra_jax.configs.schema` are the schema: an unknown key or a value of
 the wrong type is refused naming its dotted path); lists and maps are YAML
 values, e.g. ``rewards=[{function: my_rewards.py:fmt, weight: 0.1}]`` or
@@ -28,6 +29,7 @@ from logra_jax.configs.schema import RewardConfig
 from logra_jax.configs.schema import TrainConfig
 
 PRESET_DIR = pathlib.Path(__file__).parent / "presets"
+RECIPE_DIR = pathlib.Path(__file__).parent / "recipes"
 
 
 def preset_names() -> list[str]:
@@ -38,6 +40,17 @@ def preset_names() -> list[str]:
     ['smoke', 'tiny']
   """
   return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def recipe_names() -> list[str]:
+  """The shipped recipes, the YAML files of :data:`RECIPE_DIR`: the losses
+  and hyperparameters of published algorithms, each naming its source.
+
+  Example:
+    >>> recipe_names()
+    ['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo', 'rloo']
+  """
+  return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
 def get_preset(name: str) -> TrainConfig:
@@ -62,7 +75,8 @@ def load_config(
 
   Args:
     preset: a name of :func:`preset_names`.
-    files: YAML run configs (e.g. a run folder's ``config.yaml``).
+    files: YAML run configs (e.g. a run folder's ``config.yaml``); a name
+      of :func:`recipe_names` that is no file is the shipped recipe.
     overrides: ``section.field=value`` strings; a value is YAML, so lists
       and maps are written inline (``logging.trackers=[tensorboard,wandb]``)
       and ``null`` clears an optional field, except that a text field takes
@@ -94,7 +108,7 @@ def load_config(
         f"unknown preset {preset!r}; valid presets: " f"{preset_names()}"
     )
   layers = [_yaml_layer(PRESET_DIR / f"{preset}.yaml", f"preset {preset!r}")]
-  layers += [_yaml_layer(pathlib.Path(f), f"config file {f}") for f in files]
+  layers += [_file_layer(f) for f in files]
   layers += [_override_layer(item) for item in overrides]
   return _build(OmegaConf.structured(TrainConfig), layers)
 
@@ -254,6 +268,20 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, Any]) -> int:
       raise _Refused(f"more than {MAX_NODES} values with its aliases expanded")
   sizes[id(node)] = total
   return total
+
+
+def _file_layer(file: str | os.PathLike) -> _Layer:
+  """A config file's layer; a recipe's name that is no file is the shipped
+  recipe."""
+  path = pathlib.Path(file)
+  if path.exists():
+    return _yaml_layer(path, f"config file {file}")
+  if str(file) in recipe_names():
+    return _yaml_layer(RECIPE_DIR / f"{file}.yaml", f"recipe {str(file)!r}")
+  raise FileNotFoundError(
+      f"config file {file}: no such file, nor a recipe name "
+      f"({', '.join(recipe_names())})"
+  )
 
 
 def _yaml_layer(path: pathlib.Path, source: str) -> _Layer:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 
 from logra_jax.checks import check_choice, check_range
+from logra_jax.configs.loss import LossConfig
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import REMAT
 from logra_jax.optim.factored import BASE_DTYPES
@@ -33,10 +34,8 @@ ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
 CHAT_TEMPLATES = ("auto", "none")
 TRACKERS = ("tensorboard", "wandb")
 # Group advantage estimators (``rl.algo.ADVANTAGE_ESTIMATORS`` implements
-# each), KL-to-reference estimators and loss aggregations (``rl.algo``).
+# each).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # Seeds become int64 PRNG keys (``jax.random.key``).
 _MAX_SEED = 2**63 - 1
 
@@ -466,52 +465,6 @@ class SyncConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """Hyperparameters of the clipped policy-gradient loss (hashable: a static
-  jit argument of ``rl.algo.loss_terms``).
-
-  Attributes:
-    eps_low: the ratio is clipped below at ``1 - eps_low``.
-    eps_high: the ratio is clipped above at ``1 + eps_high`` (DAPO "clip-higher": larger
-      than ``eps_low``, e.g. 0.28 vs 0.2).
-    beta: coefficient of the KL-to-reference penalty; 0 disables it and reference
-      log-probabilities are then not needed.
-    kl_estimator: one of :data:`KL_ESTIMATORS` (see ``rl.algo.kl_penalty``).
-    kl_clamp: bound on the per-token log-ratio to the reference, before ``exp``.
-    aggregation: how per-token losses become one number, one of :data:`AGGREGATIONS`:
-      ``"token-mean"`` (sum over all valid tokens / their count), ``"seq-mean-token-mean"``
-      (GRPO: mean over sequences of per-sequence token means) or
-      ``"seq-mean-token-sum-norm"`` (Dr.GRPO: sum over tokens / (sequences * max_len)).
-    max_len: the constant token normalizer of ``"seq-mean-token-sum-norm"``: the same for
-      every micro-batch (typically the generation budget, max new tokens). Required by that
-      aggregation, ignored by the others.
-  """
-
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  beta: float = 0.0
-  kl_estimator: str = "k3"
-  kl_clamp: float = 10.0
-  aggregation: str = "token-mean"
-  max_len: Optional[int] = None
-
-  def __post_init__(self):
-    check_range("loss.eps_low", self.eps_low, ge=0, lt=1)  # ratio floor > 0
-    check_range("loss.eps_high", self.eps_high, ge=0)
-    check_range("loss.beta", self.beta, ge=0)
-    check_range("loss.kl_clamp", self.kl_clamp, gt=0)
-    if self.max_len is not None:
-      check_range("loss.max_len", self.max_len, ge=1)
-    check_choice("loss.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-    check_choice("loss.aggregation", self.aggregation, AGGREGATIONS)
-    if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
-      raise ValueError(
-          "loss.aggregation='seq-mean-token-sum-norm' needs loss.max_len, the global "
-          "constant token normalizer (e.g. the max new tokens of generation)"
-      )
-
-
-@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
   """What a run shows and records besides ``metrics.jsonl`` and its plots.
 
@@ -564,7 +517,7 @@ class TrainConfig:
     optimizer: optimizer.
     rewards: the weighted reward functions; empty: the task's own verifier
       (``[{function: task, weight: 1.0}]``).
-    loss: the clipped policy-gradient loss.
+    loss: the policy-gradient loss and overlong shaping.
     advantage: one of :data:`ADVANTAGES`.
     steps: learner steps (one rollout batch each).
     num_iterations: optimizer updates per rollout batch (inner epochs).
@@ -610,6 +563,12 @@ class TrainConfig:
       raise ValueError(
           f"micro_batches={self.micro_batches} must divide the rollout batch "
           f"of prompts_per_step * num_generations = {batch} completions"
+      )
+    if self.loss.overlong_buffer >= self.rollout.max_new_tokens:
+      raise ValueError(
+          f"loss.overlong_buffer={self.loss.overlong_buffer} must be smaller "
+          f"than rollout.max_new_tokens={self.rollout.max_new_tokens} (the "
+          "penalty starts overlong_buffer tokens before the budget)"
       )
     if (self.optimizer.kl_subsample or 0) > batch:
       raise ValueError(

@@ -1,4 +1,4 @@
-"""RL math as pure functions: group advantages, the clipped policy loss, KL to a reference.
+"""RL math as pure functions: group advantages, the policy loss, KL to a reference.
 
 Everything here is jit-friendly: shapes and configuration are static, values are traced.
 Shapes are spelled in the names: ``B`` sequences (``num_prompts * G`` completions grouped
@@ -20,9 +20,10 @@ import jax.numpy as jnp
 
 from logra_jax.configs import KL_ESTIMATORS
 from logra_jax.configs import LossConfig
+from logra_jax.rl import losses
 
 Array = jax.Array
-Metrics = dict[str, tuple[Array, Array]]
+Metrics = losses.Metrics
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -219,7 +220,7 @@ def kl_penalty(
 
 
 # ------------------------------------------------------------------------------------------
-# The clipped policy-gradient loss.
+# The policy-gradient loss.
 # ------------------------------------------------------------------------------------------
 
 
@@ -231,14 +232,19 @@ def loss_terms(
     ref_logp_BxT: Array | None = None,
     config: LossConfig = LossConfig(),
 ) -> tuple[Array, Array, Metrics]:
-  r"""Clipped policy-gradient loss of one (micro-)batch as a (numerator, denominator) pair.
+  r"""Policy-gradient loss of one (micro-)batch as a (numerator, denominator) pair.
 
-  Per valid token, with ratio :math:`\rho = \exp(\log\pi_\theta - \log\pi_{old})` and the
-  sequence's advantage :math:`A`,
+  Per valid token, the policy loss :math:`\ell^{pg}` named by ``config.policy_loss``
+  (:data:`losses.POLICY_LOSSES`: ``clip``, the default, ``gspo``, ``gspo_token`` or
+  ``cispo``) plus the KL term,
 
   .. math::
-    \ell = -\min\big(\rho A,\ \operatorname{clip}(\rho, 1 - \epsilon_{low},
-           1 + \epsilon_{high}) A\big) + \beta\, \mathrm{KL}_k(\pi_\theta \| \pi_{ref}).
+    \ell = \ell^{pg} + \beta\, \mathrm{KL}_k(\pi_\theta \| \pi_{ref}), \qquad
+    \ell^{pg}_{clip} = -\min\big(\rho A,\ \operatorname{clip}(\rho, 1 - \epsilon_{low},
+           1 + \epsilon_{high}) A\big)
+
+  with ratio :math:`\rho = \exp(\log\pi_\theta - \log\pi_{old})` and the sequence's
+  advantage :math:`A`.
 
   The aggregation gives ``numerator`` and ``denominator`` such that summing both over
   micro-batches and calling :func:`finalize` once equals the full-batch loss exactly:
@@ -266,9 +272,9 @@ def loss_terms(
 
   Returns:
     ``(numerator, denominator, metrics)``: two float32 scalars and a dict mapping metric name
-    to a ``(sum, count)`` pair of scalars (``clip_fraction``, ``clip_low_fraction``,
-    ``clip_high_fraction``, ``ratio_mean``, ``pg_loss`` over tokens, and ``kl_ref`` when a
-    reference is given); see :func:`finalize_metrics`.
+    to a ``(sum, count)`` pair of scalars (the policy loss's metrics, e.g. ``clip_fraction``,
+    ``clip_low_fraction``, ``clip_high_fraction``, ``ratio_mean`` for ``clip``; ``pg_loss``
+    over tokens, and ``kl_ref`` when a reference is given); see :func:`finalize_metrics`.
 
   Example:
     >>> logp = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.0]]))
@@ -304,11 +310,21 @@ def loss_terms(
       else clean(old_logp_BxT)
   )
   mask_BxT = valid_BxT.astype(jnp.float32)
-  adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
+  adv_B = adv_B.astype(jnp.float32)
 
-  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
-  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - config.eps_low, 1.0 + config.eps_high)
-  pg_loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
+  if config.policy_loss == "cispo":
+    extra = {"importance_level": config.importance_level or "token"}
+  else:
+    extra = {}
+  pg_loss_BxT, metrics = losses.POLICY_LOSSES[config.policy_loss](
+      logp_BxT,
+      old_logp_BxT,
+      mask_BxT,
+      adv_B,
+      config.eps_low,
+      config.eps_high,
+      **extra,
+  )
   loss_BxT = pg_loss_BxT
   kl_BxT = None
   if ref_logp_BxT is not None:
@@ -329,18 +345,9 @@ def loss_terms(
   else:  # "seq-mean-token-sum-norm", checked by LossConfig.
     numerator, denominator = token_sum_B.sum(), num_seqs * float(config.max_len)
 
-  # A token is clipped when the clip removes its gradient.
-  low_BxT = (ratio_BxT < 1.0 - config.eps_low) & (adv_Bx1 < 0)
-  high_BxT = (ratio_BxT > 1.0 + config.eps_high) & (adv_Bx1 > 0)
   num_tokens = tokens_B.sum()
   masked_sum = lambda x_BxT: (x_BxT.astype(jnp.float32) * mask_BxT).sum()
-  metrics = {
-      "clip_fraction": (masked_sum(low_BxT | high_BxT), num_tokens),
-      "clip_low_fraction": (masked_sum(low_BxT), num_tokens),
-      "clip_high_fraction": (masked_sum(high_BxT), num_tokens),
-      "ratio_mean": (masked_sum(ratio_BxT), num_tokens),
-      "pg_loss": (masked_sum(pg_loss_BxT), num_tokens),
-  }
+  metrics["pg_loss"] = (masked_sum(pg_loss_BxT), num_tokens)
   if kl_BxT is not None:
     metrics["kl_ref"] = (masked_sum(kl_BxT), num_tokens)
   metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
@@ -369,8 +376,9 @@ def finalize_metrics(metrics: Metrics) -> dict[str, Array]:
   """Turns accumulated ``(sum, count)`` metric pairs into means.
 
   Args:
-    metrics: name -> ``(sum, count)``, e.g. from :func:`loss_terms` summed over micro-batches
-      with ``jax.tree.map(jnp.add, a, b)``.
+    metrics: name -> ``(sum, count)``, e.g. from :func:`loss_terms` combined over
+      micro-batches by :func:`losses.reduce_metrics`; an ``(extreme, any)`` pair of a
+      ``_min`` / ``_max`` name gives its extreme.
 
   Returns:
     name -> ``sum / count`` (0 where the count is 0).

@@ -29,6 +29,7 @@ from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import non_finite
 from logra_jax.rl import algo
+from logra_jax.rl import losses
 
 
 def make_train_step(
@@ -115,7 +116,7 @@ def _totals(value, grad_sum) -> _Totals:
   return _Totals(
       algo.finalize(nums.sum(), den),
       grads,
-      jax.tree.map(lambda x: x.sum(axis=0), metrics),
+      losses.reduce_metrics(metrics),
       logp_before,
   )
 

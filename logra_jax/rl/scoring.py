@@ -21,6 +21,7 @@ import numpy as np
 from logra_jax import parallel
 from logra_jax.configs import TrainConfig
 from logra_jax.rl import algo
+from logra_jax.rl import losses
 from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rollout.engine import Policy, SampleFn
 
@@ -190,11 +191,14 @@ def rollout_with(
     observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   lengths = parallel.host_value(out.lengths)
+  rewards_N, mask_BxT, shaping = _overlong_shaping(
+      config, policy, out, lengths, rewards_N
+  )
   batch = algo.RolloutBatch(
       prompt_tokens_BxP=out.prompt_ids,
       prompt_mask_BxP=out.prompt_mask,
       completion_tokens_BxT=out.tokens,
-      completion_mask_BxT=out.mask,
+      completion_mask_BxT=mask_BxT,
       old_logp_BxT=out.logprobs,
       advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
       num_generations=group,
@@ -215,7 +219,38 @@ def rollout_with(
   metrics["batch/completion_width"] = float(
       batch.completion_tokens_BxT.shape[1]
   )
+  metrics.update(shaping)
   return batch, metrics
+
+
+def _overlong_shaping(
+    config: TrainConfig, policy: Policy, out, lengths, rewards_N
+):
+  """DAPO's overlong shaping of a rollout (``loss.overlong_buffer``,
+  ``loss.mask_truncated``): the rewards with the length penalty added, the
+  completion mask without the truncated rows, and their metrics (none when
+  both are off)."""
+  loss = config.loss
+  if not (loss.overlong_buffer or loss.mask_truncated):
+    return rewards_N, out.mask, {}
+  budget = config.rollout.max_new_tokens
+  truncated_N = losses.truncated(
+      parallel.host_value(out.tokens),
+      lengths,
+      budget,
+      policy.sampler.config.eos_token_ids,
+  )
+  penalty_N = losses.overlong_penalty(
+      lengths, budget, loss.overlong_buffer, loss.overlong_penalty
+  )
+  mask_BxT = out.mask
+  if loss.mask_truncated:
+    mask_BxT = out.mask * jnp.asarray(~truncated_N[:, None], out.mask.dtype)
+  metrics = {
+      "rollout/truncated_fraction": float(np.mean(truncated_N)),
+      "reward/overlong_penalty": float(np.mean(penalty_N)),
+  }
+  return rewards_N + jnp.asarray(penalty_N), mask_BxT, metrics
 
 
 class Rollout(NamedTuple):
