@@ -1,5 +1,6 @@
 """Tests for logra_jax.rl.rewards: shipped rewards and the guarded evaluator."""
 
+import re
 import threading
 import time
 
@@ -205,19 +206,55 @@ def test_evaluator_input_errors_and_names():
   assert list(report.per_function) == ["exact_match", "exact_match_2"]
 
 
-@pytest.mark.parametrize("weight", [float("nan"), float("inf"), "1", None])
+@pytest.mark.parametrize(
+    "weight", [float("nan"), float("inf"), 1e39, -1e300, "1", None]
+)
 def test_non_finite_or_non_number_weight_is_refused_naming_the_reward(weight):
   fmt = rewards.format_reward(r"\d+", name="digits")
   pairs = [(rewards.exact_match, 1.0), (fmt, weight)]
   with pytest.raises(
       ValueError,
-      match=(
-          rf"reward 'digits': weight must be a finite number, got {weight!r}"
+      match=re.escape(
+          "reward 'digits': weight must be a finite number within float32's "
+          f"range (|w| <= 3.403e+38), got {weight!r}"
       ),
   ):
     rewards.combine_rewards(pairs)
   with pytest.raises(ValueError, match="reward 'digits': weight"):
     rewards.evaluate_rewards(pairs, ["q"], ["1"], {"answer": ["1"]})
+
+
+def _constant(name, value):
+  """A reward that scores every completion ``value``."""
+
+  def reward(completions, **kwargs):
+    return [value] * len(completions)
+
+  reward.__name__ = name
+  return reward
+
+
+def test_rewards_beyond_float32_are_failures_naming_the_reward():
+  """1e300 is finite in float64 but inf in float32, where rewards are used:
+  that sample fails for its reward (scored 0), as does a weight x reward
+  beyond float32; the others' scores stand."""
+  huge, big = _constant("huge", 1e300), _constant("big", 1e20)
+  report = rewards.evaluate_rewards(
+      [(huge, 1.0), (big, 1e20), (rewards.exact_match, 1.0)],
+      ["q", "q"],
+      ["1", "2"],
+      {"answer": ["1", "1"]},
+  )
+  np.testing.assert_array_equal(report.rewards, [1.0, 0.0])
+  assert report.failures == {"huge": 2, "big": 2, "exact_match": 0}
+  assert "non-finite reward 1e+300 in float32" in report.first_errors["huge"]
+  assert "weight 1e+20 x reward 1e+20" in report.first_errors["big"]
+  # Each finite, their sum not: refused naming the rewards.
+  near = [(_constant("a", 3e38), 1.0), (_constant("b", 3e38), 1.0)]
+  with pytest.raises(ValueError, match=r"sample 0: the weighted sum of "):
+    rewards.evaluate_rewards(near, ["q"], ["1"])
+  with pytest.raises(ValueError, match="reward huge returned values not "):
+    rewards.check_reward_functions([(huge, 1.0)], EXAMPLES)
 
 
 def test_negative_weights_are_penalties():

@@ -197,18 +197,36 @@ def format_reward(
   return reward
 
 
+# Rewards and their weights are used in float32 (the weighted sum, the
+# advantages, the loss): a value finite in float64 beyond float32's range
+# (1e39, 1e300) would be inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def finite_in_float32(value: float) -> bool:
+  """Whether ``value`` is finite in float32, the dtype rewards are used in.
+
+  Example:
+    >>> finite_in_float32(1e38), finite_in_float32(1e39), finite_in_float32(1e300)
+    (True, False, False)
+  """
+  return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
 def check_weights(weighted: Sequence[tuple[RewardFn, Any]]) -> None:
-  """Raises a ValueError naming a reward whose weight is not a finite number."""
+  """Raises a ValueError naming a reward whose weight is not a number finite
+  in float32."""
   for name, (_, weight) in zip(
       reward_names([fn for fn, _ in weighted]), weighted
   ):
     if (
         isinstance(weight, bool)
         or not isinstance(weight, numbers.Real)
-        or not math.isfinite(weight)
+        or not finite_in_float32(float(weight))
     ):
       raise ValueError(
-          f"reward {name!r}: weight must be a finite number, got {weight!r}."
+          f"reward {name!r}: weight must be a finite number within float32's "
+          f"range (|w| <= {FLOAT32_MAX:.4g}), got {weight!r}."
       )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from logra_jax.rl.rewards.builtin import FLOAT32_MAX
 from logra_jax.rl.rewards.builtin import check_weights
+from logra_jax.rl.rewards.builtin import finite_in_float32
 from logra_jax.rl.rewards.builtin import reward_names
 from logra_jax.rl.rewards.builtin import RewardFn
 
@@ -81,8 +82,10 @@ def _one_score(out: Any) -> float:
         f"expected a list of one float for one sample, got {out!r}"
     )
   value = float(out[0])
-  if not math.isfinite(value):
-    raise ValueError(f"non-finite reward {value}")
+  if not finite_in_float32(value):
+    raise ValueError(
+        f"non-finite reward {value} in float32 (|r| <= {FLOAT32_MAX:.4g})"
+    )
   return value
 
 
@@ -223,15 +226,41 @@ def evaluate_rewards(
         failed,
         timed_out,
     )
+    weighted, beyond = _weighted(weight, scores)
+    if beyond is not None:
+      failures[name] += int(np.sum(~np.isfinite(weighted)))
+      error = error or beyond
+      weighted = np.where(np.isfinite(weighted), weighted, np.float32(0))
     if error is not None:
       first_errors[name] = error
-    total += np.float32(weight) * scores
+    with np.errstate(over="ignore"):
+      total += weighted
+  if not np.all(np.isfinite(total)):
+    i = int(np.argmin(np.isfinite(total)))
+    raise ValueError(
+        f"sample {i}: the weighted sum of rewards {list(per_function)} is not "
+        f"finite in float32 (|r| <= {FLOAT32_MAX:.4g}); lower their weights"
+    )
   return RewardReport(
       rewards=total,
       per_function=per_function,
       failures=failures,
       timeouts=timeouts,
       first_errors=first_errors,
+  )
+
+
+def _weighted(weight: float, scores: np.ndarray) -> tuple[np.ndarray, Any]:
+  """``weight * scores`` in float32, and the first sample where it is not
+  finite (then a failure of that reward) described, or None."""
+  with np.errstate(over="ignore"):
+    weighted = np.float32(weight) * scores
+  if np.all(np.isfinite(weighted)):
+    return weighted, None
+  i = int(np.argmin(np.isfinite(weighted)))
+  return weighted, (
+      f"sample {i}: weight {weight:.4g} x reward {scores[i]:.4g} is not finite in "
+      f"float32 (|r| <= {FLOAT32_MAX:.4g})"
   )
 
 

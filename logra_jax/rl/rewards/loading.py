@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import math
 import os
 import queue
 import threading
@@ -19,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from logra_jax.rl.rewards.builtin import FLOAT32_MAX
 from logra_jax.rl.rewards.builtin import check_weights
+from logra_jax.rl.rewards.builtin import finite_in_float32
 from logra_jax.rl.rewards.builtin import reward_names
 from logra_jax.rl.rewards.builtin import RewardFn
 
@@ -163,8 +164,11 @@ def check_reward_functions(
       raise ValueError(
           f"reward {name} returned {list(out)!r}, not numbers"
       ) from None
-    if not all(math.isfinite(v) for v in values):
-      raise ValueError(f"reward {name} returned non-finite values {values}")
+    if not all(finite_in_float32(v) for v in values):
+      raise ValueError(
+          f"reward {name} returned values not finite in float32 (|r| <= "
+          f"{FLOAT32_MAX:.4g}, the dtype rewards are used in): {values}"
+      )
 
 
 def _signature(fn: Callable) -> str:
