@@ -17,8 +17,7 @@ from logra_jax.optim.kl_control import make_kl_predictor
 from logra_jax.optim.kl_control import predicted_kl_state
 from logra_jax.optim.kl_control import scale_by_predicted_kl
 from logra_jax.optim.kl_control import ScaleByPredictedKLState
-from logra_jax.optim.moments import low_rank_moments
-from logra_jax.optim.projection import project
+from logra_jax.optim.low_rank_space import scale_by_low_rank
 from logra_jax.optim.sketch_grad import value_and_sketch_grad
 from logra_jax.optim.state_queries import factored_updates
 from logra_jax.optim.state_queries import kept_dense_paths
@@ -30,7 +29,6 @@ from logra_jax.optim.types import ProjectState
 from logra_jax.optim.types import Sketched
 from logra_jax.optim.types import SketchProjectors
 from logra_jax.optim.types import UnprojectState
-from logra_jax.optim.unprojection import unproject
 
 __version__ = importlib.metadata.version("logra-jax")
 
@@ -49,14 +47,12 @@ __all__ = (
     "factored_updates",
     "kept_dense_paths",
     "logra",
-    "low_rank_moments",
     "make_kl_predictor",
     "matmul",
     "optimizer_state_bytes",
     "predicted_kl_state",
-    "project",
+    "scale_by_low_rank",
     "scale_by_predicted_kl",
     "take",
-    "unproject",
     "value_and_sketch_grad",
 )

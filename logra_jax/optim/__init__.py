@@ -8,8 +8,7 @@ from logra_jax.optim.kl_control import make_kl_predictor
 from logra_jax.optim.kl_control import predicted_kl_state
 from logra_jax.optim.kl_control import scale_by_predicted_kl
 from logra_jax.optim.kl_control import ScaleByPredictedKLState
-from logra_jax.optim.moments import low_rank_moments
-from logra_jax.optim.projection import project
+from logra_jax.optim.low_rank_space import scale_by_low_rank
 from logra_jax.optim.state_queries import factored_updates
 from logra_jax.optim.state_queries import kept_dense_paths
 from logra_jax.optim.state_queries import optimizer_state_bytes
@@ -20,4 +19,3 @@ from logra_jax.optim.types import ProjectState
 from logra_jax.optim.types import Sketched
 from logra_jax.optim.types import SketchProjectors
 from logra_jax.optim.types import UnprojectState
-from logra_jax.optim.unprojection import unproject

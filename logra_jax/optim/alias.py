@@ -8,9 +8,7 @@ import optax
 
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import kl_control
-from logra_jax.optim import moments
-from logra_jax.optim import projection
-from logra_jax.optim import unprojection
+from logra_jax.optim import low_rank_space
 from logra_jax.optim.dimension_numbers import SpecTree
 
 
@@ -38,7 +36,8 @@ def logra(
 ) -> optax.GradientTransformationExtraArgs:
   r"""LoGRA: Adam on low-rank gradient sketches, with decoupled weight decay.
 
-  For each matrix weight with projector :math:`P` (see :func:`project`),
+  For each matrix weight with projector :math:`P` (see
+  :func:`scale_by_low_rank`),
 
   .. math::
     S_t = P^\top G_t, \quad
@@ -67,10 +66,11 @@ def logra(
     moment_policy: ``"transfer"``, ``"keep"`` or ``"reset"``.
     weight_decay: :math:`\lambda`.
     weight_decay_mask: pytree of bools (or callable) selecting decayed leaves.
-    dimension_numbers: which axes form each matrix; see :func:`project`.
+    dimension_numbers: which axes form each matrix; see
+      :func:`scale_by_low_rank`.
     mask: pytree of bools (or callable); False keeps a leaf dense.
     keep_factors: keep the factored updates in the state (see
-      :func:`unproject`).
+      :func:`scale_by_low_rank`).
     target_kl: if set, the predicted-KL target of each step (see
       :func:`scale_by_predicted_kl`); None disables KL control.
     kl_mode: ``"clamp"`` or ``"target"``, with ``target_kl``.
@@ -113,7 +113,8 @@ def logra(
         else optax.masked(stage, weight_decay_mask)
     ]
   return optax.chain(
-      projection.project(
+      low_rank_space.scale_by_low_rank(
+          optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
           rank=rank,
           kind=kind,
           refresh_every=refresh_every,
@@ -123,12 +124,10 @@ def logra(
           dimension_numbers=dimension_numbers,
           mask=mask,
           moment_policy=moment_policy,
-      ),
-      moments.low_rank_moments(
-          optax.scale_by_adam(b1=b1, b2=b2, eps=eps), betas=(b1, b2)
-      ),
-      unprojection.unproject(
-          scale=scale, keep_factors=keep_factors, factored=factored
+          betas=(b1, b2),
+          scale=scale,
+          keep_factors=keep_factors,
+          factored=factored,
       ),
       *decay,
       optax.scale_by_learning_rate(learning_rate),

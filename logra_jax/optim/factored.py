@@ -89,7 +89,7 @@ def _project_state(opt_state) -> ProjectState:
   if len(found) != 1:
     raise ValueError(
         "a factored policy needs an optimizer state with exactly "
-        f"one logra.project stage; found {len(found)}"
+        f"one logra.scale_by_low_rank stage; found {len(found)}"
     )
   return found[0]
 
@@ -105,7 +105,7 @@ def factor(
 
   Args:
     params: the parameters the optimizer state was initialized with.
-    opt_state: an optimizer state with one ``logra.project`` stage (its
+    opt_state: an optimizer state with one ``scale_by_low_rank`` stage (its
       plans say which leaves are projected and at which rank).
     base_dtype: ``"float32"`` or ``"bfloat16"`` (:data:`BASE_DTYPES`).
     decay: keep a per-matrix scale ``c`` (needed when the optimizer has

@@ -3,62 +3,54 @@ moments following each refreshed basis."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.types import _LATEST_PLAN
 from logra_jax.optim.types import LowRankMomentsState
+from logra_jax.optim.types import ProjectionSpec
 from logra_jax.optim.types import Sketched
 from logra_jax.optim.types import is_sketched
 
 
 def low_rank_moments(
-    inner: Optional[optax.GradientTransformation] = None,
-    *,
-    betas: tuple[float, float] = (0.9, 0.999),
+    inner: Optional[optax.GradientTransformation],
+    betas: tuple[float, float],
+    spec_of: Callable[[optax.Params], ProjectionSpec],
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Runs an optax transform on the low-rank sketches instead of gradients.
+  r"""The middle stage of :func:`scale_by_low_rank`: ``inner`` on sketches.
 
-  The inner transform (default ``optax.scale_by_adam()``) must not need
+  ``inner`` (default ``optax.scale_by_adam(*betas)``) must not need
   ``params``; its state is allocated at the sketch shapes
-  ``[batch, rank, short]`` (``O(r \min(m, n))`` per matrix) in float32, and at
-  full size for dense leaves.
-
-  When the projector of a leaf is refreshed, the moments follow the basis
-  according to the ``moment_policy`` of the preceding :func:`project`:
-
-  * ``"transfer"`` (LDAdam): with :math:`C = P_{new}^\top P_{old}` and the
-    bias-corrected moments :math:`\hat M, \hat V`,
-
-    .. math::
-      \hat M \leftarrow C \hat M, \qquad
-      \hat V \leftarrow \max\big(0, (C \circ C)(\hat V - \hat M^2)
-      + (C \hat M)^2\big),
-
-    applied to every optax state with ``mu``/``nu`` fields (Adam-like);
-    first moments without a second (``mu`` or ``trace``) rotate linearly and
-    lone second moments (``nu``) map through :math:`C \circ C`;
-  * ``"keep"``: moments stay as they are (GaLore);
-  * ``"reset"``: moments are set to zero; the inner step count is kept.
+  ``[batch, rank, short]`` (``O(r \min(m, n))`` per matrix) in float32, and
+  at full size for dense leaves. When a leaf's projector is refreshed, the
+  moments follow the basis according to the ``moment_policy`` of the
+  projection (see :func:`scale_by_low_rank`).
 
   Args:
     inner: the transform to run in the low-rank space.
     betas: the ``(b1, b2)`` decay rates of ``inner``'s first and second
       moments, used only by ``"transfer"`` to bias-correct before rotating.
+    spec_of: maps the params to the projection's :class:`ProjectionSpec`
+      (the same the ``project`` stage computes), which sets the shapes.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra arguments are passed
     on to ``inner``.
 
   Example:
-    >>> import jax.numpy as jnp, optax, logra_jax as logra
-    >>> tx = optax.chain(logra.project(rank=2),
-    ...                  logra.low_rank_moments(optax.scale_by_lion()),
-    ...                  logra.unproject())
-    >>> state = tx.init({"w": jnp.ones((8, 4))})
+    >>> import jax.numpy as jnp, optax
+    >>> from logra_jax.optim import moments, projection
+    >>> _, config = projection.projection_config(2, "range", 200, 1, 8, 0,
+    ...                                          "transfer")
+    >>> stage = moments.low_rank_moments(
+    ...     optax.scale_by_lion(), (0.9, 0.99),
+    ...     lambda p: projection.projection_spec(p, 2, config, None, None))
+    >>> state = stage.init({"w": jnp.ones((8, 4))})
+    >>> state.inner_state.mu["w"].shape
+    (1, 2, 4)
   """
   inner = optax.with_extra_args_support(
       optax.scale_by_adam(*betas) if inner is None else inner
@@ -66,15 +58,7 @@ def low_rank_moments(
   b1, b2 = betas
 
   def init_fn(params):
-    latest = _LATEST_PLAN.get()
-    if latest is None or latest[0] != jax.tree.structure(params):
-      raise ValueError(
-          "low_rank_moments must follow logra.project in the same chain, e.g. "
-          "optax.chain(logra.project(rank), logra.low_rank_moments(), "
-          "logra.unproject()); no matching project stage was initialized on "
-          "these params"
-      )
-    _, plans, _ = latest
+    plans = spec_of(params).plan_tree()
 
     def proxy(plan):
       if plan.projected:

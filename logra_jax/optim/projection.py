@@ -3,7 +3,7 @@ projector refresh (range finder, random, SVD) with its non-finite guard."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 import warnings
 
 import jax
@@ -15,7 +15,6 @@ from logra_jax.optim import projectors as proj_lib
 from logra_jax.optim.dimension_numbers import LeafPlan
 from logra_jax.optim.dimension_numbers import SpecTree
 from logra_jax.optim.dimension_numbers import plan_leaves
-from logra_jax.optim.types import _LATEST_PLAN
 from logra_jax.optim.types import MOMENT_POLICIES
 from logra_jax.optim.types import PlanNode
 from logra_jax.optim.types import ProjectionConfig
@@ -78,121 +77,70 @@ def projection_config(
   return rank, ProjectionConfig(kind=kind, moment_policy=moment_policy, **ints)
 
 
-def project(
+def projection_spec(
+    params: Any,
     rank: int,
-    kind: str = "range",
-    refresh_every: int = 200,
-    power_iters: int = 1,
-    oversample: int = 8,
-    seed: int = 0,
-    dimension_numbers: Optional[SpecTree] = None,
-    mask: Any = None,
-    moment_policy: str = "transfer",
+    config: ProjectionConfig,
+    dimension_numbers: Optional[SpecTree],
+    mask: Any,
+) -> ProjectionSpec:
+  """The static plan of every leaf of ``params`` and the stage's settings.
+
+  A function of the parameters' structure and shapes only: each stage of
+  :func:`scale_by_low_rank` calls it at ``init`` and gets the same answer.
+  """
+  plans = plan_leaves(params, rank, dimension_numbers, mask)
+  return ProjectionSpec(config, jax.tree.map(PlanNode, plans))
+
+
+def project(
+    spec_of: Callable[[optax.Params], ProjectionSpec],
+    rank: Optional[int],
+    config: Optional[ProjectionConfig],
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Projects gradients of matrix weights onto a rank-``r`` subspace.
+  r"""The first stage of :func:`scale_by_low_rank`: sketches the gradients.
 
-  For a weight viewed as ``G`` (``m x n``, ``m >= n``; the wide case is the
-  transpose) with an orthonormal projector ``P`` (``m x r``) on the longer
-  side, emits the sketch
-
-  .. math:: S = P^\top G \in \mathbb{R}^{r \times n},
-
-  so that the moments of the next stage live on the shorter side. ``P`` is
-  recomputed every ``refresh_every`` steps (and at step 0) with ``lax.cond``:
-
-  * ``"range"``: randomized range finder with ``power_iters`` power iterations
-    and ``oversample`` extra columns, float32 QR (Halko et al., 2011);
-  * ``"random"``: an orthonormalized Gaussian regenerated from
-    ``fold_in(seed, window)`` every step, never stored (Flora);
-  * ``"svd"``: the exact top-``r`` singular vectors (GaLore).
-
-  Must be followed by :func:`low_rank_moments` and :func:`unproject` in the
-  same ``optax.chain``; leaves that are not projected (vectors, and whatever
-  ``mask`` or ``dimension_numbers`` exclude) pass through as dense float32
-  gradients.
-
-  Matrices too small for the rank (both sides shorter than ``rank``, e.g. a
-  ``2 x 3`` weight at ``rank=8``) are kept dense, as a projection could not
-  make their moments smaller; :func:`logra_jax.kept_dense_paths` lists them.
-
-  Sketch-direct mode: when the gradients were sketched during
-  differentiation (:func:`logra_jax.value_and_sketch_grad`), the
-  projected leaves of ``updates`` already hold ``S`` (``[batch, rank,
-  short]``) and the extra argument ``projectors`` gives this step's ``P`` per
-  leaf (a pytree like the parameters, or the :class:`SketchProjectors` that
-  function returns); the stage then only records them (and the basis change
-  for the moments), so no full gradient is ever needed.
-
-  A refreshed projector that is not finite (``"range"`` or ``"svd"``, e.g.
-  from an overflow or a failed decomposition) is never used: see
-  :func:`refuse_non_finite_projector`. Refusals are counted in
-  ``ProjectState.non_finite`` and reported once with a warning.
-
-  Sharding: under automatic sharding (``jax.jit`` with shardings) XLA lays
-  out the state. Under explicit sharding (a mesh of
-  ``jax.sharding.AxisType.Explicit`` axes set with ``jax.set_mesh``) the
-  state is laid out from each parameter's type at ``init``: a projector
-  split along the weight's long side, the sketches and moments along its
-  short side; ``update`` keeps those types, and the factorizations run under
-  ``jax.sharding.auto_axes``, which gathers the ``long x (rank + oversample)``
-  columns a QR needs ("range"; "svd" gathers the matrix it decomposes). A
-  side formed by several axes (``DimensionNumbers`` with tuples) is gathered
-  whole.
+  Emits, per projected leaf, the :class:`Sketched` sketch ``S = P^T G`` with
+  this step's projector ``P`` (refreshed every ``config.refresh_every``
+  steps), and the dense float32 gradient for other leaves.
 
   Args:
-    rank: projection rank ``r``; clipped to the shorter side of each matrix
-      (a matrix with both sides shorter than ``r`` is kept dense).
-    kind: ``"range"``, ``"random"`` or ``"svd"``.
-    refresh_every: steps between projector refreshes.
-    power_iters: power iterations of the range finder.
-    oversample: extra Gaussian columns of the range finder.
-    seed: seed of the Gaussian test matrices and random projectors.
-    dimension_numbers: None (2-d leaves are matrices), a
-      :class:`DimensionNumbers`, a pytree of them (None marks dense leaves) or
-      a callable of the params returning one.
-    mask: pytree of bools (or callable of the params); False keeps a leaf dense.
-    moment_policy: how :func:`low_rank_moments` treats its moments when the
-      basis changes: ``"transfer"`` (rotate them into the new basis, LDAdam),
-      ``"keep"`` (GaLore) or ``"reset"`` (zero them).
+    spec_of: maps the params to their :class:`ProjectionSpec`.
+    rank: the checked rank, or None where it is traced.
+    config: the checked settings (:func:`projection_config`), or None where
+      one of them is traced (the state's own settings then hold).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (extra argument:
-    ``projectors``, only in sketch-direct mode).
+    ``projectors``, in sketch-direct mode).
 
   Example:
-    >>> import jax.numpy as jnp, optax, logra_jax as logra
-    >>> params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
-    >>> tx = optax.chain(logra.project(rank=4), logra.low_rank_moments(),
-    ...                  logra.unproject(), optax.scale(-1e-3))
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state, params)
-    >>> updates["w"].shape
-    (64, 32)
-
-  References:
-    Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
-    Hao et al., `Flora <https://arxiv.org/abs/2402.03293>`_, 2024;
-    Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024;
-    Halko, Martinsson & Tropp, `Finding structure with randomness
-    <https://arxiv.org/abs/0909.4061>`_, 2011.
+    >>> import functools, jax.numpy as jnp
+    >>> from logra_jax.optim import projection
+    >>> rank, config = projection.projection_config(
+    ...     2, "range", 200, 1, 8, 0, "transfer")
+    >>> spec_of = functools.partial(projection.projection_spec, rank=rank,
+    ...     config=config, dimension_numbers=None, mask=None)
+    >>> stage = projection.project(spec_of, rank, config)
+    >>> state = stage.init({"w": jnp.ones((8, 4))})
+    >>> sketches, state = stage.update({"w": jnp.ones((8, 4))}, state)
+    >>> sketches["w"].value.shape
+    (1, 2, 4)
   """
-  rank, config = projection_config(
-      rank, kind, refresh_every, power_iters, oversample, seed, moment_policy
-  )
 
   def init_fn(params):
     if rank is None or config is None:
       raise ValueError(
-          "project's integer hyperparameters (rank, refresh_every, "
+          "scale_by_low_rank's integer hyperparameters (rank, refresh_every, "
           "power_iters, oversample, seed) shape the state: initialize it "
           "outside jax.jit, or mark them static_args of "
           "optax.inject_hyperparams"
       )
-    plans = plan_leaves(params, rank, dimension_numbers, mask)
-    _LATEST_PLAN.set((jax.tree.structure(params), plans, config))
+    spec = spec_of(params)
+    plans = spec.plan_tree()
 
     def init_projector(plan):
-      if not plan.projected or kind == "random":
+      if not plan.projected or config.kind == "random":
         return None
       return jnp.zeros(
           plan.projector_shape, jnp.float32, out_sharding=plan.projector_spec
@@ -202,7 +150,7 @@ def project(
         count=jnp.zeros([], jnp.int32),
         projectors=jax.tree.map(init_projector, plans),
         non_finite=jnp.zeros([], jnp.int32),
-        spec=ProjectionSpec(config, jax.tree.map(PlanNode, plans)),
+        spec=spec,
     )
 
   def update_fn(updates, state, params=None, *, projectors=None, **extra_args):
@@ -337,8 +285,8 @@ def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
 
 def _warn_non_finite_projectors(refused, count) -> None:
   warnings.warn(
-      f"logra.project: {int(refused)} refreshed projector(s) at update "
-      f"{int(count)} were not finite and were replaced (the previous "
+      f"logra.scale_by_low_rank: {int(refused)} refreshed projector(s) at "
+      f"update {int(count)} were not finite and were replaced (the previous "
       "projector, or a random orthonormal one on the first refresh); the "
       "optimizer state counts them in ProjectState.non_finite",
       RuntimeWarning,

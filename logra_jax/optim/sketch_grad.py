@@ -147,7 +147,7 @@ def value_and_sketch_grad(
 
   ``fn(params, opt_state, *args) -> (value, grads, projectors)``
 
-  reads this step's projectors from the ``logra.project`` state inside
+  reads this step's projectors from the ``scale_by_low_rank`` state inside
   ``opt_state`` (refreshing them on refresh steps, from thin products with
   the gradient), and gives ``grads`` with the sketch
   :math:`S = P^\top G` (``[batch, rank, short]``, float32) at projected
@@ -323,7 +323,7 @@ def _sketch(passes: Passes, state: ProjectState, old_projectors: list):
 
 
 def project_state(opt_state) -> ProjectState | None:
-  """The state of the one ``logra.project`` stage in ``opt_state``, or None.
+  """The state of the one ``scale_by_low_rank`` stage in ``opt_state``, or None.
 
   Raises:
     ValueError: if there is more than one.
@@ -331,7 +331,7 @@ def project_state(opt_state) -> ProjectState | None:
   found = state_queries.find_states(opt_state, ProjectState)
   if len(found) > 1:
     raise ValueError(
-        "sketch-direct gradients need at most one logra.project "
+        "sketch-direct gradients need at most one logra.scale_by_low_rank "
         f"stage in the optimizer state; found {len(found)}"
     )
   return found[0] if found else None
@@ -342,7 +342,7 @@ def _project_state(opt_state) -> ProjectState:
   if state is None:
     raise ValueError(
         "value_and_sketch_grad needs an optimizer state with a "
-        "logra.project stage (e.g. from logra.logra); found none"
+        "logra.scale_by_low_rank stage (e.g. from logra.logra); found none"
     )
   return state
 

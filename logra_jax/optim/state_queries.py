@@ -38,14 +38,14 @@ def find_states(state, cls) -> list:
 def factored_updates(opt_state: optax.OptState) -> Any:
   """Returns the last step's projected updates in factored form.
 
-  Looks up the ``project`` and ``unproject(keep_factors=True)`` states inside
+  Looks up the states of ``scale_by_low_rank(keep_factors=True)`` inside
   a (possibly nested) optax state and pairs each leaf's projector with its
   coefficients, without any decomposition. Random projectors are regenerated
   from their seed.
 
   Args:
-    opt_state: the state of a chain containing ``project`` and
-      ``unproject(keep_factors=True)``, after at least one update.
+    opt_state: the state of a chain containing
+      ``scale_by_low_rank(keep_factors=True)``, after at least one update.
 
   Returns:
     A pytree matching the parameters with a :class:`FactoredUpdate` at each
@@ -60,9 +60,10 @@ def factored_updates(opt_state: optax.OptState) -> Any:
   ]
   if len(projects) != 1 or len(unprojects) != 1:
     raise ValueError(
-        "factored_updates needs exactly one logra.project stage and one "
-        "logra.unproject(keep_factors=True) stage in the optimizer state; "
-        f"found {len(projects)} and {len(unprojects)}"
+        "factored_updates needs exactly one "
+        "logra.scale_by_low_rank(keep_factors=True) in the optimizer state; "
+        f"found {len(projects)} projections and {len(unprojects)} kept "
+        "factors"
     )
   factors = unprojects[0].factors
 
@@ -86,12 +87,12 @@ def window_projectors(opt_state: optax.OptState) -> Any:
   zeros (or window 0's random projectors).
 
   Raises:
-    ValueError: if the state has no, or more than one, ``project`` stage.
+    ValueError: if the state has no, or more than one, ``scale_by_low_rank``.
   """
   projects = find_states(opt_state, ProjectState)
   if len(projects) != 1:
     raise ValueError(
-        "window_projectors needs exactly one logra.project "
+        "window_projectors needs exactly one logra.scale_by_low_rank "
         f"stage in the optimizer state; found {len(projects)}"
     )
   state = projects[0]
@@ -139,7 +140,7 @@ def kept_dense_paths(opt_state: optax.OptState) -> tuple[str, ...]:
   the result.
 
   Raises:
-    ValueError: if the state has no, or more than one, ``project`` stage.
+    ValueError: if the state has no, or more than one, ``scale_by_low_rank``.
 
   Example:
     >>> import jax.numpy as jnp, logra_jax as logra
@@ -151,7 +152,7 @@ def kept_dense_paths(opt_state: optax.OptState) -> tuple[str, ...]:
   projects = find_states(opt_state, ProjectState)
   if len(projects) != 1:
     raise ValueError(
-        "kept_dense_paths needs exactly one logra.project stage in the "
-        f"optimizer state; found {len(projects)}"
+        "kept_dense_paths needs exactly one logra.scale_by_low_rank stage "
+        f"in the optimizer state; found {len(projects)}"
     )
   return tuple(p.path for p in projects[0].spec.plans if p.kept_dense)

@@ -8,7 +8,6 @@ the leaf's static plan, or the float32 gradient itself for dense leaves.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from typing import Any, NamedTuple
@@ -229,7 +228,7 @@ class FactoredUpdate(NamedTuple):
 class FactoredDelta:
   r"""The update of one projected weight, :math:`D = a W + P \Delta`.
 
-  Emitted by ``logra.unproject(factored=True)`` with ``decay=None``
+  Emitted by ``logra.scale_by_low_rank(factored=True)`` with ``decay=None``
   (:math:`a = 0`); :func:`logra_jax.optim.factored.add_decayed_weights`
   sets ``decay``. Later stages that scale updates (learning rate,
   predicted-KL scale) scale both fields, since ``D`` is linear in them. Apply it with
@@ -245,12 +244,3 @@ class FactoredDelta:
   coords: Any
   decay: Any
   plan: LeafPlan
-
-
-# `low_rank_moments.init` must allocate its moments at the low-rank shapes that
-# `project.init` chose. optax initializes the stages of a chain in order with
-# the same params, so `project.init` publishes its plan here and the next
-# `low_rank_moments.init` on the same params tree reads it.
-_LATEST_PLAN: contextvars.ContextVar = contextvars.ContextVar(
-    "logra_latest_projection_plan", default=None
-)

@@ -2,59 +2,63 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.types import _LATEST_PLAN
 from logra_jax.optim.types import FactoredDelta
 from logra_jax.optim.types import LowRankFactor
+from logra_jax.optim.types import ProjectionSpec
 from logra_jax.optim.types import Sketched
 from logra_jax.optim.types import UnprojectState
 from logra_jax.optim.types import is_sketched
 
 
 def unproject(
-    scale: float = 1.0, keep_factors: bool = False, factored: bool = False
+    spec_of: Callable[[optax.Params], ProjectionSpec],
+    scale: float = 1.0,
+    keep_factors: bool = False,
+    factored: bool = False,
 ) -> optax.GradientTransformation:
-  r"""Maps low-rank updates back to the parameters' shapes and dtypes.
+  r"""The last stage of :func:`scale_by_low_rank`: back to the params' shapes.
 
-  For a projected leaf with projector ``P`` and low-rank update ``N`` from
-  :func:`low_rank_moments`, the update is :math:`U = \alpha P N` (transposed
-  back for wide matrices); dense leaves pass through unscaled (as in GaLore).
-  Updates are cast to the parameters' dtype.
+  For a projected leaf with projector ``P`` and low-rank update ``N``, the
+  update is :math:`U = \alpha P N` (transposed back for wide matrices), cast
+  to the parameter's dtype; dense leaves pass through unscaled (as in
+  GaLore).
 
   Args:
+    spec_of: maps the params to the projection's :class:`ProjectionSpec`;
+      sets the shapes of the kept factors.
     scale: :math:`\alpha`.
-    keep_factors: also keep ``alpha * N`` of the last step in the state, so
-      that the factored update ``(P, alpha N)`` is available from
-      :func:`factored_updates` (for low-rank policy sync and factored KL
-      prediction) at a cost of ``rank * short`` floats per matrix.
+    keep_factors: also keep ``alpha * N`` of the last step in the state (see
+      :func:`scale_by_low_rank`).
     factored: emit a :class:`FactoredDelta` ``(alpha N)`` for each projected
-      leaf instead of the dense ``alpha P N``, for params kept factored
-      (:mod:`logra_jax.optim.factored`); no ``m x n`` update is formed.
+      leaf instead of the dense ``alpha P N``.
 
   Returns:
     An ``optax.GradientTransformation``.
 
   Example:
-    >>> import jax.numpy as jnp, optax, logra_jax as logra
-    >>> tx = optax.chain(logra.project(rank=2), logra.low_rank_moments(),
-    ...                  logra.unproject(keep_factors=True))
-    >>> params = {"w": jnp.ones((8, 4))}
-    >>> updates, state = tx.update(params, tx.init(params))
-    >>> factored = logra.factored_updates(state)
-    >>> bool(jnp.allclose(factored["w"].dense(), updates["w"], atol=1e-6))
-    True
+    >>> import jax.numpy as jnp
+    >>> from logra_jax.optim import projection, unprojection
+    >>> _, config = projection.projection_config(2, "range", 200, 1, 8, 0,
+    ...                                          "transfer")
+    >>> stage = unprojection.unproject(
+    ...     lambda p: projection.projection_spec(p, 2, config, None, None),
+    ...     keep_factors=True)
+    >>> state = stage.init({"w": jnp.ones((8, 4))})
+    >>> state.factors["w"].coefficients.shape
+    (1, 2, 4)
   """
 
   def init_fn(params):
     if not keep_factors:
       return UnprojectState(factors=None)
-    latest = _LATEST_PLAN.get()
-    if latest is None or latest[0] != jax.tree.structure(params):
-      raise ValueError("unproject must follow logra.project in the same chain")
-    _, plans, config = latest
+    spec = spec_of(params)
+    plans, config = spec.plan_tree(), spec.config
 
     def factor(plan):
       if not plan.projected:
@@ -74,7 +78,7 @@ def unproject(
     for leaf in jax.tree.leaves(updates, is_leaf=is_sketched):
       if not is_sketched(leaf):
         raise TypeError(
-            "unproject expects the output of logra.low_rank_moments; got a "
+            "unproject expects the output of low_rank_moments; got a "
             f"leaf of type {type(leaf).__name__}"
         )
 

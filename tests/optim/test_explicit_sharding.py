@@ -114,10 +114,10 @@ def test_chain_runs_and_keeps_state_types_under_explicit_sharding(kind, layout):
   # The state lives split like the weights: every projector along the
   # weight's long side, every moment along its short side.
   long_axis, short_axis = LAYOUTS[layout]["tall"]
-  moments = state[1].inner_state
+  moments = state[0][1].inner_state
   assert moments.mu["tall"].sharding.spec == P(None, None, short_axis)
   if kind != "random":  # random projectors are regenerated, not stored
-    projector = state[0].projectors["tall"]
+    projector = state[0][0].projectors["tall"]
     assert projector.sharding.spec == P(None, long_axis, None)
   for k in SHAPES:
     ref = np.asarray(ref_params[k])

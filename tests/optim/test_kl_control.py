@@ -140,10 +140,8 @@ def test_prediction_matches_exact_kl_for_small_steps(tiny_model):
 def test_factored_update_gives_the_same_prediction(tiny_model):
   graphdef, params, ids_BxT, _ = tiny_model
   dims = policy_state.matrix_dimension_numbers(params)
-  tx = optax.chain(
-      logra.project(rank=2, dimension_numbers=dims),
-      logra.low_rank_moments(optax.scale_by_adam()),
-      logra.unproject(keep_factors=True),
+  tx = logra.scale_by_low_rank(
+      optax.scale_by_adam(), rank=2, dimension_numbers=dims, keep_factors=True
   )
   state = tx.init(params)
   dense, state = tx.update(_direction(params, seed=4), state, params)

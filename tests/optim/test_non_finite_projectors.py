@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import logra_jax as logra
@@ -19,11 +18,7 @@ X_BAD = X.at[0, 3].set(jnp.inf)
 
 
 def _tx(kind):
-  return optax.chain(
-      logra.project(rank=2, kind=kind, refresh_every=1),
-      logra.low_rank_moments(),
-      logra.unproject(),
-  )
+  return logra.scale_by_low_rank(rank=2, kind=kind, refresh_every=1)
 
 
 def _loss(params, x, x_b):
@@ -109,11 +104,7 @@ def test_each_matrix_of_a_batch_is_checked_on_its_own():
           reduction_axes=(1,), output_axes=(2,), batch_axes=(0,)
       )
   }
-  tx = optax.chain(
-      logra.project(rank=2, refresh_every=1, dimension_numbers=dims),
-      logra.low_rank_moments(),
-      logra.unproject(),
-  )
+  tx = logra.scale_by_low_rank(rank=2, refresh_every=1, dimension_numbers=dims)
   g = jax.random.normal(jax.random.key(1), (2, 16, 8))
   state = tx.init(params)
   _, state = tx.update({"w": g}, state, params)

@@ -108,15 +108,16 @@ def _make_tx(
         dimension_numbers=dimension_numbers,
     )
   return optax.chain(
-      logra.project(
-          rank,
+      logra.scale_by_low_rank(
+          optax.scale_by_adam(),
+          rank=rank,
           kind=kind,
           refresh_every=refresh_every,
           moment_policy=moment_policy,
           dimension_numbers=dimension_numbers,
+          scale=0.5,
+          keep_factors=True,
       ),
-      logra.low_rank_moments(optax.scale_by_adam()),
-      logra.unproject(scale=0.5, keep_factors=True),
       logra.scale_by_predicted_kl(target_kl=1e-3, mode="target"),
   )
 

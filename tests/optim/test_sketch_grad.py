@@ -275,8 +275,9 @@ def test_stale_projector_state_is_named(decoder):
   ).init(params)
   # Projector arrays of another rank under this state's plan (e.g. restored
   # from a checkpoint of another configuration).
+  project_r8, *stages = state_r8[0]
   stale = (
-      state_r8[0]._replace(projectors=state_r4[0].projectors),
+      (project_r8._replace(projectors=state_r4[0][0].projectors), *stages),
       *state_r8[1:],
   )
   with pytest.raises(ValueError, match=r"down_proj.*rank 8.*stale"):

@@ -80,7 +80,7 @@ def test_matrices_smaller_than_the_rank_are_kept_dense():
 def test_rank_clipped_to_the_shorter_side_still_projects():
   state = logra.logra(1e-3, rank=9).init({"w": jnp.zeros((16, 4))})
   assert logra.kept_dense_paths(state) == ()
-  assert state[0].projectors["w"].shape == (1, 16, 4)
+  assert state[0][0].projectors["w"].shape == (1, 16, 4)
 
 
 def test_inject_hyperparams_on_a_tree_with_small_matrices():

@@ -1,5 +1,6 @@
 """The LoGRA chain against optax's own transforms and hand-derived values."""
 
+import functools
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import optax.contrib
 import pytest
 
 import logra_jax as logra
+from logra_jax.optim import projection
 from logra_jax.optim import projectors as proj_lib
 from logra_jax.optim import moments
 from tolerances import float_tolerance
@@ -27,17 +29,31 @@ def _chain(
     scale=1.0,
     **kwargs,
 ):
-  return optax.chain(
-      logra.project(
-          rank,
-          kind=kind,
-          refresh_every=refresh_every,
-          moment_policy=moment_policy,
-          **kwargs,
-      ),
-      logra.low_rank_moments(inner),
-      logra.unproject(scale=scale),
+  return logra.scale_by_low_rank(
+      inner,
+      rank=rank,
+      kind=kind,
+      refresh_every=refresh_every,
+      moment_policy=moment_policy,
+      scale=scale,
+      **kwargs,
   )
+
+
+def _project_stage(rank, kind, refresh_every=200, dimension_numbers=None):
+  """The first stage of ``scale_by_low_rank`` alone: its output is the
+  sketches, with their projectors."""
+  rank, config = projection.projection_config(
+      rank, kind, refresh_every, 1, 8, 0, "transfer"
+  )
+  spec_of = functools.partial(
+      projection.projection_spec,
+      rank=rank,
+      config=config,
+      dimension_numbers=dimension_numbers,
+      mask=None,
+  )
+  return projection.project(spec_of, rank, config)
 
 
 def _grads(params, step):
@@ -216,7 +232,7 @@ def test_svd_keep_reproduces_optax_galore(shape):
 @pytest.mark.parametrize("kind", ["range", "random", "svd"])
 def test_projectors_are_orthonormal(kind):
   params = {"w": jnp.zeros((4, 40, 24))}
-  tx = logra.project(
+  tx = _project_stage(
       6,
       kind=kind,
       dimension_numbers=logra.DimensionNumbers(
@@ -295,7 +311,7 @@ print("done")
 
 def test_random_projector_is_regenerated_not_stored():
   params = {"w": jnp.zeros((64, 16))}
-  tx = logra.project(4, kind="random", refresh_every=3)
+  tx = _project_stage(4, kind="random", refresh_every=3)
   state = tx.init(params)
   assert state.projectors["w"] is None
   seen = []
@@ -334,10 +350,8 @@ def test_factored_updates_equal_dense_updates():
       "b": jnp.zeros(12),
   }
   for kind in ("range", "random", "svd"):
-    tx = optax.chain(
-        logra.project(3, kind=kind, refresh_every=2),
-        logra.low_rank_moments(),
-        logra.unproject(scale=0.25, keep_factors=True),
+    tx = logra.scale_by_low_rank(
+        rank=3, kind=kind, refresh_every=2, scale=0.25, keep_factors=True
     )
     state, update = tx.init(params), jax.jit(tx.update)
     for step in range(3):
@@ -460,7 +474,7 @@ def test_mask_keeps_leaves_dense():
   params = {"w": jnp.zeros((32, 16)), "emb": jnp.zeros((50, 16))}
   tx = logra.logra(1e-2, rank=4, mask={"w": True, "emb": False})
   state = tx.init(params)
-  moments = state[1].inner_state.mu
+  moments = state[0][1].inner_state.mu
   assert moments["w"].shape == (1, 4, 16)
   assert moments["emb"].shape == (50, 16)
 
@@ -494,7 +508,7 @@ def test_update_preserves_state_shardings():
   for b, a in zip(jax.tree.leaves(after_first), jax.tree.leaves(after)):
     assert a == b, (b, a)
   # Projectors follow the parameter's long axis, moments its short axis.
-  project_state, moments = state[0], state[1].inner_state
+  project_state, moments = state[0][0], state[0][1].inner_state
   assert project_state.projectors[
       "w"
   ].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
@@ -523,7 +537,7 @@ def test_update_preserves_state_shardings():
 )
 def test_bad_hyperparameters_raise_at_construction(kwargs, error, match):
   with pytest.raises(error, match=match):
-    logra.project(**kwargs)
+    logra.scale_by_low_rank(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -549,8 +563,3 @@ def test_spec_tree_must_match_params():
   )
   with pytest.raises(ValueError, match=r"missing entries for \[\"\['u'\]\"\]"):
     tx.init(params)
-
-
-def test_low_rank_moments_alone_explains_its_place():
-  with pytest.raises(ValueError, match="must follow logra.project"):
-    logra.low_rank_moments().init({"other": jnp.zeros((3, 3, 3))})
