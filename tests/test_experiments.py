@@ -169,10 +169,13 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
       ],
   )
   sweep = _rows(results / "sweep.csv")
-  assert len(sweep) == 4 and {r["learning_rate"] for r in sweep} == {
-      "0.0003",
-      "0.001",
-  }
+  # --quick sweeps the middle two rates of each arm's grid.
+  assert sorted((r["arm"], r["learning_rate"]) for r in sweep) == [
+      ("adam", "0.0001"),
+      ("adam", "3e-05"),
+      ("logra", "0.0003"),
+      ("logra", "0.001"),
+  ]
   _assert_provenance(results, rows + sweep)
   row_files = list((results / "rows").rglob("*.json"))
   assert len(row_files) == 8
