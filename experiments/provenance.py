@@ -37,8 +37,24 @@ import jax
 
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
-# Metrics that vary from run to run of the same code.
-UNSTABLE = ("time/", "compile/")
+# The metrics the numerics fingerprint hashes: what the optimizer, the loss,
+# the sampler and the rewards compute. A fixed list, so that a metric added
+# later (or the times and compile counts, which vary from run to run of the
+# same code) changes no fingerprint.
+NUMERIC_KEYS = (
+    "step",
+    "loss",
+    "pg_loss",
+    "grad_norm",
+    "update_norm",
+    "entropy",
+    "ratio_mean",
+    "kl/realized",
+    "reward/total",
+    "accuracy/train",
+    "completion_length",
+    "sync/bytes",
+)
 
 
 def _git(*args: str) -> str:
@@ -71,16 +87,18 @@ def code_version() -> str:
 
 
 def metrics_hash(lines: list[str]) -> str:
-  """SHA-256 (16 hex digits) of metrics JSON lines without the
-  ``time/`` and ``compile/`` keys.
+  """SHA-256 (16 hex digits) of the :data:`NUMERIC_KEYS` of metrics JSON
+  lines (other keys are left out).
 
   Example:
     >>> a = metrics_hash(['{"loss": 1.5, "time/step_s": 0.2}'])
-    >>> a == metrics_hash(['{"loss": 1.5, "time/step_s": 0.9}'])
+    >>> a == metrics_hash(['{"loss": 1.5, "time/step_s": 0.9, "new": 1}'])
     True
+    >>> a == metrics_hash(['{"loss": 1.25, "time/step_s": 0.2}'])
+    False
   """
   stable = [
-      {k: v for k, v in json.loads(line).items() if not k.startswith(UNSTABLE)}
+      {k: v for k, v in json.loads(line).items() if k in NUMERIC_KEYS}
       for line in lines
       if line.strip()
   ]
