@@ -37,6 +37,7 @@ import provenance
 import stats
 from logra_jax import configs
 from logra_jax.checkpoint import folders
+from logra_jax.rl import compilation_cache
 from logra_jax.rl import trainer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -227,6 +228,7 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
           "replace them or --results for another folder"
       )
   lock_runs(args)
+  compilation_cache.enable_compilation_cache()
   _CLAIMS.undo.append(_restorer(folder, record))
   folder.mkdir(parents=True, exist_ok=True)
   record.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")

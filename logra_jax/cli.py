@@ -17,6 +17,7 @@ from logra_jax import memory
 from logra_jax import parallel
 from logra_jax.models import config as models_config
 from logra_jax.models import gguf_io
+from logra_jax.rl import compilation_cache
 from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rl import trainer
@@ -60,6 +61,7 @@ def _config(args: argparse.Namespace) -> configs.TrainConfig:
 
 def _train(args: argparse.Namespace) -> int:
   config = _config(args)
+  compilation_cache.enable_compilation_cache()
   if args.resume and not args.out:
     raise ValueError("--resume needs --out, the folder of the run to resume")
   if args.allow_reshard and not args.resume:
@@ -105,6 +107,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
   config = _config(args)
+  compilation_cache.enable_compilation_cache()
   # Several processes: each samples the examples on its own devices and
   # scores its share of them; process 0 prints the result.
   parallel.join_from_environment()

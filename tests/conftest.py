@@ -6,6 +6,10 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `logra train` caches compiled programs in ~/.cache/logra_jax/xla by
+# default; the suite (and the runs it starts) writes nothing there: tests
+# that want a cache use a folder of their own (run_fixtures.compilation_cache).
+os.environ["LOGRA_COMPILATION_CACHE"] = "0"
 
 import jax  # noqa: E402
 
