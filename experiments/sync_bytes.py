@@ -25,7 +25,8 @@ The learner keeps no snapshot of its weights for sync (a sparse delta diffs
 against one: 2 bytes per parameter): its message is arrays it holds anyway
 plus their checksums, whose compiled temporaries (XLA's memory analysis of
 the checksum program on the model's abstract policy state, compiled on CPU
-as the memory planner compiles) are printed.
+as the memory planner compiles; summed in blocks of a million words) are
+printed.
 
 Run: python experiments/sync_bytes.py [--models qwen2.5-7b qwen3-style-27b]
      [--ranks 16 32 64] [--refresh-every 50] [--run runs/default]

@@ -49,25 +49,61 @@ def _mixed_sum(bits: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
   return jnp.sum(mix32(words ^ keys), dtype=jnp.uint32)
 
 
+# Words mixed and summed at once: XLA:CPU does not fuse the mix into the sum,
+# so a program's temporaries are a few arrays of this many uint32 words
+# (4 MiB each) whatever the size of the arrays checked.
+CHUNK_WORDS = 1 << 20
+
+
 def _array_checksum(x: jax.Array) -> jax.Array:
   """The uint32 sum over the elements of ``x`` of a mix of their bits and
-  flat positions; see :func:`array_checksums`. An array of 3 or more axes
-  (a stack of layers, whose leading axis is never sharded) is summed one
-  slice of its leading axis at a time, so that the program's temporaries
-  are a slice's words, not the whole array's (XLA:CPU does not fuse the mix
-  into the sum: 30.8 GB of temporaries for Qwen2.5-7B's float32 weights in
-  one program). On CPU, XLA widens a bfloat16 stack to float32 before the
-  loop (as it does for the planner's weights; ``memory.plan_memory``
+  flat positions; see :func:`array_checksums`.
+
+  An array of more than :data:`CHUNK_WORDS` words is summed in blocks of at
+  most that many (one ``lax.map`` of ``dynamic_slice``): blocks of
+  ``rows`` indices of the first axis ``k`` whose trailing axes fit in a
+  block, at every index of the axes before it (a stack of layers, whose
+  leading axis is never sharded). The temporaries are a block's words, not
+  the array's (30.8 GB for Qwen2.5-7B's float32 weights summed whole, 4.4 GB
+  a layer at a time). On CPU, XLA widens a bfloat16 stack to float32 before
+  the loop (as it does for the planner's weights; ``memory.plan_memory``
   compiles without that motion), which an accelerator does not."""
-  if x.ndim < 3 or x.shape[0] == 1:
+  words = 2 if x.dtype.itemsize == 8 else 1
+  if x.ndim == 0 or x.size * words <= CHUNK_WORDS:
     return _mixed_sum(_bits(x))
-  per_slice = math.prod(x.shape[1:]) * (2 if x.dtype.itemsize == 8 else 1)
+  # strides[a]: words per index of axis a.
+  strides = [math.prod(x.shape[a + 1 :]) * words for a in range(x.ndim)]
+  k = next(a for a in range(x.ndim) if strides[a] <= CHUNK_WORDS)
+  rows = min(CHUNK_WORDS // strides[k], x.shape[k])
+  blocks, rest = divmod(x.shape[k], rows)
+  outer = math.prod(x.shape[:k])
+  total = _blocks_sum(x, k, rows, strides, outer * blocks, blocks, 0)
+  if rest:
+    total += _blocks_sum(x, k, rest, strides, outer, 1, blocks * rows)
+  return total
 
-  def slice_sum(args):
-    piece, i = args
-    return _mixed_sum(_bits(piece), i * np.uint32(per_slice % 2**32))
 
-  sums = jax.lax.map(slice_sum, (x, jnp.arange(x.shape[0], dtype=jnp.uint32)))
+def _blocks_sum(x, k, rows, strides, count, per_outer, first_row):
+  """The mixed sum of ``count`` blocks of ``x``: ``rows`` indices of axis
+  ``k`` from ``first_row`` + ``rows * (i % per_outer)``, at the index
+  ``i // per_outer`` (row-major) of the axes before ``k``."""
+
+  def one(i):
+    index, block = i // per_outer, i % per_outer
+    starts = []
+    for a in reversed(range(k)):
+      starts.insert(0, index % x.shape[a])
+      index = index // x.shape[a]
+    starts.append(first_row + block * rows)
+    offset = sum(
+        start.astype(jnp.uint32) * np.uint32(strides[a] % 2**32)
+        for a, start in enumerate(starts)
+    )
+    sizes = [1] * k + [rows] + list(x.shape[k + 1 :])
+    piece = jax.lax.dynamic_slice(x, starts + [0] * (x.ndim - k - 1), sizes)
+    return _mixed_sum(_bits(piece), offset)
+
+  sums = jax.lax.map(one, jnp.arange(count, dtype=jnp.int32))
   return jnp.sum(sums, dtype=jnp.uint32)
 
 

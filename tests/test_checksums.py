@@ -1,5 +1,5 @@
-"""Content checksums of arrays: every bit counts, the layout does not, and a
-layer stack is summed a layer at a time."""
+"""Content checksums of arrays: every bit counts, the layout does not, and
+arrays are summed in blocks of bounded size."""
 
 import jax
 import jax.numpy as jnp
@@ -57,16 +57,29 @@ def _numpy_checksum(x: np.ndarray) -> int:
   return int(np.sum(h ^ (h >> 16)) % 2**32)
 
 
-def test_checksums_of_a_layer_stack_are_summed_a_layer_at_a_time():
+def test_checksums_are_summed_in_blocks_of_bounded_size():
   x = jax.random.normal(jax.random.key(0), (6, 5, 7))
   for a in (x, x.astype(jnp.bfloat16), x[:1], x[0]):
     expected = _numpy_checksum(np.asarray(a))
     assert checksums.array_checksums({"a": a})["a"] == f"{expected:08x}"
-  # Temporaries of one layer, not of the stack (compiled as the memory
-  # planner compiles on CPU).
-  stack = jax.ShapeDtypeStruct((16, 256, 512), jnp.float32)
-  temp = memory.compiled_memory(
-      checksums.leaf_checksums.lower([stack])
-  ).temp_size_in_bytes
-  layer = 256 * 512 * 4
-  assert temp < 2 * layer + 2**12
+  # Arrays over a block: blocks of rows with a shorter last one (2-d, 1-d),
+  # and blocks inside each layer of a stack whose layers are over a block.
+  chunk = checksums.CHUNK_WORDS
+  for shape in [
+      (2 * chunk // 1000 + 7, 1000),
+      (3 * chunk + 5,),
+      (3, 1100, 1000),
+  ]:
+    big = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
+    expected = _numpy_checksum(np.asarray(big))
+    assert checksums.array_checksums({"a": big})["a"] == f"{expected:08x}"
+  # Temporaries of a block (chunk uint32 words and the mix's), not of the
+  # array nor of a layer (compiled as the memory planner compiles on CPU):
+  # Qwen2.5-7B's float32 MLP stack and unembedding.
+  block = 4 * chunk
+  for shape in [(28, 3584, 18944), (3584, 152064)]:
+    abstract = jax.ShapeDtypeStruct(shape, jnp.float32)
+    temp = memory.compiled_memory(
+        checksums.leaf_checksums.lower([abstract])
+    ).temp_size_in_bytes
+    assert temp <= 2 * block, (shape, temp)
