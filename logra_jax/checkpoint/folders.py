@@ -21,6 +21,17 @@ EXPORT_MARKER = "logra_export.json"
 # What a run folder holds besides its checkpoints (rl/trainer.py and
 # rl/run_log.py write them).
 _RUN_FILES = ("checkpoints", "config.yaml", "metrics.jsonl", "summary.json")
+# The files of an export written before exports were marked: the model's
+# config and weights and the tokenizer's files, nothing else.
+_POLICY_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def run_lock(folder: str | os.PathLike) -> filelock.FileLock:
@@ -61,6 +72,36 @@ def write_marker(folder: pathlib.Path, source: pathlib.Path) -> None:
   (folder / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def _policy_file(path: pathlib.Path) -> bool:
+  """Whether ``path`` is a file an export writes (an unmarked, older one)."""
+  name = path.name
+  return path.is_file() and (
+      name in _POLICY_NAMES
+      or name.startswith("tokenizer")
+      or name.endswith((".safetensors", ".safetensors.index.json"))
+  )
+
+
+def _listed_files(out: pathlib.Path) -> set[str]:
+  """The files ``out``'s export wrote: its marker's list; for an unmarked
+  folder holding only a policy's files (an export older than the marker),
+  those."""
+  marker = out / EXPORT_MARKER
+  fix = "; choose another --out"
+  if not marker.is_file():
+    entries = list(out.iterdir())
+    if (out / "config.json").is_file() and all(map(_policy_file, entries)):
+      return {p.name for p in entries}
+    raise FileExistsError(
+        f"{out} was not written by logra export (no {EXPORT_MARKER}): it is "
+        f"not replaced{fix}, or remove it first"
+    )
+  try:
+    return set(json.loads(marker.read_text())["files"])
+  except (ValueError, KeyError, TypeError):
+    raise FileExistsError(f"{marker} is not an export's record{fix}") from None
+
+
 def _contains(folder: pathlib.Path, paths: Iterable[pathlib.Path]) -> bool:
   """Whether ``folder`` is one of ``paths`` or an ancestor of one."""
   return any(folder == p or folder in p.parents for p in paths)
@@ -68,8 +109,10 @@ def _contains(folder: pathlib.Path, paths: Iterable[pathlib.Path]) -> bool:
 
 def check_replaceable(out: pathlib.Path, source: pathlib.Path) -> None:
   """Raises FileExistsError unless ``out`` is an export's folder (marked by
-  :data:`EXPORT_MARKER`, holding only the files it lists) that neither holds
-  nor lies in the checkpoint folder ``source`` and is no live run's.
+  :data:`EXPORT_MARKER`, holding only the files it lists; or, written before
+  the marker, holding only a policy's config, weights and tokenizer files)
+  that neither holds nor lies in the checkpoint folder ``source`` and is no
+  live run's.
 
   Example:
     >>> import tempfile
@@ -95,16 +138,7 @@ def check_replaceable(out: pathlib.Path, source: pathlib.Path) -> None:
     raise FileExistsError(
         f"{out} is a run folder, not an export: it is not replaced{fix}"
     )
-  marker = out / EXPORT_MARKER
-  if not marker.is_file():
-    raise FileExistsError(
-        f"{out} was not written by logra export (no {EXPORT_MARKER}): it is "
-        f"not replaced{fix}, or remove it first"
-    )
-  try:
-    listed = set(json.loads(marker.read_text())["files"])
-  except (ValueError, KeyError, TypeError):
-    raise FileExistsError(f"{marker} is not an export's record{fix}") from None
+  listed = _listed_files(out)
   extra = sorted(p.name for p in out.iterdir() if p.name not in listed)
   if extra:
     raise FileExistsError(

@@ -447,3 +447,11 @@ def test_export_overwrite_replaces_only_an_export(straight, tmp_path, capsys):
   code, error = _export(run, out, capsys, "--overwrite")
   assert code == 2 and "did not write (mine.txt)" in error, error
   assert (out / "mine.txt").read_text() == "keep"
+  # An export older than the marker: a policy's files and nothing else.
+  (out / "mine.txt").unlink()
+  (out / checkpoint.folders.EXPORT_MARKER).unlink()
+  assert _export(run, out, capsys, "--overwrite")[0] == 0
+  (out / checkpoint.folders.EXPORT_MARKER).unlink()
+  (out / "notes.txt").write_text("keep")
+  code, error = _export(run, out, capsys, "--overwrite")
+  assert code == 2 and "was not written by logra export" in error, error
