@@ -285,6 +285,15 @@ class RolloutConfig:
       (``rollout/version_lag``). With a mesh it needs
       ``engine="process"``: a colocated engine would launch sharded programs
       onto the learner's devices from a second thread.
+    dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all
+      equal (no advantage) are dropped and the batch is filled with groups
+      of more prompts, drawn from the training split by the rollout's key,
+      in up to ``max_resample_rounds`` more samplings of
+      ``prompts_per_step`` prompts; groups still missing after that are
+      equal-reward groups masked from the loss (metrics
+      ``rollout/resample_rounds``, ``rollout/dropped_groups``,
+      ``rollout/masked_groups``).
+    max_resample_rounds: the bound of ``dynamic_sampling``.
   """
 
   prompts_per_step: int = 64
@@ -296,10 +305,12 @@ class RolloutConfig:
   engine: str = "colocated"
   dtype: str = "auto"
   max_staleness: int = 0
+  dynamic_sampling: bool = False
+  max_resample_rounds: int = 3
 
   def __post_init__(self):
     check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
-    _check("rollout", self, "max_staleness", ge=0)
+    _check("rollout", self, "max_staleness max_resample_rounds", ge=0)
     check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
     _check("rollout", self, "num_generations", ge=2)  # a group baseline

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -171,8 +171,65 @@ def rollout_with(
     rewards: list[tuple[Callable, float]],
     key: jax.Array,
     observe: Optional[Callable[[RolloutSamples], None]] = None,
+    pool: Sequence[dict] = (),
 ) -> tuple[algo.RolloutBatch, dict[str, float]]:
-  """:func:`rollout` with ``sample`` (e.g. an engine's ``sample``)."""
+  """:func:`rollout` with ``sample`` (e.g. an engine's ``sample``); with
+  ``rollout.dynamic_sampling``, :func:`dynamic_rollout` with more prompts
+  drawn from ``pool``."""
+  if config.rollout.dynamic_sampling:
+    return dynamic_rollout(
+        policy, sample, examples, config, rewards, key, pool, observe
+    )
+  group = config.rollout.num_generations
+  scored = _sample_and_score(policy, sample, examples, config, rewards, key)
+  if observe is not None:
+    observe(scored.samples)
+  out = scored.out
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=out.prompt_ids,
+      prompt_mask_BxP=out.prompt_mask,
+      completion_tokens_BxT=out.tokens,
+      completion_mask_BxT=scored.mask_BxT,
+      old_logp_BxT=out.logprobs,
+      advantages_B=algo.compute_advantages(
+          scored.rewards_N, group, config.advantage
+      ),
+      num_generations=group,
+  )
+  return _trimmed_with_metrics(
+      batch,
+      config,
+      scored.samples.report,
+      scored.longest_prompt,
+      scored.lengths,
+      scored.shaping,
+  )
+
+
+class _Scored(NamedTuple):
+  """``num_generations`` completions of each prompt of a batch, scored: the
+  sampler's output, what was sampled, the longest prompt and the completion
+  lengths (host), the rewards the advantages take (with overlong shaping),
+  the loss mask and the shaping metrics."""
+
+  out: Any
+  samples: RolloutSamples
+  longest_prompt: int
+  lengths: np.ndarray
+  rewards_N: jax.Array
+  mask_BxT: jax.Array
+  shaping: dict[str, float]
+
+
+def _sample_and_score(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+) -> _Scored:
+  """Samples ``num_generations`` completions per example and scores them."""
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
   prompt_ids = policy.encode(prompts)
@@ -187,28 +244,35 @@ def rollout_with(
   completions = policy.decode(parallel.host_value(out.tokens))
   columns = _columns(examples, group)
   report = score(rewards, prompts, completions, columns)
-  if observe is not None:
-    observe(RolloutSamples(prompts, completions, columns, report))
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   lengths = parallel.host_value(out.lengths)
   rewards_N, mask_BxT, shaping = _overlong_shaping(
       config, policy, out, lengths, rewards_N
   )
-  batch = algo.RolloutBatch(
-      prompt_tokens_BxP=out.prompt_ids,
-      prompt_mask_BxP=out.prompt_mask,
-      completion_tokens_BxT=out.tokens,
-      completion_mask_BxT=mask_BxT,
-      old_logp_BxT=out.logprobs,
-      advantages_B=algo.compute_advantages(rewards_N, group, config.advantage),
-      num_generations=group,
+  return _Scored(
+      out,
+      RolloutSamples(prompts, completions, columns, report),
+      max(map(len, prompt_ids)),
+      lengths,
+      rewards_N,
+      mask_BxT,
+      shaping,
   )
+
+
+def _trimmed_with_metrics(
+    batch: algo.RolloutBatch,
+    config: TrainConfig,
+    report: rewards_lib.RewardReport,
+    longest_prompt: int,
+    lengths: np.ndarray,
+    shaping: dict[str, float],
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """The batch cut to its widths, and the rollout's metrics."""
   # The learner's batch is no wider than its longest prompt and completion,
   # rounded up to one of a few widths (each compiles the train step once).
   batch = batch.trimmed(
-      algo.bucket_width(
-          max(map(len, prompt_ids)), batch.prompt_tokens_BxP.shape[1]
-      ),
+      algo.bucket_width(longest_prompt, batch.prompt_tokens_BxP.shape[1]),
       algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
   )
   metrics = report.metrics()
@@ -221,6 +285,125 @@ def rollout_with(
   )
   metrics.update(shaping)
   return batch, metrics
+
+
+def dynamic_rollout(
+    policy: Policy,
+    sample: SampleFn,
+    examples: Sequence[dict],
+    config: TrainConfig,
+    rewards: list[tuple[Callable, float]],
+    key: jax.Array,
+    pool: Sequence[dict],
+    observe: Optional[Callable[[RolloutSamples], None]] = None,
+) -> tuple[algo.RolloutBatch, dict[str, float]]:
+  """DAPO's dynamic sampling: a rollout of ``examples`` whose groups of
+  equal rewards (no advantage) are replaced by groups of more prompts.
+
+  Round ``r >= 1`` samples ``len(examples)`` prompts drawn from ``pool``
+  without replacement by ``fold_in(key, r)`` (so a rollout depends only on
+  its examples and key, and a resumed or asynchronous run draws the same),
+  until the batch holds as many groups with unequal rewards as ``examples``
+  or ``rollout.max_resample_rounds`` rounds are spent; the places left are
+  filled with equal-reward groups whose completions are masked from the
+  loss. Rewards and accuracy metrics are round 0's (the stream's prompts);
+  ``observe`` sees round 0.
+
+  Example:
+    >>> rewards_PxG = np.array([[1., 0.], [1., 1.]])
+    >>> rewards_PxG.max(axis=1) > rewards_PxG.min(axis=1)   # kept groups
+    array([ True, False])
+  """
+  if not pool:
+    raise ValueError(
+        "rollout.dynamic_sampling needs the training prompts to draw from"
+    )
+  group, wanted = config.rollout.num_generations, len(examples)
+  rounds, kept, equal = [], [], []
+  for r in range(config.rollout.max_resample_rounds + 1):
+    if r == 0:
+      batch_examples, sample_key = examples, key
+    else:
+      draw_key, sample_key = jax.random.split(jax.random.fold_in(key, r))
+      picks = jax.random.choice(draw_key, len(pool), (wanted,), replace=False)
+      batch_examples = [pool[int(i)] for i in np.asarray(picks)]
+    scored = _sample_and_score(
+        policy, sample, batch_examples, config, rewards, sample_key
+    )
+    rounds.append(scored)
+    rewards_PxG = np.asarray(scored.rewards_N).reshape(-1, group)
+    varied_P = rewards_PxG.max(axis=1) > rewards_PxG.min(axis=1)
+    for g, varied in enumerate(varied_P):
+      (kept if varied else equal).append((r, g))
+    if len(kept) >= wanted:
+      break
+  if observe is not None:
+    observe(rounds[0].samples)
+  masked = max(wanted - len(kept), 0)
+  chosen = kept[:wanted] + equal[:masked]
+  batch, lengths = _merged_batch(rounds, chosen, wanted - masked, config)
+  batch, metrics = _trimmed_with_metrics(
+      batch,
+      config,
+      rounds[0].samples.report,
+      max(scored.longest_prompt for scored in rounds),
+      lengths,
+      rounds[0].shaping,
+  )
+  metrics["rollout/resample_rounds"] = float(len(rounds) - 1)
+  metrics["rollout/dropped_groups"] = float(len(equal))
+  metrics["rollout/masked_groups"] = float(masked)
+  return batch, metrics
+
+
+def _merged_batch(
+    rounds: list[_Scored],
+    chosen: list[tuple[int, int]],
+    trained: int,
+    config: TrainConfig,
+) -> tuple[algo.RolloutBatch, np.ndarray]:
+  """The learner's batch of the ``chosen`` ``(round, group)`` groups (the
+  first ``trained`` of them trained on, the rest masked), prompts
+  left-padded to the widest round's; and the completions' lengths."""
+  group = config.rollout.num_generations
+  width = max(scored.out.prompt_ids.shape[1] for scored in rounds)
+  used = sorted({r for r, _ in chosen})
+  # Each round's arrays on the host once (an all-gather across processes).
+  fields = {
+      "prompt_ids": lambda s: s.out.prompt_ids,
+      "prompt_mask": lambda s: s.out.prompt_mask,
+      "tokens": lambda s: s.out.tokens,
+      "mask": lambda s: s.mask_BxT,
+      "logprobs": lambda s: s.out.logprobs,
+      "rewards": lambda s: s.rewards_N,
+      "lengths": lambda s: s.lengths,
+  }
+  host = {
+      (r, name): parallel.host_value(get(rounds[r]))
+      for r in used
+      for name, get in fields.items()
+  }
+
+  def gather(name, left_pad=False):
+    parts = [host[r, name][g * group : (g + 1) * group] for r, g in chosen]
+    if left_pad:
+      parts = [np.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
+    return np.concatenate(parts)
+
+  mask_BxT = gather("mask")
+  mask_BxT[trained * group :] = 0
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=jnp.asarray(gather("prompt_ids", True)),
+      prompt_mask_BxP=jnp.asarray(gather("prompt_mask", True)),
+      completion_tokens_BxT=jnp.asarray(gather("tokens")),
+      completion_mask_BxT=jnp.asarray(mask_BxT),
+      old_logp_BxT=jnp.asarray(gather("logprobs")),
+      advantages_B=algo.compute_advantages(
+          jnp.asarray(gather("rewards")), group, config.advantage
+      ),
+      num_generations=group,
+  )
+  return batch, gather("lengths")
 
 
 def _overlong_shaping(
@@ -269,11 +452,13 @@ def scored_rollout(
     rewards: list[tuple[Callable, float]],
     examples: Sequence[dict],
     key: jax.Array,
+    pool: Sequence[dict] = (),
 ) -> Rollout:
-  """:func:`rollout_with`, with what it sampled (the arguments a rollout
-  pipeline's ``rollout_fn`` takes last)."""
+  """:func:`rollout_with`, with what it sampled (``examples`` and ``key``
+  are the arguments a rollout pipeline's ``rollout_fn`` takes; ``pool``,
+  the prompts dynamic sampling draws from)."""
   seen = []
   batch, metrics = rollout_with(
-      policy, sample, examples, config, rewards, key, observe=seen.append
+      policy, sample, examples, config, rewards, key, seen.append, pool
   )
   return Rollout(batch, metrics, seen[0])

@@ -300,6 +300,7 @@ def _start_pipeline(
           engine.sample,
           config,
           inputs.rewards,
+          pool=train_examples,
       ),
       evaluate_fn=functools.partial(
           scoring.evaluate_with,

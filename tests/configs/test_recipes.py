@@ -39,6 +39,7 @@ def test_a_recipe_name_is_its_file_and_a_file_of_that_name_wins(
   by_path = configs.load_config("smoke", [configs.RECIPE_DIR / "dapo.yaml"])
   assert by_name == by_path
   assert (by_name.loss.eps_low, by_name.loss.eps_high) == (0.2, 0.28)
+  assert by_name.rollout.dynamic_sampling
   monkeypatch.chdir(tmp_path)
   (tmp_path / "dapo").write_text("steps: 9\n")
   assert configs.load_config("smoke", ["dapo"]).loss.eps_high == 0.2
@@ -90,6 +91,8 @@ def test_each_recipe_trains_the_smoke_run(
   if config.loss.overlong_buffer:
     assert 0 <= rows[0]["rollout/truncated_fraction"] <= 1
     assert -1 <= rows[0]["reward/overlong_penalty"] <= 0
+  if config.rollout.dynamic_sampling:
+    assert rows[0]["rollout/resample_rounds"] <= 3
 
 
 def test_truncated_completions_can_be_masked_from_the_loss(
@@ -136,13 +139,22 @@ def test_truncated_completions_can_be_masked_from_the_loss(
             "loss.importance_level must be one of ('token', 'sequence')",
         ),
         ("loss.overlong_penalty=-1", "loss.overlong_penalty must be >= 0"),
+        (
+            "rollout.dynamic_sampling=true rollout.num_generations=1",
+            "rollout.num_generations must be >= 2, got 1",
+        ),
+        (
+            "rollout.max_resample_rounds=-1",
+            "rollout.max_resample_rounds must be >= 0, got -1",
+        ),
     ],
 )
 def test_bad_loss_input_is_one_line_naming_the_field_and_exit_2(
     override, message, tmp_path, capsys
 ):
   out = tmp_path / "out"
-  args = ["train", "--preset=smoke", "--no-progress", f"--out={out}", override]
+  args = ["train", "--preset=smoke", "--no-progress", f"--out={out}"]
+  args += override.split()
   assert cli_main(args) == 2
   err = capsys.readouterr().err
   assert err.startswith("logra train: error: ") and err.count("\n") == 1, err
