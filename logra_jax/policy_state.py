@@ -257,6 +257,30 @@ def dense_weights(
   )
 
 
+def model_view(weights: Any, opt_state: optax.OptState) -> Any:
+  r"""The learner's weights as the model consumes them, without a copy.
+
+  Factored weights become :class:`~logra_jax.LowRankDelta` views
+  :math:`c B + P A` with the window's projectors (applied as
+  :math:`c (x B) + (x P) A`), LoRA weights :math:`W_0 + (s D) U`; dense
+  weights are returned as they are. Every array of the view is one of
+  ``weights`` or ``opt_state`` but the window's coordinates and scales, laid
+  out for the model: a sampler given it holds no second copy.
+  """
+  return synced_view(synced_state(weights, opt_state))
+
+
+def synced_view(state: dict[str, Any]) -> Any:
+  """:func:`model_view` of a :func:`synced_state` (what a rollout engine with
+  its own copy holds)."""
+  weights = state["weights"]
+  if lora_lib.has_adapters(weights):
+    return lora_lib.view(weights)
+  if not has_factored(weights):
+    return weights
+  return sketch_grad.factored_view(weights, state["projectors"])
+
+
 def has_factored(weights: Any) -> bool:
   return any(
       map(

@@ -226,6 +226,7 @@ class Sampler:
     self._params_sharding = (
         None if mesh is None else param_shardings(params, mesh, rules)
     )
+    self._params_structure = jax.tree.structure(params)
     self.config = model.config
     self.max_length = max_length or self.config.max_position_embeddings
     self.bucket_size = bucket_size
@@ -260,7 +261,8 @@ class Sampler:
     """Samples completions of token-list prompts.
 
     Args:
-      params: from `split_model`.
+      params: from `split_model`, or a tree of `lowrank.LowRankDelta` views
+        of them (factored or adapted weights, applied without forming them).
       prompts: B non-empty token lists of any lengths.
       key: PRNG key; same key, params and prompts give the same output.
       max_new_tokens: N.
@@ -333,9 +335,12 @@ class Sampler:
     stop_ids = np.full((n_stop,), -1, np.int32)
     stop_ids[: len(settings.stop_ids)] = settings.stop_ids
     static = dataclasses.replace(settings, stop_ids=())
-    compile_key = (B, P, n_stop, static)
+    # Params of another structure (views of factored or adapted weights,
+    # ``lowrank.LowRankDelta``) keep the shardings they have.
+    laid_out = jax.tree.structure(params) == self._params_structure
+    compile_key = (B, P, n_stop, static, laid_out)
     if compile_key not in self._compiled:
-      self._compiled[compile_key] = self._jit(static)
+      self._compiled[compile_key] = self._jit(static, laid_out)
     return self._compiled[compile_key](
         params,
         jnp.asarray(prompt_ids_BxP, jnp.int32),
@@ -344,9 +349,12 @@ class Sampler:
         key,
     )
 
-  def _jit(self, settings: SamplingParams) -> Callable[..., SampleOutput]:
+  def _jit(
+      self, settings: SamplingParams, laid_out: bool = True
+  ) -> Callable[..., SampleOutput]:
     """The sampling program; under a mesh, with explicit shardings: params
-    by the partition rules, prompts and outputs split along the batch."""
+    by the partition rules (``laid_out``; otherwise as they are), prompts
+    and outputs split along the batch."""
     if self.mesh is None:
       return jax.jit(lambda *args: self._generate(*args, settings))
     rows = lambda ndim: logical_to_mesh(
@@ -364,7 +372,7 @@ class Sampler:
     return jax.jit(
         generate,
         in_shardings=(
-            self._params_sharding,
+            self._params_sharding if laid_out else None,
             rows(2),
             rows(2),
             replicated,

@@ -1,12 +1,16 @@
-"""The rollout engine: its own copy of the policy and its sampler, kept in
-step with the learner by policy sync.
+"""The rollout engines: samplers of the learner's policy, and how they
+follow its updates.
 
-The trainer reaches the engine only through :class:`logra_jax.sync.SyncMessage`
-and sample requests; the RL side scores what it samples.
-:class:`RolloutEngine` runs colocated with the learner (same process and
-devices); its copy of the policy is a :class:`logra_jax.sync.PolicyReceiver`,
-bit-identical to the learner's weights after every message, and the sampler
-uses the weights it materializes, ``W = c B + P A``, once per message.
+:class:`SharedEngine` runs colocated with the learner (same process and
+devices) and samples with the learner's own arrays: factored weights are
+applied as ``c (x B) + (x P) A`` in the model's compute dtype; there is no
+second copy of the policy and no message. The engines that sample while the
+learner trains (``rollout.max_staleness > 0``, or a separate process) hold
+their own copy instead, a :class:`logra_jax.sync.PolicyReceiver` kept
+bit-identical to the learner's weights by :class:`logra_jax.sync.SyncMessage`:
+:class:`RolloutEngine` (colocated, sampling with the weights it materializes,
+``W = c B + P A``, once per message) and the process engine of
+:mod:`logra_jax.rollout.transport`. The RL side scores what they sample.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from logra_jax import models
 from logra_jax import parallel
+from logra_jax import policy_state
 from logra_jax import sync
 from logra_jax.configs import PolicyConfig, TrainConfig, to_dict
 from logra_jax.data.batching import decode_completions
@@ -173,13 +178,18 @@ SPARSE_DELTA_BYTES_PER_VALUE = 4 + 2
 
 
 @jax.jit
-def changed_bfloat16_values(old: Any, new: Any) -> jax.Array:
-  """How many values of ``new`` differ from ``old`` once both are rounded
-  to bfloat16: what a sparse delta of bfloat16 weights would send."""
-  bf16 = lambda x: x.astype(jnp.bfloat16)
+def changed_bfloat16_values(
+    old: dict[str, Any], new: dict[str, Any]
+) -> jax.Array:
+  """How many weights of the synced state ``new`` differ from ``old`` once
+  both are materialized (``c B + P A``) and rounded to bfloat16: what a
+  sparse delta of bfloat16 weights would send."""
+  bf16 = lambda state: jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16), sync.materialize(state)
+  )
   return sum(
-      jnp.sum(bf16(a) != bf16(b), dtype=jnp.int32)
-      for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+      jnp.sum(a != b, dtype=jnp.int32)
+      for a, b in zip(jax.tree.leaves(bf16(old)), jax.tree.leaves(bf16(new)))
   )
 
 
@@ -292,17 +302,80 @@ def _sampling_weights(state: dict[str, Any], dtype: Any) -> Any:
   return jax.tree.map(cast, sync.materialize(state, dtype))
 
 
+class SharedEngine(Engine):
+  """A colocated engine that samples with the learner's own arrays.
+
+  It holds no weights of its own: :meth:`follow` points it at the learner's
+  state after each update (``policy_state.model_view``: factored weights as
+  ``c B + P A`` views, applied as ``c (x B) + (x P) A`` in the model's
+  compute dtype; LoRA weights as ``W_0 + (s D) U``), and :meth:`sample`
+  uses them as they are. The learner donates its arrays to its next update,
+  so the engine samples only between updates (``rollout.max_staleness=0``).
+
+  Args:
+    policy: the tokenizer, sampler and model graph (its ``params`` unused).
+  """
+
+  signature = "shared"
+
+  def __init__(self, policy: Policy):
+    self.policy = policy
+    self._params = None
+    self._num_params = 0
+
+  def follow(self, state: tuple[Any, Any]) -> SyncStats:
+    """Samples from now on with the learner's ``state`` (weights, optimizer
+    state); nothing is copied or sent."""
+    weights, opt_state = state
+    self._params = policy_state.model_view(weights, opt_state)
+    if not self._num_params:
+      dense = jax.eval_shape(
+          lambda w, o: policy_state.dense_weights(w, o), weights, opt_state
+      )
+      self._num_params = sum(x.size for x in jax.tree.leaves(dense))
+    return SyncStats(
+        message_bytes=0,
+        seconds=0.0,
+        resynced=False,
+        full_bfloat16_bytes=2 * self._num_params,
+        sparse_delta_bytes=0,
+    )
+
+  def _apply(self, message: sync.SyncMessage) -> SyncStats:
+    raise sync.SyncError(
+        "a shared engine samples with the learner's own arrays: follow() "
+        "its state instead of sending messages"
+    )
+
+  def sample(
+      self, prompt_ids: Sequence[Sequence[int]], key: jax.Array, **settings: Any
+  ) -> models.SampleOutput:
+    if self._params is None:
+      raise RuntimeError(
+          "the shared engine follows no learner state yet: call follow()"
+      )
+    return self.policy.sampler.sample(self._params, prompt_ids, key, **settings)
+
+
 class RolloutEngine(Engine):
-  """A colocated rollout engine: the learner's process and devices.
+  """A colocated rollout engine with its own copy of the policy, for
+  sampling while the learner trains (``rollout.max_staleness > 0``).
+
+  Its copy is a :class:`sync.PolicyReceiver` kept bit-identical to the
+  learner's weights by messages. Its sampler uses that copy as the model
+  consumes it (``policy_state.synced_view``: ``c (x B) + (x P) A``, the
+  learner's own numerics) when ``dtype`` is the weights' own dtype;
+  otherwise the dense weights ``c B + P A`` materialized in ``dtype`` once
+  per message.
 
   Args:
     policy: the tokenizer, sampler and model graph (its ``params`` unused).
     template: the learner's :func:`sync.policy_state`, giving the layout
       (and, for arrays, the device placement) of the engine's copy.
     seed: the run's seed (the merge's rounding key).
-    shardings: a tree like the params of the shardings the sampler's
+    shardings: a tree like the params of the shardings materialized
       weights take (None: where XLA places them).
-    dtype: the dtype of the weights the sampler uses (``rollout.dtype``;
+    dtype: the dtype the sampler's weights are in (``rollout.dtype``;
       :func:`sampling_dtype`).
     **fields: the signature fields the learner's :class:`sync.PolicySender`
       uses (:func:`sync_fields`).
@@ -321,37 +394,49 @@ class RolloutEngine(Engine):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
     self.signature = self.receiver.signature
-    self._materialize = jax.jit(
-        functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
-        out_shardings=shardings,
+    dense = jax.eval_shape(sync.materialize, template)
+    own = {x.dtype for x in jax.tree.leaves(dense) if _floating(x)}
+    self._materialize = (
+        None
+        if own == {jnp.dtype(dtype)}
+        else jax.jit(
+            functools.partial(_sampling_weights, dtype=jnp.dtype(dtype)),
+            out_shardings=shardings,
+        )
     )
+    self._num_params = sum(x.size for x in jax.tree.leaves(dense))
     self._params = None
 
   @property
   def params(self) -> Any:
-    """The weights the sampler uses, ``c B + P A`` in the engine's dtype
-    (materialized once per message)."""
+    """The weights the sampler uses: the synced copy's view, or ``c B + P
+    A`` materialized in the engine's dtype."""
     if self._params is None:
       raise RuntimeError(
-          "the rollout engine has no policy yet: sync a full " "message first"
+          "the rollout engine has no policy yet: sync a full message first"
       )
     return self._params
 
   def _apply(self, message: sync.SyncMessage) -> SyncStats:
+    old = None if self._params is None else self.receiver.state
     self.receiver.apply(message)
-    old, self._params = self._params, None  # none until these are made
-    self._params = jax.block_until_ready(self._materialize(self.receiver.state))
-    num_params = sum(x.size for x in jax.tree.leaves(self._params))
+    self._params = None  # none until these are made
+    if self._materialize is None:
+      self._params = policy_state.synced_view(self.receiver.state)
+    else:
+      self._params = jax.block_until_ready(
+          self._materialize(self.receiver.state)
+      )
     changed = (
-        num_params
+        self._num_params
         if old is None
-        else int(changed_bfloat16_values(old, self._params))
+        else int(changed_bfloat16_values(old, self.receiver.state))
     )
     return SyncStats(
         message_bytes=message.nbytes,
         seconds=0.0,
         resynced=False,
-        full_bfloat16_bytes=2 * num_params,
+        full_bfloat16_bytes=2 * self._num_params,
         sparse_delta_bytes=SPARSE_DELTA_BYTES_PER_VALUE * changed,
     )
 
@@ -359,3 +444,7 @@ class RolloutEngine(Engine):
       self, prompt_ids: Sequence[Sequence[int]], key: jax.Array, **settings: Any
   ) -> models.SampleOutput:
     return self.policy.sampler.sample(self.params, prompt_ids, key, **settings)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)

@@ -71,12 +71,21 @@ def start_engine(
     state: tuple[Any, Any],
     params_sharding: Any,
     closing: contextlib.ExitStack,
-) -> tuple[sync.PolicySender, engine_lib.Engine]:
-  """The learner's sync sender and the rollout engine of
-  ``config.rollout.engine`` (closed by ``closing``), synced to the learner's
-  ``state`` (its weights and optimizer state) by a full message; a
-  colocated engine's sampling weights take ``params_sharding``."""
+) -> tuple[Optional[sync.PolicySender], engine_lib.Engine]:
+  """The rollout engine of ``config.rollout`` (closed by ``closing``) and,
+  for an engine with its own copy of the policy, the learner's sync sender.
+
+  ``rollout.engine=colocated`` with ``rollout.max_staleness=0``: a
+  :class:`~engine_lib.SharedEngine` following the learner's ``state`` (its
+  weights and optimizer state), no sender. Otherwise the engine is synced
+  to ``state`` by a full message: the process engine, or a colocated
+  :class:`~engine_lib.RolloutEngine` (sampling while the learner trains)
+  whose sampling weights take ``params_sharding``."""
   weights, opt_state = state
+  if config.rollout.engine == "colocated" and not config.rollout.max_staleness:
+    engine = engine_lib.SharedEngine(policy)
+    engine.follow(state)
+    return None, engine
   sync_fields = engine_lib.sync_fields(config, folder)
   sender = sync.PolicySender(
       weights, opt_state, seed=config.seed, **sync_fields
@@ -149,8 +158,10 @@ class RolloutPipeline:
   before its request.
 
   Args:
-    engine: the rollout engine, synced to the learner's initial weights.
-    sender: the learner's sync sender.
+    engine: the rollout engine, synced to (or following) the learner's
+      initial weights.
+    sender: the learner's sync sender (None for a
+      :class:`~engine_lib.SharedEngine`).
     config: the run's config (``rollout.max_staleness``,
       ``sync.resync_every``).
     prompts: the run's prompt stream, at the run's data position.
@@ -167,7 +178,7 @@ class RolloutPipeline:
   def __init__(
       self,
       engine: engine_lib.Engine,
-      sender: sync.PolicySender,
+      sender: Optional[sync.PolicySender],
       config: TrainConfig,
       prompts: PromptStream,
       key: jax.Array,
@@ -233,6 +244,9 @@ class RolloutPipeline:
     ``step`` (1-based) to the engine (a full message every
     ``sync.resync_every`` steps); the figures of the latest sync that
     finished."""
+    if isinstance(self.engine, engine_lib.SharedEngine):
+      self._engine_version = step
+      return self.engine.follow(state)
     weights, opt_state = state
     full = bool(self._resync_every and step % self._resync_every == 0)
     message = self._sender.message(weights, opt_state, full=full)

@@ -127,7 +127,7 @@ def test_engines_in_and_out_of_process_follow_the_learner(
   ) as remote:
     weights, opt_state, _ = _learn(config, policy, [colocated, remote], STEPS)
     prompts = _prompts(policy)
-    learner_params = policy_state.dense_weights(weights, opt_state)
+    learner_params = policy_state.model_view(weights, opt_state)
     expected = _greedy(
         functools.partial(policy.sampler.sample, learner_params), prompts
     )
@@ -176,7 +176,7 @@ def test_an_old_or_repeated_message_is_refused_and_a_resync_heals(remote_run):
   )
   assert stats.resynced and remote.resyncs == resyncs + 1
   # Now at the learner's newest weights (one step past the engine's).
-  learner_params = policy_state.dense_weights(weights, opt_state)
+  learner_params = policy_state.model_view(weights, opt_state)
   expected = _greedy(
       functools.partial(policy.sampler.sample, learner_params), prompts
   )
