@@ -60,6 +60,9 @@ def _config(args: argparse.Namespace) -> configs.TrainConfig:
 
 
 def _train(args: argparse.Namespace) -> int:
+  if args.list_recipes:
+    print("\n".join(configs.recipe_names()))
+    return 0
   config = _config(args)
   compilation_cache.enable_compilation_cache()
   if args.resume and not args.out:
@@ -177,7 +180,8 @@ def _common_options() -> argparse.ArgumentParser:
       default=[],
       metavar="FILE",
       help="a YAML run config merged over the preset (may be "
-      "given several times; e.g. a run's config.yaml)",
+      "given several times; e.g. a run's config.yaml), or a shipped "
+      f"recipe's name: {configs.recipe_names()}",
   )
   common.add_argument(
       "--set",
@@ -225,6 +229,11 @@ def _add_train(commands: Any, common: argparse.ArgumentParser) -> None:
       action="store_true",
       help="with --resume, accept a checkpoint written on "
       "another mesh or number of processes",
+  )
+  train.add_argument(
+      "--list-recipes",
+      action="store_true",
+      help="print the names of the shipped recipes (for --config) and exit",
   )
   train.set_defaults(run=_train)
 

@@ -85,7 +85,9 @@ def scale_by_low_rank(
   A refreshed projector that is not finite (``"range"`` or ``"svd"``, e.g.
   from an overflow or a failed decomposition) is never used (see
   :func:`logra_jax.optim.projection.refuse_non_finite_projector`); refusals
-  are counted in ``ProjectState.non_finite`` and reported with a warning.
+  are counted in ``ProjectState.non_finite`` (``logra train`` logs them).
+  No host callback is compiled in, so programs holding the update can be
+  stored in JAX's persistent compilation cache.
 
   Sharding: under automatic sharding XLA lays out the state. Under explicit
   sharding (a mesh of ``jax.sharding.AxisType.Explicit`` axes set with

@@ -4,7 +4,6 @@ projector refresh (range finder, random, SVD) with its non-finite guard."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -163,13 +162,6 @@ def project(
     sketches, new_projectors, refused = _sketch_leaves(
         state, updates, projectors, refused
     )
-    jax.lax.cond(
-        refused > 0,
-        lambda: jax.debug.callback(
-            _warn_non_finite_projectors, refused, state.count
-        ),
-        lambda: None,
-    )
     new_state = ProjectState(
         count=optax.safe_increment(state.count),
         projectors=state.spec.treedef.unflatten(new_projectors),
@@ -281,17 +273,6 @@ def _check_shape(x, shape, plan: LeafPlan, what: str) -> None:
             else ""
         )
     )
-
-
-def _warn_non_finite_projectors(refused, count) -> None:
-  warnings.warn(
-      f"logra.scale_by_low_rank: {int(refused)} refreshed projector(s) at "
-      f"update {int(count)} were not finite and were replaced (the previous "
-      "projector, or a random orthonormal one on the first refresh); the "
-      "optimizer state counts them in ProjectState.non_finite",
-      RuntimeWarning,
-      stacklevel=1,
-  )
 
 
 def _new_projector(g, p_old, plan: LeafPlan, config: ProjectionConfig, count):

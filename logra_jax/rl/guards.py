@@ -184,6 +184,30 @@ def check_finite(
       )
 
 
+class NonFiniteProjectors:
+  """Logs the refreshed projectors the optimizer refused as non-finite
+  (``projector/non_finite``, a count the optimizer state keeps)."""
+
+  def __init__(self, log: Log):
+    self._log = log
+    self._seen: Optional[float] = None
+
+  def check(self, step: int, metrics: dict[str, float]) -> None:
+    """Logs the refusals counted since the last call (all of them, so far,
+    at the first)."""
+    count = metrics.get("projector/non_finite")
+    if count is None:
+      return
+    new = count - (self._seen or 0.0)
+    self._seen = count
+    if new > 0:
+      self._log(
+          f"step {step}: {int(new)} refreshed projector(s) were not finite "
+          "and were replaced (the previous one, or a random orthonormal one "
+          f"on a first refresh); {int(count)} in all"
+      )
+
+
 def memory_hint(
     config: TrainConfig,
     mesh: parallel.MeshConfig | None,

@@ -174,6 +174,7 @@ class _Run:
   pipeline: RolloutPipeline
   run_log: RunLog
   stop: guards.StopSignals
+  projectors: guards.NonFiniteProjectors
   memory_hint: Callable[[], str]
   sizes: dict[str, Any]  # of the learner's state (Learner.sizes)
   first_step: int
@@ -260,6 +261,7 @@ def _start(
           log=log,
       ),
       stop=guards.StopSignals(log),
+      projectors=guards.NonFiniteProjectors(log),
       memory_hint=memory_hint,
       sizes=learner.sizes(),
       first_step=loop.step,
@@ -360,6 +362,7 @@ def _run_steps(run: _Run) -> None:
     if evaluated:
       metrics["accuracy/eval"] = pipeline.evaluate()["accuracy"]
     run_log.record(metrics, done)
+    run.projectors.check(done, metrics)
     guards.check_finite(
         done,
         update.skipped,

@@ -17,8 +17,10 @@ RECIPES = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "rloo"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_the_recipes_are_package_data_naming_their_source():
+def test_the_recipes_are_package_data_naming_their_source(capsys):
   assert configs.recipe_names() == RECIPES
+  assert cli_main(["train", "--list-recipes"]) == 0
+  assert capsys.readouterr().out.split() == RECIPES
   data = tomllib.loads((ROOT / "pyproject.toml").read_text())
   patterns = data["tool"]["setuptools"]["package-data"]["logra_jax.configs"]
   package = ROOT / "logra_jax" / "configs"

@@ -69,9 +69,7 @@ def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
   state = tx.init(PARAMS)
   # First refresh: "b" has no previous projector and gets the window's
   # random one; "a" is refreshed as usual.
-  with pytest.warns(RuntimeWarning, match=r"1 refreshed projector.*update 0"):
-    grads, projectors, refused, state = step(tx, state, X_BAD)
-    jax.effects_barrier()
+  grads, projectors, refused, state = step(tx, state, X_BAD)
   np.testing.assert_array_equal(
       projectors["b"], _random_projector(state, "b", 0)
   )
@@ -88,9 +86,7 @@ def test_a_non_finite_projector_is_replaced_and_counted(kind, step):
   # A finite refresh, then a non-finite one: "b" keeps its previous
   # projector (the refresh is skipped for it), "a" moves on.
   _, before, _, state = step(tx, state, X)
-  with pytest.warns(RuntimeWarning, match=r"update 2"):
-    _, after, _, state = step(tx, state, X_BAD)
-    jax.effects_barrier()
+  _, after, _, state = step(tx, state, X_BAD)
   np.testing.assert_array_equal(after["b"], before["b"])
   assert int(sketch_grad.project_state(state).non_finite) == 2
   for p in jax.tree.leaves(_projectors(state)):
@@ -109,9 +105,7 @@ def test_each_matrix_of_a_batch_is_checked_on_its_own():
   state = tx.init(params)
   _, state = tx.update({"w": g}, state, params)
   first = _projectors(state)["w"]
-  with pytest.warns(RuntimeWarning, match="1 refreshed projector"):
-    _, state = tx.update({"w": g.at[1, 0, 0].set(jnp.nan)}, state, params)
-    jax.effects_barrier()
+  _, state = tx.update({"w": g.at[1, 0, 0].set(jnp.nan)}, state, params)
   second = _projectors(state)["w"]
   np.testing.assert_array_equal(second[1], first[1])  # refused: previous
   assert not np.array_equal(second[0], first[0])  # refreshed
@@ -143,8 +137,6 @@ def test_sketch_direct_sketches_use_the_replacement():
   g_b = jax.grad(loss)(PARAMS, X, x_b)["b"]
   assert bool(jnp.all(jnp.isfinite(g_b)))
   np.testing.assert_allclose(grads["b"], p_b.mT @ g_b, rtol=1e-5)
-  with pytest.warns(RuntimeWarning, match="1 refreshed projector"):
-    updates, state = tx.update(grads, state, PARAMS, projectors=projectors)
-    jax.effects_barrier()
+  updates, state = tx.update(grads, state, PARAMS, projectors=projectors)
   assert int(sketch_grad.project_state(state).non_finite) == 1
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))

@@ -154,3 +154,13 @@ def test_out_of_memory_points_to_logra_memory(config, tmp_path, monkeypatch):
 
   args = build_parser().parse_args(command.split()[1:])
   assert (args.optimizer, args.rank, args.micro_batch) == ("logra", 4, 16)
+
+
+def test_refused_projectors_are_logged_as_they_are_counted():
+  lines = []
+  watch = guards.NonFiniteProjectors(lines.append)
+  for step, count in enumerate([0.0, 0.0, 1.0, 1.0, 3.0], start=1):
+    watch.check(step, {"projector/non_finite": count})
+  watch.check(6, {})  # a dense optimizer counts none
+  assert [line.split(":")[0] for line in lines] == ["step 3", "step 5"]
+  assert "2 refreshed projector(s)" in lines[1] and "3 in all" in lines[1]
