@@ -156,6 +156,7 @@ def _memory(args: argparse.Namespace) -> int:
       remat=args.remat,
       rollout_seqs=args.rollout_seqs,
       rollout_tokens=args.rollout_tokens,
+      rollout_copy=args.rollout_copy,
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
       project_embeddings=args.project_embeddings,
@@ -325,6 +326,13 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
       type=_int_in(0, 2**22),
       default=0,
       help="tokens per rollout sequence",
+  )
+  plan.add_argument(
+      "--rollout-copy",
+      action="store_true",
+      help="the colocated engine holds its own bfloat16 copy of the weights "
+      "(rollout.max_staleness > 0); default: it samples with the learner's "
+      "arrays",
   )
   plan.add_argument(
       "--device-memory-gib",

@@ -1,5 +1,6 @@
 """The memory planner: exact accounting, real configs, clear errors."""
 
+import dataclasses
 import json
 import math
 
@@ -137,10 +138,29 @@ def test_rollout_reservation_is_in_the_total():
       rollout_seqs=8,
       rollout_tokens=128,
       device_memory_gib=1e-6,
+      rollout_copy=True,
   )
   assert report.rollout == memory.rollout_reservation(TINY, FSDP8, 8, 128)
   assert report.rollout > 0 and report.total > report.rollout
   assert report.fits is False and "NO, over by" in report.summary()
+
+
+def test_a_shared_engine_reserves_its_cache_not_the_weights():
+  """The default colocated engine samples with the learner's arrays: its
+  reservation is the sampling program's temporaries and outputs, which hold
+  the KV cache (float32 here: the compute dtype) but no weights. On a model
+  whose weights outweigh its rollout, that is less than a bfloat16 copy."""
+  wide = dataclasses.replace(
+      TINY, hidden_size=256, intermediate_size=1024, vocab_size=4096
+  )
+  plan = lambda copy: memory.plan_memory(
+      wide, seq_len=32, rollout_seqs=2, rollout_tokens=16, rollout_copy=copy
+  )
+  shared, copy = plan(False), plan(True)
+  cache = 2 * wide.num_layers * wide.num_kv_heads * wide.head_dim * 4 * 2 * 16
+  assert cache <= shared.rollout < copy.rollout
+  assert "(shared weights)" in shared.summary()
+  assert shared.total - shared.rollout == copy.total - copy.rollout
 
 
 @pytest.mark.parametrize(

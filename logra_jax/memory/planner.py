@@ -93,6 +93,58 @@ def rollout_reservation(
   ) + 2 * _sharded_bytes(cache, layout)
 
 
+def shared_rollout_bytes(
+    layout: "_Layout",
+    config: models.DecoderConfig,
+    device_mesh: jax.sharding.Mesh,
+    seqs: int,
+    tokens: int,
+) -> int:
+  """Per-device bytes of a colocated engine that samples with the learner's
+  own arrays (``rollout.max_staleness=0``): the sampling program's
+  temporaries (the KV cache among them) and outputs, compiled on abstract
+  inputs from the learner's weights and optimizer state as they are laid
+  out, with a prompt of ``tokens // 4`` and ``tokens - tokens // 4`` new
+  tokens per sequence. The weights themselves are the learner's (counted
+  once, in ``params``)."""
+  sampler = models.Sampler(
+      nnx.eval_shape(lambda: models.init_model(config, rngs=0)),
+      max_length=tokens,
+      mesh=device_mesh,
+  )
+  prompt = max(tokens // 4, 1)
+  settings = models.SamplingParams(max_new_tokens=tokens - prompt)
+  data = parallel.logical_to_mesh(("batch", None), device_mesh)
+  replicated = parallel.logical_to_mesh((), device_mesh)
+  rows = -(-seqs // device_mesh.size) * device_mesh.size
+
+  def program(weights, state, ids, mask, stop_ids, key):
+    with parallel.activation_sharding(device_mesh, parallel.PARTITION_RULES):
+      view = policy_state.model_view(weights, state)
+      return sampler.generate(view, ids, mask, stop_ids, key, settings)
+
+  lowered = jax.jit(
+      program,
+      in_shardings=(
+          layout.weights_sharding,
+          layout.state_sharding,
+          data,
+          data,
+          replicated,
+          replicated,
+      ),
+  ).lower(
+      layout.weights,
+      layout.state,
+      jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
+      jax.ShapeDtypeStruct((rows, prompt), jnp.bool_),
+      jax.ShapeDtypeStruct((8,), jnp.int32),
+      jax.eval_shape(lambda: jax.random.key(0)),
+  )
+  stats = compiled_memory(lowered)
+  return stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+
 def _sketched_gradient_bytes(
     state: Any, params: Any, params_sharding: Any
 ) -> int:
@@ -336,6 +388,7 @@ def plan_memory(
     project_embeddings: bool = False,
     reference_dtype: Optional[str] = None,
     base_dtype: str = "float32",
+    rollout_copy: bool = False,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -356,6 +409,10 @@ def plan_memory(
     prompt_len: prompt part of ``seq_len``; default ``seq_len // 4``.
     rollout_seqs: sequences of a colocated rollout engine's KV cache.
     rollout_tokens: tokens per rollout sequence.
+    rollout_copy: the colocated engine holds its own copy of the weights
+      (``rollout.max_staleness > 0``): :func:`rollout_reservation`.
+      Otherwise (the default engine) it samples with the learner's arrays:
+      :func:`shared_rollout_bytes`.
     device_memory_gib: the device memory to check the total against.
     gradient_mode: LoGRA's gradients: ``"sketch"`` (sketch-direct, the
       default: ``grads`` counts the float32 sketches ``[L, r, short]``, which
@@ -377,8 +434,10 @@ def plan_memory(
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is
-    :func:`rollout_reservation`: bfloat16 inference weights laid out like
-    the params plus the KV cache as the sampler lays it out.
+    :func:`shared_rollout_bytes` (the sampling program's temporaries and
+    outputs, the KV cache among them) or, with ``rollout_copy``,
+    :func:`rollout_reservation` (bfloat16 inference weights laid out like the
+    params plus the KV cache as the sampler lays it out).
 
   Example:
     >>> report = plan_memory(models.DecoderConfig.tiny(), seq_len=64)
@@ -419,15 +478,20 @@ def plan_memory(
   grads = _gradient_bytes(layout, opt_config)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
   reference = _reference_bytes(layout, reference_dtype)
-  rollout = (
-      rollout_reservation(config, mesh, rollout_seqs, rollout_tokens)
-      if rollout_seqs
-      else 0
-  )
+  if not rollout_seqs:
+    rollout = 0
+  elif rollout_copy:
+    rollout = rollout_reservation(config, mesh, rollout_seqs, rollout_tokens)
+  else:
+    rollout = shared_rollout_bytes(
+        layout, config, device_mesh, rollout_seqs, rollout_tokens
+    )
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.params))
   workload = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
   if rollout_seqs:
-    workload += f", rollout {rollout_seqs}x{rollout_tokens} tokens"
+    workload += f", rollout {rollout_seqs}x{rollout_tokens} tokens" + (
+        " (own copy)" if rollout_copy else " (shared weights)"
+    )
   return MemoryReport(
       params=_sharded_bytes(layout.weights, layout.weights_sharding),
       grads=grads,

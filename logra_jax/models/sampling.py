@@ -356,7 +356,7 @@ class Sampler:
     by the partition rules (``laid_out``; otherwise as they are), prompts
     and outputs split along the batch."""
     if self.mesh is None:
-      return jax.jit(lambda *args: self._generate(*args, settings))
+      return jax.jit(lambda *args: self.generate(*args, settings))
     rows = lambda ndim: logical_to_mesh(
         ("batch",) + (None,) * (ndim - 1), self.mesh, self.rules
     )
@@ -364,7 +364,7 @@ class Sampler:
 
     def generate(*args):
       with activation_sharding(self.mesh, self.rules):
-        return self._generate(*args, settings)
+        return self.generate(*args, settings)
 
     outputs = SampleOutput(
         *(rows(2) for _ in range(4)), lengths=rows(1), logprobs=rows(2)
@@ -381,7 +381,7 @@ class Sampler:
         out_shardings=outputs,
     )
 
-  def _generate(
+  def generate(
       self,
       params: nnx.State,
       prompt_ids_BxP: jax.Array,
@@ -390,7 +390,10 @@ class Sampler:
       key: jax.Array,
       settings: SamplingParams,
   ) -> SampleOutput:
-    """Traced body: prefill, then a while loop of single-token steps.
+    """The sampling program's body, to be traced under `jax.jit` (as
+    `sample` does; the memory planner compiles it on abstract inputs):
+    prefill, then a while loop of single-token steps. The KV cache is made
+    inside it.
 
     `stop_ids` is padded with -1, which no token equals.
     """
