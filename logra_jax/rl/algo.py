@@ -224,6 +224,24 @@ def kl_penalty(
 # ------------------------------------------------------------------------------------------
 
 
+def _logprob_gap(
+    logp_BxT: Array, old_logp_BxT: Array, mask_BxT: Array
+) -> Metrics:
+  r"""``rollout/logprob_gap_mean`` and ``_max``: :math:`|\log\pi_\theta - \log\pi_{old}|`
+  over the valid tokens. With ``num_iterations=1`` and ``rollout.max_staleness=0`` the
+  learner's parameters are the sampler's, so this is how far the sampler's log-probs are
+  from the learner's forward pass (0 where they are bitwise equal)."""
+  gap_BxT = jnp.abs(jax.lax.stop_gradient(logp_BxT) - old_logp_BxT) * mask_BxT
+  tokens = mask_BxT.sum()
+  return {
+      "rollout/logprob_gap_mean": (gap_BxT.sum(), tokens),
+      "rollout/logprob_gap_max": (
+          gap_BxT.max(),
+          (tokens > 0).astype(jnp.float32),
+      ),
+  }
+
+
 def loss_terms(
     logp_BxT: Array,
     mask_BxT: Array,
@@ -325,6 +343,7 @@ def loss_terms(
       config.eps_high,
       **extra,
   )
+  metrics.update(_logprob_gap(logp_BxT, old_logp_BxT, mask_BxT))
   loss_BxT = pg_loss_BxT
   kl_BxT = None
   if ref_logp_BxT is not None:

@@ -269,6 +269,8 @@ def test_the_default_clip_loss_keeps_its_metrics():
       "clip_high_fraction",
       "ratio_mean",
       "pg_loss",
+      "rollout/logprob_gap_mean",
+      "rollout/logprob_gap_max",
   }
 
 
