@@ -22,6 +22,7 @@ from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine
+from logra_jax.rollout import transport
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -436,8 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     # paths.
     print(f"logra {args.command}: error: {error}", file=sys.stderr)
     return 2
-  except (FloatingPointError, MemoryError) as error:
-    # The run failed: non-finite steps, out of memory.
+  except (FloatingPointError, MemoryError, transport.TransportError) as error:
+    # The run failed: non-finite steps, out of memory, a rollout engine
+    # process that died or stopped answering.
     print(f"logra {args.command}: error: {error}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:

@@ -8,6 +8,7 @@ from logra_jax import parallel
 from logra_jax.cli import main as cli_main
 from logra_jax import configs
 from logra_jax.rl import trainer
+from logra_jax.rollout import transport
 
 
 def _one_line_error(capsys, command: str) -> str:
@@ -154,6 +155,20 @@ def test_os_errors_about_paths_are_one_line(error, monkeypatch, capsys):
   monkeypatch.setattr(checkpoint, "export_policy", export_policy)
   assert cli_main(["export", "--checkpoint=a", "--out=b"]) == 2
   assert f"'{error.filename}'" in _one_line_error(capsys, "export")
+
+
+def test_a_dead_rollout_engine_is_one_line_and_a_failed_run(
+    monkeypatch, capsys
+):
+  def train(*args, **kwargs):
+    raise transport.TransportError(
+        "the rollout engine process exited with code -9 (log: "
+        "runs/x/rollout_engine.log)"
+    )
+
+  monkeypatch.setattr(trainer, "train", train)
+  assert cli_main(["train", "--preset", "smoke", "--no-progress"]) == 1
+  assert "exited with code -9" in _one_line_error(capsys, "train")
 
 
 @pytest.mark.parametrize(
