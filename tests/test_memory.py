@@ -253,6 +253,24 @@ def test_unsupported_architecture_is_rejected(tmp_path):
     memory.load_model_config(str(path))
 
 
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ("{not json", "Expecting property name"),
+        (
+            json.dumps(dict(memory.MODEL_PRESETS["qwen3-8b"], hidden_size="a")),
+            "not a valid qwen3 config: .*hidden_size",
+        ),
+    ],
+)
+def test_a_bad_config_json_is_one_clear_error(tmp_path, text, match):
+  path = tmp_path / "config.json"
+  path.write_text(text)
+  with pytest.raises(ValueError, match=match):
+    memory.load_model_config(str(path))
+
+
 def test_cli_json_and_errors(capsys):
   assert (
       cli_main(

@@ -132,7 +132,16 @@ def _config_fields(model: str) -> dict[str, Any]:
     )
   if not path.is_file():
     raise ValueError(f"model config file {str(path)!r} does not exist")
-  return json.loads(path.read_text())
+  try:
+    fields = json.loads(path.read_text())
+  except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise ValueError(f"model config file {str(path)!r}: {error}") from None
+  if not isinstance(fields, dict):
+    raise ValueError(
+        f"model config file {str(path)!r} holds a JSON "
+        f"{type(fields).__name__}, not an object of config fields"
+    )
+  return fields
 
 
 def load_model_config(model: str) -> models.DecoderConfig:
@@ -154,5 +163,13 @@ def load_model_config(model: str) -> models.DecoderConfig:
         f"unsupported model_type {model_type!r} in {model!r}; supported: "
         f"{sorted(models.config.HF_ARCHITECTURES)}"
     )
-  hf_config = transformers.AutoConfig.for_model(model_type, **fields)
-  return models.DecoderConfig.from_hf(hf_config)
+  try:
+    hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    return models.DecoderConfig.from_hf(hf_config)
+  # transformers' checks raise errors of many kinds (huggingface_hub's
+  # strict dataclass errors derive from Exception alone).
+  except Exception as error:  # noqa: BLE001 -- config construction only.
+    raise ValueError(
+        f"model config {model!r} is not a valid {model_type} config: "
+        + " ".join(str(error).split())
+    ) from None
