@@ -153,14 +153,13 @@ def test_a_shared_engine_reserves_its_cache_not_the_weights():
   wide = dataclasses.replace(
       TINY, hidden_size=256, intermediate_size=1024, vocab_size=4096
   )
-  plan = lambda copy: memory.plan_memory(
-      wide, seq_len=32, rollout_seqs=2, rollout_tokens=16, rollout_copy=copy
+  shared = memory.plan_memory(
+      wide, seq_len=32, rollout_seqs=2, rollout_tokens=16
   )
-  shared, copy = plan(False), plan(True)
+  copy = memory.rollout_reservation(wide, parallel.MeshConfig(), 2, 16)
   cache = 2 * wide.num_layers * wide.num_kv_heads * wide.head_dim * 4 * 2 * 16
-  assert cache <= shared.rollout < copy.rollout
+  assert cache <= shared.rollout < copy
   assert "(shared weights)" in shared.summary()
-  assert shared.total - shared.rollout == copy.total - copy.rollout
 
 
 @pytest.mark.parametrize(
