@@ -35,6 +35,7 @@ import numpy as np
 
 import provenance
 import stats
+from logra_jax import cli
 from logra_jax import configs
 from logra_jax.checkpoint import folders
 from logra_jax.rl import compilation_cache
@@ -116,17 +117,6 @@ def parser(
       help="where the code's numerics fingerprints are cached",
   )
   return p
-
-
-# Bad input the trainer finds (as ``logra train``'s exit status 2).
-BAD_INPUT = (
-    ValueError,
-    FileExistsError,
-    FileNotFoundError,
-    NotADirectoryError,
-    IsADirectoryError,
-    PermissionError,
-)
 
 
 class _Claims:
@@ -310,7 +300,7 @@ def train(
   )
   try:
     summary = trainer.train_or_reuse(config, folder, rerun)
-  except BAD_INPUT as error:
+  except cli.BAD_INPUT as error:  # as logra train's exit status 2
     fail(" ".join(str(error).split()))
   history = [
       json.loads(line)

@@ -421,20 +421,23 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# Bad input (exit status 2): a config, a checkpoint (CheckpointError), a run
+# folder in use, paths.
+BAD_INPUT = (
+    ValueError,
+    FileExistsError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return args.run(args)
-  except (
-      ValueError,
-      FileExistsError,
-      FileNotFoundError,
-      NotADirectoryError,
-      IsADirectoryError,
-      PermissionError,
-  ) as error:
-    # Bad input: config, checkpoint (CheckpointError), a run folder in use,
-    # paths.
+  except BAD_INPUT as error:
     print(f"logra {args.command}: error: {error}", file=sys.stderr)
     return 2
   except (FloatingPointError, MemoryError, transport.TransportError) as error:
