@@ -26,6 +26,7 @@ LAYERS = (
     "checksums",
     "parallel",
     "models",
+    "envs",
     "configs",
     "policy_state",
     "sync",

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from logra_jax.checks import check_choice, check_range
 from logra_jax.configs.loss import LossConfig
+from logra_jax.envs.loading import check_spec as check_environment
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import REMAT
 from logra_jax.optim.factored import BASE_DTYPES
@@ -110,6 +111,8 @@ class TaskConfig:
     terms: terms per expression of the tiny task.
     max_digits: digits per term of the tiny task (each term has 1 to
       ``max_digits``).
+    environment: of multi-turn episodes (:mod:`logra_jax.envs`): empty,
+      ``"calculator"``, ``"module:factory"`` or ``"file.py:factory"``.
   """
 
   name: str = "tiny"
@@ -125,6 +128,7 @@ class TaskConfig:
   system_prompt: Optional[str] = None
   terms: int = 3
   max_digits: int = 1
+  environment: str = ""
 
   def __post_init__(self):
     _check("task", self, "size eval_size max_digits", ge=1)
@@ -133,6 +137,8 @@ class TaskConfig:
     _check("task", self, "seed", ge=0, le=_MAX_SEED)
     _check("task", self, "terms", ge=2)
     check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)
+    if self.environment:
+      check_environment(self.environment)
     if self.eval_size >= self.size:
       raise ValueError(
           f"task.eval_size={self.eval_size} must be smaller than "
@@ -294,6 +300,9 @@ class RolloutConfig:
       ``rollout/resample_rounds``, ``rollout/dropped_groups``,
       ``rollout/masked_groups``).
     max_resample_rounds: the bound of ``dynamic_sampling``.
+    max_turns: model turns per episode, each up to ``max_new_tokens``.
+    max_episode_tokens: model and environment tokens per episode at most;
+      ``None``: the policy's context.
   """
 
   prompts_per_step: int = 64
@@ -307,9 +316,12 @@ class RolloutConfig:
   max_staleness: int = 0
   dynamic_sampling: bool = False
   max_resample_rounds: int = 3
+  max_turns: int = 1
+  max_episode_tokens: Optional[int] = None
 
   def __post_init__(self):
     check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
+    _check("rollout", self, "max_turns max_episode_tokens", ge=1)
     _check("rollout", self, "max_staleness max_resample_rounds", ge=0)
     check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
     _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)

@@ -26,7 +26,7 @@ from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rollout.engine import Policy, SampleFn
 
 
-def _columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
+def example_columns(examples: Sequence[dict], repeat: int) -> dict[str, list]:
   """The examples' fields other than the prompt, each row ``repeat`` times."""
   keys = [k for k in examples[0] if k != "prompt"]
   return {k: [e[k] for e in examples for _ in range(repeat)] for k in keys}
@@ -109,7 +109,7 @@ def evaluate_with(
         rewards,
         prompts,
         policy.decode(parallel.host_value(out.tokens)),
-        _columns(chunk, 1),
+        example_columns(chunk, 1),
     )
     scores.append(report.rewards)
   scores = np.concatenate(scores)
@@ -196,7 +196,7 @@ def rollout_with(
       ),
       num_generations=group,
   )
-  return _trimmed_with_metrics(
+  return trimmed_with_metrics(
       batch,
       config,
       scored.samples.report,
@@ -242,7 +242,7 @@ def _sample_and_score(
       top_k=config.rollout.top_k,
   )
   completions = policy.decode(parallel.host_value(out.tokens))
-  columns = _columns(examples, group)
+  columns = example_columns(examples, group)
   report = score(rewards, prompts, completions, columns)
   rewards_N = jnp.asarray(report.rewards, jnp.float32)
   lengths = parallel.host_value(out.lengths)
@@ -260,7 +260,7 @@ def _sample_and_score(
   )
 
 
-def _trimmed_with_metrics(
+def trimmed_with_metrics(
     batch: algo.RolloutBatch,
     config: TrainConfig,
     report: rewards_lib.RewardReport,
@@ -342,7 +342,7 @@ def dynamic_rollout(
   masked = max(wanted - len(kept), 0)
   chosen = kept[:wanted] + equal[:masked]
   batch, lengths = _merged_batch(rounds, chosen, wanted - masked, config)
-  batch, metrics = _trimmed_with_metrics(
+  batch, metrics = trimmed_with_metrics(
       batch,
       config,
       rounds[0].samples.report,

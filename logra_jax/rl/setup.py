@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from logra_jax import checkpoint
+from logra_jax import envs
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.configs import RewardConfig, TrainConfig
@@ -95,6 +96,34 @@ def run_rewards(
   return rewards
 
 
+def episode_config(config: TrainConfig) -> envs.EpisodeConfig | None:
+  """How the run plays episodes (``task.environment``, loaded and tried
+  once), or None for single-turn rollouts; refuses the rollout features
+  episodes do not support yet."""
+  if not config.task.environment:
+    if config.rollout.max_turns > 1:
+      raise ValueError(
+          f"rollout.max_turns={config.rollout.max_turns} needs an "
+          "environment to answer the model's turns (task.environment)"
+      )
+    return None
+  unsupported = {
+      "rollout.dynamic_sampling": config.rollout.dynamic_sampling,
+      "loss.overlong_buffer": config.loss.overlong_buffer,
+      "loss.mask_truncated": config.loss.mask_truncated,
+  }
+  for name, value in unsupported.items():
+    if value:
+      raise ValueError(
+          f"{name}={value} is not supported with task.environment yet"
+      )
+  return envs.EpisodeConfig(
+      envs.load_environment(config.task.environment),
+      config.rollout.max_turns,
+      config.rollout.max_episode_tokens,
+  )
+
+
 def policy_folder(
     config: TrainConfig, train_examples: Sequence[dict], log: Log = print
 ) -> pathlib.Path:
@@ -121,11 +150,15 @@ def check_inputs(
     mesh: parallel.MeshConfig | None,
     resume: bool,
 ) -> tuple[
-    tasks_lib.Task, list[tuple[Callable, float]], jax.sharding.Mesh | None
+    tasks_lib.Task,
+    list[tuple[Callable, float]],
+    envs.EpisodeConfig | None,
+    jax.sharding.Mesh | None,
 ]:
   """Checks what a run needs before anything is written to ``out``: the
-  policy folder, the checkpoint folder of a resumed run, the mesh, the task
-  and the rewards. Returns the task, the rewards and the device mesh."""
+  policy folder, the checkpoint folder of a resumed run, the mesh, the task,
+  the rewards and the environment. Returns the task, the rewards, the
+  episodes' settings (None without an environment) and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
   models.attention_implementation(
@@ -165,7 +198,8 @@ def check_inputs(
           f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})"
       )
   task = load_task(config)
-  return task, run_rewards(config, task), device_mesh
+  rewards = run_rewards(config, task)
+  return task, rewards, episode_config(config), device_mesh
 
 
 def check_checkpoints(

@@ -20,10 +20,12 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 
 from logra_jax import checkpoint
+from logra_jax import envs
 from logra_jax import parallel
 from logra_jax import sync
 from logra_jax.configs import TrainConfig, load_config, to_yaml
 from logra_jax.data import tasks as tasks_lib
+from logra_jax.rl import episode_scoring
 from logra_jax.rl import guards
 from logra_jax.rl import reporting
 from logra_jax.rl import scoring
@@ -111,12 +113,15 @@ def train(
     )
     if not parallel.is_leader():  # process 0 logs and writes the files
       progress, log = False, lambda text: None
-  task, rewards, device_mesh = setup.check_inputs(config, out, mesh, resume)
+  task, rewards, episodes, device_mesh = setup.check_inputs(
+      config, out, mesh, resume
+  )
   inputs = _Inputs(
       config,
       out,
       task,
       rewards,
+      episodes,
       progress,
       log,
       mesh,
@@ -153,6 +158,7 @@ class _Inputs(NamedTuple):
   out: pathlib.Path
   task: tasks_lib.Task
   rewards: list[tuple[Callable, float]]
+  episodes: envs.EpisodeConfig | None
   progress: bool
   log: Log
   mesh: parallel.MeshConfig | None
@@ -289,6 +295,38 @@ def _start_pipeline(
       seed=config.seed,
       position=loop.data_position,
   )
+  sampling = (engine.policy, engine.sample)
+  if inputs.episodes is None:
+    rollout_fn = functools.partial(
+        scoring.scored_rollout,
+        *sampling,
+        config,
+        inputs.rewards,
+        pool=train_examples,
+    )
+    evaluate_fn = functools.partial(
+        scoring.evaluate_with,
+        *sampling,
+        eval_examples,
+        inputs.rewards,
+        config.rollout.max_new_tokens,
+    )
+  else:
+    rollout_fn = functools.partial(
+        episode_scoring.scored_episodes,
+        *sampling,
+        config,
+        inputs.rewards,
+        inputs.episodes,
+    )
+    evaluate_fn = functools.partial(
+        episode_scoring.evaluate_episodes,
+        *sampling,
+        eval_examples,
+        inputs.rewards,
+        config.rollout.max_new_tokens,
+        inputs.episodes,
+    )
   return RolloutPipeline(
       engine,
       sender,
@@ -296,22 +334,8 @@ def _start_pipeline(
       prompts,
       loop.key,
       loop.step,
-      rollout_fn=functools.partial(
-          scoring.scored_rollout,
-          engine.policy,
-          engine.sample,
-          config,
-          inputs.rewards,
-          pool=train_examples,
-      ),
-      evaluate_fn=functools.partial(
-          scoring.evaluate_with,
-          engine.policy,
-          engine.sample,
-          eval_examples,
-          inputs.rewards,
-          config.rollout.max_new_tokens,
-      ),
+      rollout_fn=rollout_fn,
+      evaluate_fn=evaluate_fn,
   )
 
 

@@ -1,0 +1,36 @@
+"""Multi-turn environments: the interface, the shipped ``calculator``, their
+loading by name or path, and episodes as the learner's tokens."""
+
+from logra_jax.envs.base import Environment
+from logra_jax.envs.base import Message
+from logra_jax.envs.base import StepResult
+from logra_jax.envs.calculator import calculate
+from logra_jax.envs.calculator import Calculator
+from logra_jax.envs.calculator import CalculatorError
+from logra_jax.envs.episodes import Episode
+from logra_jax.envs.episodes import episode_sequence
+from logra_jax.envs.episodes import EpisodeConfig
+from logra_jax.envs.episodes import Renderer
+from logra_jax.envs.episodes import run_episodes
+from logra_jax.envs.episodes import turn_rows
+from logra_jax.envs.episodes import TurnRows
+from logra_jax.envs.loading import load_environment
+from logra_jax.envs.loading import SHIPPED
+
+__all__ = [
+    "Environment",
+    "Message",
+    "StepResult",
+    "calculate",
+    "Calculator",
+    "CalculatorError",
+    "Episode",
+    "episode_sequence",
+    "EpisodeConfig",
+    "Renderer",
+    "run_episodes",
+    "turn_rows",
+    "TurnRows",
+    "load_environment",
+    "SHIPPED",
+]

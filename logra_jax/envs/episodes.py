@@ -1,0 +1,434 @@
+"""Episodes: the model's turns and the environment's answers, as tokens.
+
+An episode's token sequence is ``prompt + turn 1 + environment 1 + turn 2 +
+...``. The model's turns are what the sampler drew (its ids and
+log-probabilities, never re-tokenized); the environment's messages are
+rendered to tokens between them and are context only: the loss mask is 1 on
+the model's tokens and 0 on the environment's (:func:`episode_sequence`).
+
+The learner's batch holds the episode as one row per model turn
+(:func:`turn_rows`): row ``j`` has the episode's sequence up to turn ``j``
+as its prompt and turn ``j`` as its completion, so the environment's tokens
+are attended to but never scored, and each row's log-probabilities are the
+ones its turn was sampled with. Every episode has ``max_turns`` rows (the
+rows of turns not taken are padding, masked out), so a batch's shape does
+not depend on how its episodes went. With the token-mean loss this equals
+the masked loss on the whole sequence (``tests/envs/test_mask.py``).
+
+A model turn ends at the sampler's stop token, or at the first of the
+environment's ``stop_strings`` (the closing tag of a tool call), keeping
+the tokens up to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from logra_jax.envs.base import Environment
+from logra_jax.envs.base import Message
+from logra_jax.envs.base import StepResult
+
+Factory = Callable[[], Environment]
+# sample_turn(histories, turn) -> (tokens_NxT, logprobs_NxT, lengths_N) on
+# the host: one model turn of every episode (finished ones are ignored).
+SampleTurn = Callable[
+    [list[list[int]], int], tuple[np.ndarray, np.ndarray, np.ndarray]
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+  """How a run plays episodes.
+
+  Attributes:
+    factory: makes one environment per episode (``task.environment``).
+    max_turns: model turns per episode at most (``rollout.max_turns``).
+    max_tokens: tokens after the prompt per episode at most, the model's
+      and the environment's (``rollout.max_episode_tokens``); ``None``:
+      bounded by the context only.
+  """
+
+  factory: Factory
+  max_turns: int = 1
+  max_tokens: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Renderer:
+  """Chat messages as the policy's tokens.
+
+  Without ``chat`` the messages' contents are shown as plain text, one per
+  line, and an environment's messages after a model turn as their contents
+  on lines of their own. With ``chat`` the tokenizer's chat template renders
+  the conversation as transformers does, turn by turn: the environment's
+  tokens are the template's text between the model's turn (as sampled) and
+  the next assistant turn.
+
+  Attributes:
+    tokenizer: a ``transformers`` tokenizer.
+    chat: render with the tokenizer's chat template.
+    system_prompt: with ``chat``, a system message before the opening ones.
+
+  Example:
+    >>> from logra_jax.data.tokenizer import char_tokenizer
+    >>> renderer = Renderer(char_tokenizer())
+    >>> renderer.tokenizer.decode(renderer.environment_ids(
+    ...     [], "", False, [{"role": "tool", "content": "42"}]))
+    '\\n42\\n'
+  """
+
+  tokenizer: Any
+  chat: bool = False
+  system_prompt: Optional[str] = None
+
+  def _template(self, messages: list[Message], generation: bool) -> str:
+    return self.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation
+    )
+
+  def opening(self, messages: list[Message]) -> list[Message]:
+    """The messages the template sees first (the system prompt added)."""
+    if self.chat and self.system_prompt is not None:
+      return [{"role": "system", "content": self.system_prompt}, *messages]
+    return list(messages)
+
+  def prompt_ids(self, messages: list[Message]) -> list[int]:
+    """The opening messages' tokens, the assistant's turn opened."""
+    if not self.chat:
+      text = "\n".join(m["content"] for m in messages)
+      return self.tokenizer(text)["input_ids"]
+    text = self._template(messages, generation=True)
+    return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+  def environment_ids(
+      self,
+      conversation: list[Message],
+      turn_text: str,
+      stopped: bool,
+      messages: list[Message],
+  ) -> list[int]:
+    """The tokens of the environment's ``messages`` after the model's turn.
+
+    Args:
+      conversation: the messages before the model's turn.
+      turn_text: the model's turn, decoded without its stop token.
+      stopped: the turn's tokens end with the sampler's stop token.
+      messages: the environment's messages.
+
+    Returns:
+      The token ids shown between the turn and the model's next turn.
+
+    Raises:
+      ValueError: a chat template whose rendering with ``messages`` does not
+        extend its rendering without them.
+    """
+    if not self.chat:
+      text = "\n" + "\n".join(m["content"] for m in messages) + "\n"
+      return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    turn = [*conversation, {"role": "assistant", "content": turn_text}]
+    before = self._template(turn, generation=False)
+    after = self._template([*turn, *messages], generation=True)
+    end = before.rfind(turn_text) + len(turn_text)
+    if not after.startswith(before) or end < len(turn_text):
+      raise ValueError(
+          "the chat template does not render the conversation turn by turn"
+      )
+    closing = before[end:]  # what the template writes after the turn
+    if stopped:  # the sampled stop token wrote the first of it
+      stop_text = self.tokenizer.eos_token or ""
+      closing = (
+          closing[len(stop_text) :]
+          if closing.startswith(stop_text)
+          else closing
+      )
+    text = closing + after[len(before) :]
+    return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclasses.dataclass
+class Episode:
+  """One episode as it is played.
+
+  Attributes:
+    environment: the episode's environment (``None`` once it failed).
+    conversation: the chat messages so far.
+    prompt_ids: the opening messages' tokens.
+    turns: the model's tokens of each turn.
+    logprobs: the sampler's log-probabilities of each turn's tokens.
+    contexts: the environment's tokens after each turn but the last.
+    answer: what the run's rewards score (set when the episode ends).
+    reward: the environment's rewards, summed.
+    tool_calls: tool calls run.
+    failures: failed steps (environment errors included).
+    truncated: ended by the turn, token or context bound, not by the
+      environment.
+    done: over.
+  """
+
+  environment: Optional[Environment]
+  conversation: list[Message]
+  prompt_ids: list[int]
+  turns: list[list[int]] = dataclasses.field(default_factory=list)
+  logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+  contexts: list[list[int]] = dataclasses.field(default_factory=list)
+  answer: str = ""
+  reward: float = 0.0
+  tool_calls: int = 0
+  failures: int = 0
+  truncated: bool = False
+  done: bool = False
+
+  def history(self) -> list[int]:
+    """The tokens the model's next turn follows."""
+    ids = list(self.prompt_ids)
+    for turn, context in zip(self.turns, self.contexts):
+      ids += turn + context
+    return ids
+
+  def used(self) -> int:
+    """Tokens after the prompt so far."""
+    return sum(map(len, self.turns)) + sum(map(len, self.contexts))
+
+
+def start(factory: Factory, example: Mapping[str, Any], renderer: Renderer):
+  """A new episode on ``example``; an environment that fails to start
+  gives a failed episode of the bare prompt (no turns)."""
+  try:
+    environment = factory()
+    messages = _checked_messages(environment.reset(example), "reset")
+  except Exception:  # noqa: BLE001 -- user code: a failed episode.
+    messages = [{"role": "user", "content": str(example["prompt"])}]
+    episode = Episode(None, messages, renderer.prompt_ids(messages))
+    episode.failures, episode.done = 1, True
+    return episode
+  messages = renderer.opening(messages)
+  return Episode(environment, messages, renderer.prompt_ids(messages))
+
+
+def _checked_messages(messages: Any, method: str) -> list[Message]:
+  """``messages`` if it is a list of role/content string dicts."""
+  if not isinstance(messages, list) or not all(
+      isinstance(m, dict)
+      and isinstance(m.get("role"), str)
+      and isinstance(m.get("content"), str)
+      for m in messages
+  ):
+    raise TypeError(f"{method} returned {type(messages).__name__}, not a list")
+  return messages
+
+
+def cut_at(tokens: list[int], stop_strings: Sequence[str], decode) -> int:
+  """How many of ``tokens`` a turn keeps: up to the end of the first stop
+  string in their text, or all of them.
+
+  Example:
+    >>> cut_at([1, 2, 3, 4], ["c"], lambda ids: "abcd"[: len(ids)])
+    3
+  """
+  text = decode(tokens)
+  if not any(s in text for s in stop_strings):
+    return len(tokens)
+  low, high = 1, len(tokens)  # the shortest prefix whose text holds one
+  while low < high:
+    middle = (low + high) // 2
+    if any(s in decode(tokens[:middle]) for s in stop_strings):
+      high = middle
+    else:
+      low = middle + 1
+  return low
+
+
+def _step(episode: Episode, text: str) -> StepResult:
+  """The environment's answer to a turn; an error or a malformed answer is
+  a failed step that ends the episode."""
+  try:
+    result = episode.environment.step(text)
+    if not isinstance(result, StepResult):
+      raise TypeError(f"step returned {type(result).__name__}")
+    _checked_messages(result.messages, "step")
+    if result.reward is not None:
+      float(result.reward)
+    return result
+  except Exception:  # noqa: BLE001 -- user code: a failed episode.
+    return StepResult(done=True, failed=True)
+
+
+def play_turn(
+    episode: Episode,
+    tokens: list[int],
+    logprobs: list[float],
+    renderer: Renderer,
+    stop_ids: Sequence[int],
+    last: bool,
+    room: int,
+) -> None:
+  """Adds a model turn (already cut) to ``episode`` and the environment's
+  answer; ends the episode when the environment, ``last`` or ``room`` (the
+  tokens the next turn's history may hold) says so."""
+  stopped = bool(tokens) and tokens[-1] in stop_ids
+  text = renderer.tokenizer.decode(
+      tokens[:-1] if stopped else tokens, skip_special_tokens=True
+  )
+  episode.turns.append(list(tokens))
+  episode.logprobs.append(list(logprobs))
+  result = _step(episode, text)
+  episode.reward += float(result.reward or 0.0)
+  episode.tool_calls += int(result.tool_calls)
+  episode.failures += int(result.failed)
+  episode.answer = text if result.answer is None else result.answer
+  if result.done:
+    episode.done = True
+    return
+  try:
+    context = renderer.environment_ids(
+        episode.conversation, text, stopped, result.messages
+    )
+  except Exception:  # noqa: BLE001 -- a template that cannot render it.
+    episode.failures += 1
+    episode.done = True
+    return
+  episode.conversation += [{"role": "assistant", "content": text}]
+  episode.conversation += result.messages
+  if last or len(episode.history()) + len(tokens) + len(context) > room:
+    episode.truncated = episode.done = True
+    return
+  episode.contexts.append(context)
+
+
+def run_episodes(
+    config: EpisodeConfig,
+    examples: Sequence[Mapping[str, Any]],
+    renderer: Renderer,
+    sample_turn: SampleTurn,
+    *,
+    stop_ids: Sequence[int],
+    context: int,
+) -> list[Episode]:
+  """Plays one episode per example, all turns of a round sampled at once.
+
+  Args:
+    config: the environment and the bounds.
+    examples: one per episode (a GRPO group repeats its example).
+    renderer: messages to tokens.
+    sample_turn: samples one turn of every episode's history.
+    stop_ids: the sampler's stop tokens.
+    context: the longest history a turn may follow (the sampler's context
+      less the turn's tokens).
+
+  Returns:
+    The episodes, in the order of ``examples``.
+  """
+  episodes = [start(config.factory, e, renderer) for e in examples]
+  budget = config.max_tokens or np.iinfo(np.int64).max
+  decode = lambda ids: renderer.tokenizer.decode(ids)  # noqa: E731
+  for turn in range(config.max_turns):
+    if all(e.done for e in episodes):
+      break
+    tokens_NxT, logprobs_NxT, lengths_N = sample_turn(
+        [e.history() for e in episodes], turn
+    )
+    for i, episode in enumerate(episodes):
+      if episode.done:
+        continue
+      tokens = [int(t) for t in tokens_NxT[i, : lengths_N[i]]]
+      stops = getattr(episode.environment, "stop_strings", ())
+      keep = min(cut_at(tokens, stops, decode), budget - episode.used())
+      play_turn(
+          episode,
+          tokens[:keep],
+          [float(x) for x in logprobs_NxT[i, :keep]],
+          renderer,
+          stop_ids,
+          last=turn == config.max_turns - 1,
+          room=min(context, len(episode.prompt_ids) + budget - 1),
+      )
+  return episodes
+
+
+def episode_sequence(episode: Episode) -> tuple[list[int], list[int]]:
+  """The episode's tokens after the prompt and their loss mask (1 on the
+  model's tokens, 0 on the environment's).
+
+  Example:
+    >>> episode = Episode(None, [], [1], turns=[[5, 6], [7]], contexts=[[9]])
+    >>> episode_sequence(episode)
+    ([5, 6, 9, 7], [1, 1, 0, 1])
+  """
+  ids, mask = [], []
+  for j, turn in enumerate(episode.turns):
+    ids += turn
+    mask += [1] * len(turn)
+    if j < len(episode.contexts):
+      ids += episode.contexts[j]
+      mask += [0] * len(episode.contexts[j])
+  return ids, mask
+
+
+class TurnRows(NamedTuple):
+  """Episodes as the learner's rows, ``max_turns`` per episode (module
+  docstring): prompts left-padded, turns right-padded, numpy arrays."""
+
+  prompt_ids_RxP: np.ndarray
+  prompt_mask_RxP: np.ndarray
+  tokens_RxT: np.ndarray
+  mask_RxT: np.ndarray
+  logprobs_RxT: np.ndarray
+  lengths_R: np.ndarray
+
+
+def turn_rows(
+    episodes: Sequence[Episode],
+    max_turns: int,
+    width: int,
+    pad_id: int = 0,
+    bucket: int = 1,
+) -> TurnRows:
+  """The rows of ``episodes``: row ``e * max_turns + j`` is turn ``j`` of
+  episode ``e`` after its history; rows of turns not taken keep the
+  episode's prompt and no tokens.
+
+  Args:
+    episodes: played episodes.
+    max_turns: rows per episode.
+    width: completion columns (at least the longest turn).
+    pad_id: the filler id.
+    bucket: the prompts' width is a multiple of it (the sampler's bucket
+      size, so that the learner compiles for a few widths only).
+
+  Returns:
+    The :class:`TurnRows`.
+
+  Example:
+    >>> episode = Episode(None, [], [1], turns=[[5, 6], [7]],
+    ...                   logprobs=[[-1., -2.], [-3.]], contexts=[[9]])
+    >>> rows = turn_rows([episode], 2, 3)
+    >>> rows.prompt_ids_RxP.tolist(), rows.tokens_RxT.tolist()
+    ([[0, 0, 0, 1], [1, 5, 6, 9]], [[5, 6, 0], [7, 0, 0]])
+  """
+  histories, turns, logprobs = [], [], []
+  for episode in episodes:
+    history = list(episode.prompt_ids)
+    for j in range(max_turns):
+      taken = j < len(episode.turns)
+      histories.append(list(history if taken else episode.prompt_ids))
+      turns.append(episode.turns[j] if taken else [])
+      logprobs.append(episode.logprobs[j] if taken else [])
+      if taken and j < len(episode.contexts):
+        history += episode.turns[j] + episode.contexts[j]
+  longest = -(-max(map(len, histories)) // bucket) * bucket
+  rows = len(histories)
+  prompt_ids = np.full((rows, longest), pad_id, np.int32)
+  prompt_mask = np.zeros((rows, longest), np.int32)
+  tokens = np.full((rows, width), pad_id, np.int32)
+  mask = np.zeros((rows, width), np.int32)
+  logp = np.zeros((rows, width), np.float32)
+  for r, (history, turn, lp) in enumerate(zip(histories, turns, logprobs)):
+    prompt_ids[r, longest - len(history) :] = history
+    prompt_mask[r, longest - len(history) :] = 1
+    tokens[r, : len(turn)] = turn
+    mask[r, : len(turn)] = 1
+    logp[r, : len(turn)] = lp
+  return TurnRows(prompt_ids, prompt_mask, tokens, mask, logp, mask.sum(axis=1))

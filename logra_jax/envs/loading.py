@@ -1,0 +1,120 @@
+"""Environments by name, import path or file path, checked before a run.
+
+``task.environment`` names a factory: ``"calculator"`` (shipped),
+``"package.module:factory"`` or ``"path/to/file.py:factory"``. The factory
+takes no arguments and returns a new :class:`~logra_jax.envs.base.Environment`
+(one per episode): an object with ``reset`` and ``step`` methods.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Callable
+
+from logra_jax.envs.base import Environment
+from logra_jax.envs.calculator import calculator
+
+Factory = Callable[[], Environment]
+
+SHIPPED: dict[str, Factory] = {"calculator": calculator}
+
+
+def _import(spec: str, where: str):
+  """The module at ``where`` (a dotted name or a ``.py`` file)."""
+  if where.endswith(".py"):
+    if not os.path.isfile(where):
+      raise FileNotFoundError(
+          f"task.environment={spec!r}: file {where} not found"
+      )
+    name = "logra_environment_" + os.path.splitext(os.path.basename(where))[0]
+    module_spec = importlib.util.spec_from_file_location(name, where)
+    module = importlib.util.module_from_spec(module_spec)
+    load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
+  else:
+    module = None
+    load = lambda: importlib.import_module(where)  # noqa: E731
+  try:
+    loaded = load()
+  except (Exception, SystemExit) as e:  # noqa: BLE001 -- user code's import.
+    raise ValueError(
+        f"task.environment={spec!r}: {where} does not import: "
+        f"{type(e).__name__}: {e}"
+    ) from None
+  return module if module is not None else loaded
+
+
+def check_spec(spec: str) -> None:
+  """Raises ValueError unless ``spec`` is a shipped name or has the form
+  ``where:factory``.
+
+  Example:
+    >>> check_spec("calculator")
+  """
+  where, sep, name = spec.rpartition(":")
+  if spec not in SHIPPED and not (sep and where and name):
+    raise ValueError(
+        f"task.environment={spec!r} must be one of {sorted(SHIPPED)}, "
+        "package.module:factory or path/to/file.py:factory"
+    )
+
+
+def load_environment(spec: str) -> Factory:
+  """The environment factory ``spec`` names, tried once.
+
+  The factory is called once here and what it returns must have callable
+  ``reset`` and ``step``, so that a bad environment fails before a run
+  compiles anything.
+
+  Args:
+    spec: a name of :data:`SHIPPED`, ``"package.module:factory"`` or
+      ``"path/to/file.py:factory"`` (relative to the working directory).
+
+  Returns:
+    The factory.
+
+  Raises:
+    ValueError: an unknown name, a module that does not import, no such
+      attribute, a factory that is not callable, raises, or returns
+      something without ``reset`` and ``step``; one line naming ``spec``.
+    FileNotFoundError: a ``.py`` file that does not exist.
+
+  Example:
+    >>> load_environment("calculator")().reset({"prompt": "2*3="})
+    [{'role': 'user', 'content': '2*3='}]
+  """
+  check_spec(spec)
+  if spec in SHIPPED:
+    factory = SHIPPED[spec]
+  else:
+    where, _, name = spec.rpartition(":")
+    factory = getattr(_import(spec, where), name, None)
+    if factory is None:
+      raise ValueError(
+          f"task.environment={spec!r}: {where} has no attribute {name!r}"
+      )
+  if not callable(factory):
+    raise ValueError(
+        f"task.environment={spec!r}: {type(factory).__name__} is not "
+        "callable; it must be a factory returning an environment"
+    )
+  try:
+    environment = factory()
+  except Exception as e:  # noqa: BLE001 -- user code, reported in one line.
+    raise ValueError(
+        f"task.environment={spec!r}: the factory raised "
+        f"{type(e).__name__}: {e}"
+    ) from None
+  missing = [
+      method
+      for method in ("reset", "step")
+      if not callable(getattr(environment, method, None))
+  ]
+  if missing:
+    raise ValueError(
+        f"task.environment={spec!r}: the factory returned a "
+        f"{type(environment).__name__} without {' and '.join(missing)}; an "
+        "environment has reset(example) and step(model_message)"
+    )
+  return factory

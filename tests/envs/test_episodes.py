@@ -1,0 +1,123 @@
+"""Episodes played against a scripted sampler: turns, the environment's
+tokens between them, their bounds, and failures counted, never raised."""
+
+import numpy as np
+import pytest
+
+from logra_jax import envs
+from logra_jax.data.tokenizer import char_tokenizer
+
+TOKENIZER = char_tokenizer()
+EOS = TOKENIZER.eos_token_id
+RENDERER = envs.Renderer(TOKENIZER)
+
+
+def ids(text):
+  return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+def scripted(turns, width=40):
+  """A sampler whose episode ``i`` writes ``turns[i][j]`` at turn ``j``
+  (an eos after a text ending in ``$``); records the histories it saw."""
+  seen = []
+
+  def sample_turn(histories, turn):
+    seen.append([list(h) for h in histories])
+    tokens = np.zeros((len(histories), width), np.int32)
+    lengths = np.zeros(len(histories), np.int32)
+    for i, script in enumerate(turns):
+      text = script[turn] if turn < len(script) else "?"
+      row = ids(text.rstrip("$")) + ([EOS] if text.endswith("$") else [])
+      tokens[i, : len(row)], lengths[i] = row, len(row)
+    logprobs = -np.arange(1, width + 1, dtype=np.float32)[None] / 10
+    return tokens, np.repeat(logprobs, len(histories), 0), lengths
+
+  return sample_turn, seen
+
+
+def play(turns, factory=envs.Calculator, context=64, **bounds):
+  sample_turn, seen = scripted(turns)
+  config = envs.EpisodeConfig(factory, **bounds)
+  examples = [{"prompt": "12*3="}] * len(turns)
+  played = envs.run_episodes(
+      config, examples, RENDERER, sample_turn, stop_ids=[EOS], context=context
+  )
+  return played, seen
+
+
+def test_a_tool_call_turn_is_cut_at_its_tag_and_the_result_follows_it():
+  (episode,), seen = play([["<calc>12*3</calc> junk", "36$"]], max_turns=3)
+  prompt = TOKENIZER("12*3=")["input_ids"]
+  result = ids("\n<result>36</result>\n")
+  assert episode.prompt_ids == prompt
+  assert episode.turns == [ids("<calc>12*3</calc>"), ids("36") + [EOS]]
+  assert episode.contexts == [result]
+  # The second turn followed exactly what was sampled, then the result.
+  assert seen[1][0] == prompt + ids("<calc>12*3</calc>") + result
+  assert len(seen) == 2  # the answer ended the episode before turn 3
+  assert episode.logprobs[0] == pytest.approx(
+      list(-np.arange(1, 18, dtype=np.float32) / 10)
+  )
+  assert (episode.answer, episode.tool_calls, episode.failures) == ("36", 1, 0)
+  assert episode.done and not episode.truncated
+  sequence, mask = envs.episode_sequence(episode)
+  assert sequence == episode.turns[0] + result + episode.turns[1]
+  assert mask == [1] * 17 + [0] * len(result) + [1] * 3
+
+
+def test_turn_rows_put_each_turn_after_its_history():
+  (episode,), _ = play([["<calc>12*3</calc>", "36$"]], max_turns=3)
+  rows = envs.turn_rows([episode], 3, width=20)
+  history = episode.prompt_ids + episode.turns[0] + episode.contexts[0]
+  assert rows.prompt_ids_RxP.shape == (3, len(history))
+  np.testing.assert_array_equal(rows.prompt_ids_RxP[1], history)
+  assert rows.prompt_mask_RxP.sum(1).tolist() == [6, len(history), 6]
+  assert rows.lengths_R.tolist() == [17, 3, 0]  # the third turn not taken
+  np.testing.assert_array_equal(rows.tokens_RxT[1, :3], episode.turns[1])
+  np.testing.assert_array_equal(rows.logprobs_RxT[2], 0.0)
+
+
+def test_episodes_stop_at_max_turns_and_at_the_token_budget():
+  calls = ["<calc>1+1</calc>"] * 3
+  (turns,), _ = play([calls], max_turns=2)
+  assert len(turns.turns) == 2 and turns.truncated and turns.tool_calls == 2
+  (budget,), _ = play([calls], max_turns=3, max_tokens=20)
+  assert budget.truncated and len(budget.turns) == 1  # no room for a turn
+  (cut,), _ = play([["<calc>1+1</calc>"]], max_turns=1, max_tokens=5)
+  assert cut.turns == [ids("<calc")]  # the budget cuts the turn itself
+
+
+def test_an_episode_ends_where_the_next_turn_would_not_fit_the_context():
+  (episode,), seen = play([["<calc>1+1</calc>"] * 2], max_turns=2, context=30)
+  assert episode.truncated and len(episode.turns) == 1 and len(seen) == 1
+
+
+class Raising:
+
+  def __init__(self, where):
+    self.where = where
+
+  def reset(self, example):
+    if self.where == "reset":
+      raise RuntimeError("down")
+    return [{"role": "user", "content": example["prompt"]}]
+
+  def step(self, model_message):
+    if self.where == "step":
+      raise RuntimeError("down")
+    return "not a StepResult"
+
+
+@pytest.mark.parametrize("where", ["reset", "step", "result"])
+def test_an_environment_that_fails_is_a_counted_failed_episode(where):
+  (episode,), _ = play([["36$"]], lambda: Raising(where), max_turns=2)
+  assert episode.done and episode.failures == 1
+  assert len(episode.turns) == (0 if where == "reset" else 1)
+
+
+def test_a_bad_call_is_answered_and_counted_and_the_episode_goes_on():
+  script = ["<sql>drop</sql>", "<calc>1/0</calc>", "<answer>7</answer>"]
+  (episode,), _ = play([script], max_turns=3, context=200)
+  assert (episode.failures, episode.tool_calls) == (2, 2)
+  assert episode.answer == "7" and not episode.truncated
+  assert "unknown tool" in TOKENIZER.decode(episode.contexts[0])
