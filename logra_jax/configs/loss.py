@@ -21,6 +21,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("clip", "gspo", "gspo_token", "cispo")
 IMPORTANCE_LEVELS = ("token", "sequence")
+# Corrections of the sampler-to-learner mismatch (``rl.losses.rollout_weights``).
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,15 @@ class LossConfig:
     mask_truncated: completions cut by ``rollout.max_new_tokens`` (no stop
       token) are masked from the loss (DAPO's overlong filtering); they keep
       their place in their group's advantages.
+    rollout_correction: one of :data:`ROLLOUT_CORRECTIONS`: how the loss
+      corrects for the sampler's log-probs not being the learner's
+      (``rl.algo.loss_terms``): ``"tis"`` (the default: truncated importance
+      sampling, on because no rollout engine's log-probs are bitwise the
+      learner's), ``"mis"`` (masked importance sampling) or ``"none"`` (the
+      sampler's log-probs are the ratio's old policy, uncorrected).
+    rollout_correction_cap: the importance weight's cap ``C`` of ``"tis"``
+      (weights above it are cut to it) and ``"mis"`` (tokens whose weight is
+      above it are dropped); finite and > 0 (TRL's and verl's default 2).
   """
 
   policy_loss: str = "clip"
@@ -79,6 +90,8 @@ class LossConfig:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   mask_truncated: bool = False
+  rollout_correction: str = "tis"
+  rollout_correction_cap: float = 2.0
 
   def __post_init__(self):
     check_choice("loss.policy_loss", self.policy_loss, POLICY_LOSSES)
@@ -111,6 +124,12 @@ class LossConfig:
     check_range("loss.overlong_penalty", self.overlong_penalty, ge=0)
     check_choice("loss.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     check_choice("loss.aggregation", self.aggregation, AGGREGATIONS)
+    check_choice(
+        "loss.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS
+    )
+    check_range(
+        "loss.rollout_correction_cap", self.rollout_correction_cap, gt=0
+    )
     if self.aggregation == "seq-mean-token-sum-norm" and self.max_len is None:
       raise ValueError(
           "loss.aggregation='seq-mean-token-sum-norm' needs loss.max_len, "

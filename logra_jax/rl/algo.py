@@ -242,6 +242,41 @@ def _logprob_gap(
   }
 
 
+def _policy_loss(
+    logp_BxT, rollout_logp_BxT, proximal_logp_BxT, mask_BxT, adv_B, config
+) -> tuple[Array, Metrics]:
+  """The per-token policy loss of :func:`loss_terms` (weighted under a rollout
+  correction) and its metrics, from clean float32 inputs."""
+  if config.rollout_correction == "none":
+    old_logp_BxT, weight_BxT, metrics = rollout_logp_BxT, None, {}
+  else:
+    old_logp_BxT = proximal_logp_BxT
+    weight_BxT, metrics = losses.rollout_weights(
+        proximal_logp_BxT,
+        rollout_logp_BxT,
+        mask_BxT,
+        config.rollout_correction,
+        config.rollout_correction_cap,
+    )
+  extra = {}
+  if config.policy_loss == "cispo":
+    extra = {"importance_level": config.importance_level or "token"}
+  pg_loss_BxT, pg_metrics = losses.POLICY_LOSSES[config.policy_loss](
+      logp_BxT,
+      old_logp_BxT,
+      mask_BxT,
+      adv_B,
+      config.eps_low,
+      config.eps_high,
+      **extra,
+  )
+  metrics.update(pg_metrics)
+  metrics.update(_logprob_gap(logp_BxT, rollout_logp_BxT, mask_BxT))
+  if weight_BxT is not None:
+    pg_loss_BxT = weight_BxT * pg_loss_BxT
+  return pg_loss_BxT, metrics
+
+
 def loss_terms(
     logp_BxT: Array,
     mask_BxT: Array,
@@ -249,6 +284,7 @@ def loss_terms(
     old_logp_BxT: Array | None = None,
     ref_logp_BxT: Array | None = None,
     config: LossConfig = LossConfig(),
+    proximal_logp_BxT: Array | None = None,
 ) -> tuple[Array, Array, Metrics]:
   r"""Policy-gradient loss of one (micro-)batch as a (numerator, denominator) pair.
 
@@ -263,6 +299,22 @@ def loss_terms(
 
   with ratio :math:`\rho = \exp(\log\pi_\theta - \log\pi_{old})` and the sequence's
   advantage :math:`A`.
+
+  **Rollout correction** (``config.rollout_correction``): the sampler's log-probs
+  :math:`q` (``old_logp_BxT``) are not bitwise the learner's (another dtype, kernels or
+  process, a stale policy). Under ``"tis"`` (the default) or ``"mis"`` the loss is
+  decoupled PPO: :math:`\rho = \exp(\log\pi_\theta - p)` with the *proximal*
+  log-probs :math:`p`, the learner's under the weights at the batch's first update
+  (``proximal_logp_BxT``; ``None``: :math:`\mathrm{sg}(\log\pi_\theta)`, exact with
+  one update per batch), and each token's policy loss is multiplied by the
+  stop-gradient weight :math:`w = \exp(p - q)`, truncated or masked at
+  ``config.rollout_correction_cap`` (:func:`losses.rollout_weights`):
+  :math:`\ell = \operatorname{trunc}_C(w)\, \ell^{pg}(\rho) + \beta\,\mathrm{KL}`.
+  The weight is per token for every policy loss, the sequence-level ones too (each
+  token's share of its sequence's loss carries its own weight, TRL's ``token_*`` and
+  verl's token-level modes; a sequence weight, a product of token ratios, under- or
+  overflows on long completions); the KL term is not weighted (as in TRL and verl).
+  ``"none"``: :math:`\rho = \exp(\log\pi_\theta - q)`, no weight.
 
   The aggregation gives ``numerator`` and ``denominator`` such that summing both over
   micro-batches and calling :func:`finalize` once equals the full-batch loss exactly:
@@ -282,17 +334,22 @@ def loss_terms(
     mask_BxT: 1 for completion tokens, 0 for padding (bool, int or float); values of the
       other inputs at padding are ignored, even if infinite or NaN.
     adv_B: one advantage per sequence.
-    old_logp_BxT: log-probabilities under the policy that sampled the data; ``None`` means
-      on-policy (``stop_gradient(logp_BxT)``, ratio 1).
+    old_logp_BxT: log-probabilities under the policy that sampled the data (the
+      sampler's); ``None`` means on-policy (``stop_gradient(logp_BxT)``, ratio 1).
     ref_logp_BxT: reference-policy log-probabilities; needed when ``config.beta > 0``, may be
       ``None`` otherwise. When given with ``beta == 0`` the KL is still reported.
     config: a :class:`LossConfig`.
+    proximal_logp_BxT: with a rollout correction, the learner's log-probabilities under
+      the weights at the batch's first update (needed when a batch gets several
+      updates); ``None``: ``stop_gradient(logp_BxT)``. Unused by ``"none"``.
 
   Returns:
     ``(numerator, denominator, metrics)``: two float32 scalars and a dict mapping metric name
     to a ``(sum, count)`` pair of scalars (the policy loss's metrics, e.g. ``clip_fraction``,
     ``clip_low_fraction``, ``clip_high_fraction``, ``ratio_mean`` for ``clip``; ``pg_loss``
-    over tokens, and ``kl_ref`` when a reference is given); see :func:`finalize_metrics`.
+    over tokens, ``kl_ref`` when a reference is given, ``rollout/logprob_gap_*``, and
+    ``rollout/is_weight_mean`` and ``rollout/is_truncated_fraction`` under a rollout
+    correction); see :func:`finalize_metrics`.
 
   Example:
     >>> logp = jnp.log(jnp.array([[0.5, 0.5], [0.2, 0.0]]))
@@ -302,6 +359,11 @@ def loss_terms(
 
   Raises:
     ValueError: when ``config.beta > 0`` and ``ref_logp_BxT`` is None, or shapes disagree.
+
+  References:
+    Hilton, Cobbe, Schulman, Batch size-invariance for policy optimization, 2022 (arXiv
+    2110.00641), the decoupled objective; for TIS and MIS see
+    :func:`losses.rollout_weights`.
   """
   if (
       logp_BxT.ndim != 2
@@ -322,28 +384,18 @@ def loss_terms(
   valid_BxT = mask_BxT.astype(bool)
   clean = lambda x_BxT: jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
   logp_BxT = clean(logp_BxT)
-  old_logp_BxT = (
-      jax.lax.stop_gradient(logp_BxT)
-      if old_logp_BxT is None
-      else clean(old_logp_BxT)
+  own = lambda x_BxT: (
+      jax.lax.stop_gradient(logp_BxT) if x_BxT is None else clean(x_BxT)
   )
   mask_BxT = valid_BxT.astype(jnp.float32)
-  adv_B = adv_B.astype(jnp.float32)
-
-  if config.policy_loss == "cispo":
-    extra = {"importance_level": config.importance_level or "token"}
-  else:
-    extra = {}
-  pg_loss_BxT, metrics = losses.POLICY_LOSSES[config.policy_loss](
+  pg_loss_BxT, metrics = _policy_loss(
       logp_BxT,
-      old_logp_BxT,
+      own(old_logp_BxT),
+      own(proximal_logp_BxT),
       mask_BxT,
-      adv_B,
-      config.eps_low,
-      config.eps_high,
-      **extra,
+      adv_B.astype(jnp.float32),
+      config,
   )
-  metrics.update(_logprob_gap(logp_BxT, old_logp_BxT, mask_BxT))
   loss_BxT = pg_loss_BxT
   kl_BxT = None
   if ref_logp_BxT is not None:
@@ -432,6 +484,9 @@ class RolloutBatch:
     advantages_B: float32 per-completion advantages.
     num_generations: completions per prompt (static).
     ref_logp_BxT: float32 reference log-probabilities, or ``None`` when ``beta == 0``.
+    proximal_logp_BxT: float32 log-probabilities under the learner's weights at the
+      batch's first update (``rl.learner.make_proximal_logprobs``), or ``None``: then
+      each update takes its own (right when a batch gets one update).
   """
 
   prompt_tokens_BxP: Array
@@ -442,6 +497,7 @@ class RolloutBatch:
   advantages_B: Array
   num_generations: int = flax.struct.field(pytree_node=False)
   ref_logp_BxT: Array | None = None
+  proximal_logp_BxT: Array | None = None
 
   @property
   def batch_size(self) -> int:
@@ -515,6 +571,7 @@ class RolloutBatch:
         completion_mask_BxT=right(self.completion_mask_BxT),
         old_logp_BxT=right(self.old_logp_BxT),
         ref_logp_BxT=right(self.ref_logp_BxT),
+        proximal_logp_BxT=right(self.proximal_logp_BxT),
     )
 
 

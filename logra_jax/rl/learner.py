@@ -70,7 +70,10 @@ def make_train_step(
   ``kl/scale`` the scale, and ``kl/skipped`` counts the steps dropped so far
   for an invalid prediction. Under LoGRA, ``projector/non_finite`` counts the
   refreshed projectors refused so far for not being finite
-  (``optim.project``).
+  (``optim.project``). Under a rollout correction (``loss.rollout_correction``)
+  the proximal log-probs are the batch's ``proximal_logp_BxT``
+  (:func:`make_proximal_logprobs` fills them, as the learner does when a batch
+  gets ``num_iterations > 1`` updates), or else each update's own.
 
   With ``shardings = (params, opt_state, batch)`` (trees of ``NamedSharding``
   from :mod:`logra_jax.parallel`), the step is jitted with those explicit
@@ -95,6 +98,76 @@ def make_train_step(
       donate_argnums=(0, 1),
       in_shardings=(params_sharding, state_sharding, batch_sharding),
       out_shardings=(params_sharding, state_sharding, replicated),
+  )
+
+
+def make_proximal_logprobs(
+    graphdef: nnx.GraphDef,
+    config: TrainConfig,
+    shardings: tuple[Any, Any, Any] | None = None,
+    activation_rules: dict[str, Any] | None = None,
+) -> Callable | None:
+  """Builds the jitted ``(weights, opt_state, batch) -> batch`` that fills
+  ``batch.proximal_logp_BxT`` with the learner's float32 log-probs of the
+  completion tokens under its weights as they are (call it before a batch's
+  first update); None where the train step takes its own: one update per
+  batch (``config.num_iterations == 1``) or ``loss.rollout_correction``
+  ``"none"``.
+
+  The ``config.num_iterations`` updates of a batch then share the proximal
+  policy of the rollout correction (``rl.algo.loss_terms``), never the moving
+  weights. A forward pass of its own (the weights as the model consumes
+  them, ``policy_state.model_view``): on the first update its log-probs may
+  differ from the train step's by float rounding (another program, and a
+  refresh merges the window before the step's forward pass).
+
+  Args:
+    graphdef: the policy's graph definition.
+    config: the run's configuration.
+    shardings: optional ``(weights, opt_state, batch)`` shardings as for
+      :func:`make_train_step`; the output batch has the batch's sharding,
+      ``proximal_logp_BxT`` split like the completions.
+    activation_rules: logical axis -> mesh axes, with ``shardings``.
+
+  Returns:
+    The jitted function, or None.
+
+  Example:
+    >>> from logra_jax import configs
+    >>> config = configs.get_preset("smoke")
+    >>> make_proximal_logprobs(None, config) is None   # one update per batch
+    True
+  """
+  if config.num_iterations == 1 or config.loss.rollout_correction == "none":
+    return None
+
+  def fill(weights, opt_state, batch: algo.RolloutBatch) -> algo.RolloutBatch:
+    logp_BxT = models.token_logprobs(
+        graphdef,
+        policy_state.model_view(weights, opt_state),
+        batch.prompt_tokens_BxP,
+        batch.prompt_mask_BxP,
+        batch.completion_tokens_BxT,
+        batch.completion_mask_BxT,
+        temperature=config.rollout.temperature,
+    )
+    return batch.replace(proximal_logp_BxT=logp_BxT.astype(jnp.float32))
+
+  if shardings is None:
+    return jax.jit(fill)
+  weights_sharding, state_sharding, batch_sharding = shardings
+  mesh = jax.tree.leaves(weights_sharding)[0].mesh
+
+  def sharded_fill(weights, opt_state, batch):
+    with parallel.activation_sharding(mesh, activation_rules):
+      return fill(weights, opt_state, batch)
+
+  return jax.jit(
+      sharded_fill,
+      in_shardings=(weights_sharding, state_sharding, batch_sharding),
+      out_shardings=batch_sharding.replace(
+          proximal_logp_BxT=batch_sharding.completion_mask_BxT
+      ),
   )
 
 
@@ -277,6 +350,7 @@ class _TrainStep:
         micro.old_logp_BxT,
         micro.ref_logp_BxT,
         self.config.loss,
+        micro.proximal_logp_BxT,
     )
     mask_BxT = micro.completion_mask_BxT.astype(jnp.float32)
     metrics["entropy"] = (

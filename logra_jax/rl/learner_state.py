@@ -32,6 +32,7 @@ class _Placement(NamedTuple):
   place_batch: Callable  # places a rollout batch
   train_step: Callable
   fill_reference: Optional[Callable]  # reference log-probs (loss.beta > 0)
+  fill_proximal: Optional[Callable]  # learner_lib.make_proximal_logprobs
   params_sharding: Any  # of the dense params
 
 
@@ -69,6 +70,7 @@ def _single_device_placement(
       place_batch=lambda batch: jax.device_put(batch, sharding),
       train_step=learner_lib.make_train_step(policy.graphdef, tx, config),
       fill_reference=fill_reference,
+      fill_proximal=learner_lib.make_proximal_logprobs(policy.graphdef, config),
       params_sharding=sharding,
   )
 
@@ -106,6 +108,14 @@ def _mesh_placement(
       if with_reference
       else rollout_sharding
   )
+  fill_proximal = learner_lib.make_proximal_logprobs(
+      policy.graphdef,
+      config,
+      shardings=(weights_sharding, state_sharding, batch_sharding),
+      activation_rules=parallel.PARTITION_RULES,
+  )
+  if fill_proximal is not None:
+    batch_sharding = batch_sharding.replace(proximal_logp_BxT=row(2))
   train_step = learner_lib.make_train_step(
       policy.graphdef,
       tx,
@@ -131,6 +141,7 @@ def _mesh_placement(
       place_batch=lambda batch: jax.device_put(batch, rollout_sharding),
       train_step=train_step,
       fill_reference=fill_reference,
+      fill_proximal=fill_proximal,
       params_sharding=params_sharding,
   )
 
@@ -236,10 +247,13 @@ class Learner:
 
   def prepare(self, batch: algo.RolloutBatch) -> algo.RolloutBatch:
     """A rollout batch placed for the train step, with its reference
-    log-probabilities when the loss has a KL term."""
+    log-probabilities when the loss has a KL term, and its proximal ones
+    when its updates share them."""
     batch = self._placement.place_batch(batch)
     if self._placement.fill_reference is not None:
       batch = self._placement.fill_reference(self.ref_params, batch)
+    if self._placement.fill_proximal is not None:
+      batch = self._placement.fill_proximal(self.weights, self.opt_state, batch)
     return batch
 
   def update(self, batch: algo.RolloutBatch) -> Update:

@@ -371,6 +371,76 @@ def cispo_loss(
   return loss_BxT, metrics
 
 
+def rollout_weights(
+    proximal_logp_BxT: Array,
+    rollout_logp_BxT: Array,
+    mask_BxT: Array,
+    correction: str,
+    cap: float,
+) -> tuple[Array, Metrics]:
+  r"""Importance weights of the sampler-to-learner mismatch, truncated
+  (``"tis"``) or masked (``"mis"``), per token.
+
+  With the learner's proximal log-probs :math:`p_t` and the sampler's
+  :math:`q_t` of the same sampled token,
+
+  .. math:: w_t = \exp(p_t - q_t), \qquad
+     \text{tis: } \min(w_t, C), \qquad
+     \text{mis: } w_t\,[w_t \le C]
+
+  (TRL's ``token_truncate`` and ``token_mask`` modes of
+  ``vllm_importance_sampling_correction``; verl's token-level rollout IS
+  weight, and its token-level rejection mask with the upper bound only:
+  verl also drops tokens below ``1 / C`` by default, here no weight below
+  the cap is dropped). A token masked by ``"mis"`` keeps its place in the
+  aggregation's count, as in TRL (verl's rejection also removes it there).
+  :func:`logra_jax.rl.algo.loss_terms` multiplies each token's policy loss
+  by the weight (its ratio then taken to the proximal log-probs).
+
+  Args:
+    proximal_logp_BxT: the learner's log-probs, 0 at padding.
+    rollout_logp_BxT: the sampler's log-probs, 0 at padding.
+    mask_BxT: 1 on completion tokens (float32).
+    correction: ``"tis"`` or ``"mis"``.
+    cap: :math:`C > 0`.
+
+  Returns:
+    ``(weight_BxT, metrics)``: the weights under ``stop_gradient`` (1 at
+    padding), ``rollout/is_weight_mean`` (of the weights applied) and
+    ``rollout/is_truncated_fraction`` (of the tokens with :math:`w_t > C`:
+    cut to ``C`` by ``"tis"``, dropped by ``"mis"``).
+
+  References:
+    Yao et al., Your efficient RL framework secretly brings you off-policy
+    RL training, 2025 (fengyao.notion.site/off-policy-rl): truncated IS.
+    Liu et al., When speed kills stability: demystifying RL collapse from
+    the training-inference mismatch, 2025 (richardli.xyz/rl-collapse):
+    masked IS.
+
+  Example:
+    >>> w, _ = rollout_weights(jnp.log(jnp.array([[3., 1., 1.]])),
+    ...                        jnp.zeros((1, 3)), jnp.ones((1, 3)), "tis", 2.)
+    >>> w
+    Array([[2., 1., 1.]], dtype=float32)
+  """
+  weight_BxT = jnp.exp(
+      jax.lax.stop_gradient(proximal_logp_BxT - rollout_logp_BxT)
+  )
+  over_BxT = weight_BxT > cap
+  if correction == "tis":
+    weight_BxT = jnp.minimum(weight_BxT, cap)
+  elif correction == "mis":
+    weight_BxT = jnp.where(over_BxT, 0.0, weight_BxT)
+  else:
+    raise ValueError(
+        f"unknown rollout correction {correction!r}; valid: 'tis', 'mis'"
+    )
+  return weight_BxT, {
+      "rollout/is_weight_mean": _token_sum(weight_BxT, mask_BxT),
+      "rollout/is_truncated_fraction": _token_sum(over_BxT, mask_BxT),
+  }
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = {
     "clip": clip_loss,
     "gspo": gspo_loss,

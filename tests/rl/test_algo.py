@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from logra_jax import configs
+from logra_jax.configs.loss import ROLLOUT_CORRECTIONS
 from logra_jax.rl import algo
 
 # 2 prompts x 3 generations.
@@ -121,7 +122,10 @@ LOGP = jnp.log(jnp.asarray(RATIOS))
 OLD = jnp.zeros((2, 3))
 MASK = jnp.array([[1, 1, 1], [1, 1, 0]])
 ADV = jnp.array([1.0, -2.0])
-CLIP = dict(eps_low=0.2, eps_high=0.3)
+# The ratio against OLD as the old policy: the loss without a rollout
+# correction (with one, OLD would be the sampler's and the ratio's old policy
+# the learner's own log-probs).
+CLIP = dict(eps_low=0.2, eps_high=0.3, rollout_correction="none")
 # Per-token losses -min(r A, clip(r, 0.8, 1.3) A):
 #   seq 0 (A=+1): -1, -1.3 (clipped high), -0.5          -> sum -2.8 over 3 tokens
 #   seq 1 (A=-2): +3, +1.6 (clipped low), [masked]       -> sum +4.6 over 2 tokens
@@ -180,7 +184,7 @@ def test_clip_gradients_both_sides_by_hand():
 
 def test_symmetric_clip_differs_from_clip_higher():
   # With eps_high = 0.6 the ratio 1.5 at A > 0 is no longer clipped: -1.5 instead of -1.3.
-  config = algo.LossConfig(eps_low=0.2, eps_high=0.6)
+  config = algo.LossConfig(eps_low=0.2, eps_high=0.6, rollout_correction="none")
   num, _, metrics = algo.loss_terms(LOGP, MASK, ADV, OLD, None, config)
   np.testing.assert_allclose(num, 1.8 - 0.2, rtol=1e-5)
   np.testing.assert_allclose(metrics["clip_high_fraction"][0], 0.0)
@@ -278,12 +282,18 @@ def _random_batch(num_generations=2, b=8, t=5, seed=0):
   return batch, logp
 
 
+@pytest.mark.parametrize("correction", ROLLOUT_CORRECTIONS)
 @pytest.mark.parametrize("aggregation", configs.AGGREGATIONS)
 @pytest.mark.parametrize("num_micro", [2, 4])
-def test_micro_batches_equal_full_batch(aggregation, num_micro):
+def test_micro_batches_equal_full_batch(aggregation, num_micro, correction):
   batch, logp_BxT = _random_batch()
   config = algo.LossConfig(
-      eps_low=0.1, eps_high=0.15, beta=0.05, aggregation=aggregation, max_len=7
+      eps_low=0.1,
+      eps_high=0.15,
+      beta=0.05,
+      aggregation=aggregation,
+      max_len=7,
+      rollout_correction=correction,
   )
 
   def terms(lp, b):

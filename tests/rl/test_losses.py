@@ -137,7 +137,9 @@ def test_cispo_keeps_the_gradient_that_clip_drops():
 
 
 def _loss_terms_value_and_grad(config, logp, mask, adv, old):
-  terms = lambda lp: algo.loss_terms(lp, mask, adv, old, None, config)
+  """The loss with ``old`` as the ratio's old policy: the sampler's and, under
+  a rollout correction, the proximal one too (weight exactly 1)."""
+  terms = lambda lp: algo.loss_terms(lp, mask, adv, old, None, config, old)
   value, grad = jax.value_and_grad(lambda lp: algo.finalize(*terms(lp)[:2]))(
       logp
   )
@@ -229,7 +231,7 @@ def test_micro_batches_reduce_to_the_full_batch(policy_loss, level):
       eps_low=0.1,
       eps_high=0.15,
   )
-  terms = lambda lp, m, a, o: algo.loss_terms(lp, m, a, o, None, config)
+  terms = lambda lp, m, a, o: algo.loss_terms(lp, m, a, o, None, config, o)
   full_value, full_grad, full_metrics = _loss_terms_value_and_grad(
       config, logp, mask, adv, old
   )
@@ -271,6 +273,8 @@ def test_the_default_clip_loss_keeps_its_metrics():
       "pg_loss",
       "rollout/logprob_gap_mean",
       "rollout/logprob_gap_max",
+      "rollout/is_weight_mean",  # the default's rollout correction, "tis"
+      "rollout/is_truncated_fraction",
   }
 
 
