@@ -121,3 +121,46 @@ def test_a_bad_call_is_answered_and_counted_and_the_episode_goes_on():
   assert (episode.failures, episode.tool_calls) == (2, 2)
   assert episode.answer == "7" and not episode.truncated
   assert "unknown tool" in TOKENIZER.decode(episode.contexts[0])
+
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_chat_episodes_are_the_template_rendered_turn_by_turn(stopped):
+  """prompt + turn + environment tokens = transformers' rendering of the
+  conversation with the tool's message, the next assistant turn opened,
+  whether the turn ended with its stop token or was cut at its tag."""
+  tokenizer = char_tokenizer()
+  tokenizer.chat_template = TEMPLATE
+  renderer = envs.Renderer(tokenizer, chat=True, system_prompt="Be brief.")
+  conversation = renderer.opening([{"role": "user", "content": "12*3="}])
+  call, tool = "<calc>12*3</calc>", [{"role": "tool", "content": "36"}]
+  turn = ids(call) + ([EOS] if stopped else [])
+  history = renderer.prompt_ids(conversation) + turn
+  history += renderer.environment_ids(conversation, call, stopped, tool)
+  expected = tokenizer.apply_chat_template(
+      [*conversation, {"role": "assistant", "content": call}, *tool],
+      tokenize=False,
+      add_generation_prompt=True,
+  )
+  assert history == tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_rewrites_earlier_turns_fails_the_episode():
+  tokenizer = char_tokenizer()
+  tokenizer.chat_template = (  # shows only the last message
+      "<{{ messages[-1]['role'] }}>{{ messages[-1]['content'] }}"
+      "{% if add_generation_prompt %}<assistant>{% endif %}"
+  )
+  renderer = envs.Renderer(tokenizer, chat=True)
+  with pytest.raises(ValueError, match="turn by turn"):
+    renderer.environment_ids(
+        [{"role": "user", "content": "1+1="}],
+        "<calc>1+1</calc>",
+        False,
+        [{"role": "tool", "content": "2"}],
+    )
