@@ -1,20 +1,32 @@
 """Test configuration: 8 fake CPU devices, float32 matmuls, shared fixtures."""
 
 import os
+import shutil
+import tempfile
+
+SUITE_CACHE = "LOGRA_TEST_COMPILATION_CACHE"
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# `logra train` caches compiled programs in ~/.cache/logra_jax/xla by
-# default; the suite (and the runs it starts) writes nothing there: tests
-# that want a cache use a folder of their own (run_fixtures.compilation_cache).
-os.environ["LOGRA_COMPILATION_CACHE"] = "0"
+# One persistent compilation cache for the whole suite, its workers and the
+# runs they start (`logra train` keeps a folder the environment names): the
+# tests compile the same tiny programs again and again, in many processes.
+# XLA's compilation is deterministic, so no number changes. The folder is
+# the suite's own (never ~/.cache), made by the first process and inherited
+# by the pytest-xdist workers; the first process removes it at the end.
+_OWN_CACHE = SUITE_CACHE not in os.environ
+if _OWN_CACHE:
+  os.environ[SUITE_CACHE] = tempfile.mkdtemp(prefix="logra-test-xla-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SUITE_CACHE]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Property tests: a fixed set of examples, so that every run (and CI) tries
@@ -30,3 +42,20 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_sessionfinish(session):
+  """The process that made the suite's cache (not an xdist worker, not a
+  pytest started by a test) removes it."""
+  del session
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ[SUITE_CACHE], ignore_errors=True)
+
+
+@pytest.fixture
+def without_compilation_cache():
+  """Every program compiled here, none read back from the suite's cache (for
+  tests that count XLA compilations)."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)

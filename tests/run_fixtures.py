@@ -38,28 +38,6 @@ def make_policy(folder, **overrides):
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-  """The runs here compile the same programs again and again (each run, in
-  this process or a child): a persistent cache, shared with the children,
-  compiles each once. XLA's compilation is deterministic, so no number
-  changes."""
-  from jax._src import compilation_cache as cache
-
-  folder = tmp_path_factory.mktemp("jax_cache")
-  names = (
-      "jax_compilation_cache_dir",
-      "jax_persistent_cache_min_compile_time_secs",
-  )
-  old = {name: getattr(jax.config, name) for name in names}
-  jax.config.update(names[0], str(folder))
-  jax.config.update(names[1], 0.0)
-  yield folder
-  for name, value in old.items():
-    jax.config.update(name, value)
-  cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
 def policy_folder(tmp_path_factory):
   return make_policy(tmp_path_factory.mktemp("policy") / "tiny")
 

@@ -1,7 +1,6 @@
 """Fixtures of the checkpoint tests: a tiny policy and the smoke run on it."""
 
 from run_fixtures import (  # noqa: F401 (fixtures)
-    compilation_cache,
     config,
     policy_folder,
     straight,

@@ -30,7 +30,6 @@ from run_fixtures import flip_bytes
 from run_fixtures import largest_file
 from run_fixtures import set_aside
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 SMOKE = configs.get_preset("smoke")
 QUIET = lambda s: None
 META = {"format": checkpoint.FORMAT_VERSION}

@@ -11,7 +11,7 @@ import pytest
 
 from logra_jax import configs
 from logra_jax.cli import main as cli_main
-from run_fixtures import compilation_cache, policy_folder  # noqa: F401
+from run_fixtures import policy_folder  # noqa: F401
 
 RECIPES = ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "rloo"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_recipes_hold_the_papers_hyperparameters(name, loss):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_recipe_trains_the_smoke_run(
-    name, policy_folder, compilation_cache, tmp_path  # noqa: F811
+    name, policy_folder, tmp_path  # noqa: F811
 ):
   out = tmp_path / "run"
   status = cli_main(
@@ -98,7 +98,7 @@ def test_each_recipe_trains_the_smoke_run(
 
 
 def test_truncated_completions_can_be_masked_from_the_loss(
-    policy_folder, compilation_cache, tmp_path  # noqa: F811
+    policy_folder, tmp_path  # noqa: F811
 ):
   # The smoke run's 4-token budget cuts every completion of the random
   # policy (it samples its stop token rarely); masked, they move nothing.

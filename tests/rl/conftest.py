@@ -2,7 +2,7 @@
 
 import pytest
 
-from run_fixtures import compilation_cache, config, straight  # noqa: F401
+from run_fixtures import config, straight  # noqa: F401
 from run_fixtures import make_policy
 
 

@@ -18,7 +18,6 @@ from run_fixtures import assert_same_state
 from run_fixtures import final_state
 from run_fixtures import run_metrics
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 SMOKE = configs.get_preset("smoke")
 QUIET = lambda s: None
 GROUP, PROMPTS = SMOKE.rollout.num_generations, SMOKE.rollout.prompts_per_step

@@ -16,7 +16,6 @@ from logra_jax.rl import algo, guards, learner, scoring, setup, trainer
 from logra_jax.rollout import engine
 from run_fixtures import run_metrics
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 SMOKE = configs.get_preset("smoke")
 QUIET = lambda s: None
 

@@ -295,6 +295,7 @@ def test_logra_state_is_smaller_than_dense_adam(policy_folder):
   )
 
 
+@pytest.mark.usefixtures("without_compilation_cache")
 def test_short_run_writes_summary_and_metrics(policy_folder, tmp_path):
   # A TRL-style reward from a file, beside the task's verifier.
   (tmp_path / "my_rewards.py").write_text(

@@ -33,7 +33,6 @@ from run_fixtures import run_metrics
 from run_fixtures import run_overrides
 from run_fixtures import set_aside
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 SMOKE = configs.get_preset("smoke")
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
 QUIET = lambda s: None
@@ -67,8 +66,6 @@ def _worker(args, *worker_flags):
   env = dict(
       os.environ,
       JAX_DEFAULT_MATMUL_PRECISION="highest",
-      JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )
   return subprocess.Popen(
       [sys.executable, str(WORKER), *worker_flags, "--", *args],
