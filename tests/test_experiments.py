@@ -46,7 +46,7 @@ def _study(name, *args, tmp_path, cache=None):
           f"--results={tmp_path / 'results'}",
           *(
               [f"--fingerprint-cache={cache or tmp_path / 'fingerprints'}"]
-              if name in ("parity", "kl_control", "ablations")
+              if name in ("parity", "kl_control", "ablations", "recipes")
               else []
           ),
           *args,
@@ -131,6 +131,32 @@ def test_quick_study_writes_its_reports(
     controlled = [r for r in rows if r["arm"].endswith("+kl")]
     _assert_finite(controlled, ["predicted_over_k3_median", "scale_median"])
     assert "| train step + predictor" in table
+
+
+def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
+  """The recipes study's --quick mode: the default and one recipe, one
+  seed each, with their held-out accuracy and step time ratio."""
+  done = _study(
+      "recipes",
+      "--arms",
+      "default",
+      "dapo",
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  rows = _rows(results / "recipes.csv")
+  assert [r["arm"] for r in rows] == ["default", "dapo"]
+  _assert_finite(rows, ["held_out_before", "held_out_after", "step_s_median"])
+  # The recipe is the file `logra train --config dapo` reads.
+  config = tmp_path / "runs" / "quick" / "dapo-seed0" / "config.yaml"
+  assert "dynamic_sampling: true" in config.read_text()
+  record = _assert_provenance(results, rows)
+  table = (results / "recipes.md").read_text()
+  assert "| default | 1 |" in table and "(1.00x)" in table
+  assert record["fingerprint"] in table
+  assert (results / "recipes.png").stat().st_size > 0
 
 
 def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
