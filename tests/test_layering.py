@@ -32,6 +32,7 @@ LAYERS = (
     "sync",
     "checkpoint",
     "rollout",
+    "serve",
     "rl",
     "memory",
     "cli",
