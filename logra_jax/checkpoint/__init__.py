@@ -49,10 +49,12 @@ from logra_jax.checkpoint.resume import (
     FORMAT_VERSION,
     RESUMABLE_FIELDS,
     check_resumable,
+    check_resumable_config,
     config_changes,
     run_meta,
 )
 from logra_jax.checkpoint.store import BEST_METRIC, Checkpointer, locate
+from logra_jax.checkpoint.store import CheckpointSaveError
 
 __all__ = [
     "BEST_METRIC",
@@ -65,6 +67,7 @@ __all__ = [
     "Restored",
     "abstract_state",
     "check_resumable",
+    "check_resumable_config",
     "config_changes",
     "export_policy",
     "locate",

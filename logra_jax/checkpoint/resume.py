@@ -159,6 +159,26 @@ def _check_config(saved: dict[str, Any], current: dict[str, Any]) -> None:
     )
 
 
+def check_resumable_config(saved: dict[str, Any], config: TrainConfig) -> None:
+  """Raises if ``config`` may not resume the run ``saved`` (a
+  :func:`run_meta` dict) because a field outside :data:`RESUMABLE_FIELDS`
+  differs: the part of :func:`check_resumable` that needs no model, so that
+  a run can refuse before it loads one.
+
+  Raises:
+    CheckpointError: naming every offending field with both values.
+
+  Example:
+    >>> saved = run_meta(TrainConfig(), {"hidden_size": 64})
+    >>> check_resumable_config(saved, TrainConfig(steps=500))  # allowed
+    >>> check_resumable_config(saved, TrainConfig(seed=1))
+    Traceback (most recent call last):
+    ...
+    logra_jax.checkpoint.errors.CheckpointError: ... seed is 0 in the checkpoint but 1 now...
+  """
+  _check_config(saved, {"config": to_dict(config)})
+
+
 def _check_model(saved: dict[str, Any], current: dict[str, Any]) -> None:
   """Refuses another model (the HF config, less its volatile keys)."""
   old_model, new_model = (

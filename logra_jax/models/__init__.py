@@ -13,6 +13,7 @@ from logra_jax.models.decoder import logits_fn
 from logra_jax.models.decoder import split_model
 from logra_jax.models.hf_io import load_pretrained
 from logra_jax.models.hf_io import load_tokenizer
+from logra_jax.models.hf_io import read_decoder_config
 from logra_jax.models.hf_io import save_pretrained
 from logra_jax.models.logprobs import completion_hidden_states
 from logra_jax.models.logprobs import token_logprobs

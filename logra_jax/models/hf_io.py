@@ -153,6 +153,34 @@ def _open(file: pathlib.Path):
     raise ValueError(f"Cannot read safetensors file {file}: {e}") from e
 
 
+def read_decoder_config(
+    path: str | os.PathLike, **overrides: Any
+) -> DecoderConfig:
+  """The `DecoderConfig` of a local HF folder, from its config.json alone
+  (no tensor is read).
+
+  Args:
+    path: folder with `config.json`.
+    **overrides: `DecoderConfig` fields to set (e.g. `param_dtype`).
+
+  Raises:
+    ValueError, FileNotFoundError: as `load_pretrained` for the folder and
+      its config.json.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> from logra_jax.models import DecoderConfig, init_model
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny"
+    >>> save_pretrained(init_model(DecoderConfig.tiny(vocab_size=32)), path)
+    >>> read_decoder_config(path).vocab_size
+    32
+  """
+  path = _folder(path)
+  _read_config(path)
+  hf_config = transformers.AutoConfig.from_pretrained(path)
+  return DecoderConfig.from_hf(hf_config, **overrides)
+
+
 def load_pretrained(
     path: str | os.PathLike,
     dtype: Any = jnp.float32,
@@ -202,10 +230,8 @@ def load_pretrained(
     dtype(bfloat16)
   """
   path = _folder(path)
-  _read_config(path)
-  hf_config = transformers.AutoConfig.from_pretrained(path)
-  config = DecoderConfig.from_hf(
-      hf_config,
+  config = read_decoder_config(
+      path,
       param_dtype=dtype,
       dtype=compute_dtype if compute_dtype is not None else dtype,
       **config_overrides,

@@ -17,6 +17,7 @@ from logra_jax import models
 from logra_jax import parallel
 from logra_jax.configs import RewardConfig, TrainConfig
 from logra_jax.data import tasks as tasks_lib
+from logra_jax.rl import preflight
 from logra_jax.rl import rewards as rewards_lib
 from logra_jax.rl import tracking
 from logra_jax.rl.warm_start import warm_start
@@ -157,7 +158,9 @@ def check_inputs(
 ]:
   """Checks what a run needs before anything is written to ``out``: the
   policy folder, the checkpoint folder of a resumed run, the mesh, the task,
-  the rewards and the environment. Returns the task, the rewards, the
+  the rewards, the environment, and what needs the policy's shapes or
+  tokenizer (:mod:`preflight`: the optimizer's plan, the warm start's
+  cache folder, the prompts, a resumed run's config). Returns the task, the rewards, the
   episodes' settings (None without an environment) and the device mesh."""
   if config.policy.path:
     engine_lib.check_policy_folder(config.policy.path)
@@ -199,7 +202,9 @@ def check_inputs(
       )
   task = load_task(config)
   rewards = run_rewards(config, task)
-  return task, rewards, episode_config(config), device_mesh
+  episodes = episode_config(config)
+  preflight.check_policy_inputs(config, task, out, resume)
+  return task, rewards, episodes, device_mesh
 
 
 def check_checkpoints(

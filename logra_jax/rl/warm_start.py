@@ -39,6 +39,10 @@ from logra_jax.data.tokenizer import char_tokenizer
 _FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
+# The context length of a warm-started policy (prompt and completion).
+CONTEXT_TOKENS = 64
+
+
 def tiny_decoder_config(
     policy: PolicyConfig, tokenizer, max_length: int
 ) -> models.DecoderConfig:
@@ -145,7 +149,7 @@ def warm_start(
     policy: PolicyConfig,
     examples: Sequence[dict],
     seed: int = 0,
-    max_length: int = 64,
+    max_length: int = CONTEXT_TOKENS,
     log=print,
 ) -> pathlib.Path:
   """Trains (or reuses) the tiny policy on worked answers; returns its folder.

@@ -60,6 +60,40 @@ def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
   return folder
 
 
+def prompt_text(
+    tokenizer: Any, prompt: str, chat: bool, system_prompt: Optional[str]
+) -> str:
+  """The text a policy is shown for ``prompt``: the prompt itself, or with
+  ``chat``, the tokenizer's chat template's rendering of the conversation
+  (an optional system message, then the prompt as the user's) with the
+  assistant's turn opened."""
+  if not chat:
+    return prompt
+  messages = [{"role": "user", "content": prompt}]
+  if system_prompt is not None:
+    messages.insert(0, {"role": "system", "content": system_prompt})
+  return tokenizer.apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True
+  )
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    chat: bool,
+    system_prompt: Optional[str],
+) -> list[list[int]]:
+  """Token ids of each prompt's :func:`prompt_text` (a chat template writes
+  its own special tokens, so none are added to it)."""
+  return [
+      tokenizer(
+          prompt_text(tokenizer, p, chat, system_prompt),
+          add_special_tokens=not chat,
+      )["input_ids"]
+      for p in prompts
+  ]
+
+
 @dataclasses.dataclass
 class Policy:
   """A policy on the host side: weights, tokenizer and a compiled sampler.
@@ -136,28 +170,14 @@ class Policy:
     return policy
 
   def prompt_text(self, prompt: str) -> str:
-    """The text the policy is shown for ``prompt``: the prompt itself, or
-    with :attr:`chat`, the chat template's rendering of the conversation
-    (an optional system message, then the prompt as the user's) with the
-    assistant's turn opened."""
-    if not self.chat:
-      return prompt
-    messages = [{"role": "user", "content": prompt}]
-    if self.system_prompt is not None:
-      messages.insert(0, {"role": "system", "content": self.system_prompt})
-    return self.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
+    """The text the policy is shown for ``prompt`` (:func:`prompt_text`)."""
+    return prompt_text(self.tokenizer, prompt, self.chat, self.system_prompt)
 
   def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt's :meth:`prompt_text` (a chat template
-    writes its own special tokens, so none are added to it)."""
-    return [
-        self.tokenizer(self.prompt_text(p), add_special_tokens=not self.chat)[
-            "input_ids"
-        ]
-        for p in prompts
-    ]
+    """Token ids of each prompt (:func:`encode_prompts`)."""
+    return encode_prompts(
+        self.tokenizer, prompts, self.chat, self.system_prompt
+    )
 
   def decode(self, tokens) -> list[str]:
     return decode_completions(

@@ -151,6 +151,27 @@ def test_resume_with_a_refused_config_change(
   assert configs.load_config("tiny", [run / "config.yaml"]) == config
 
 
+def test_a_refused_config_change_is_refused_before_the_policy_loads(
+    config, straight, tmp_path, monkeypatch
+):
+  """From the checkpoint's config alone: no policy is loaded (or
+  warm-started) and nothing compiles before the refusal."""
+
+  def load(*args, **kwargs):
+    raise AssertionError("the policy was loaded")
+
+  monkeypatch.setattr(engine.Policy, "load", load)
+  run = copy_run(straight, tmp_path)
+  before = sorted(p.relative_to(run) for p in run.rglob("*"))
+  changed = configs.apply_overrides(config, ["optimizer.rank=2"])
+  with pytest.raises(
+      checkpoint.CheckpointError,
+      match="optimizer.rank is 4 in the checkpoint but 2 now",
+  ):
+    trainer.train(changed, run, progress=False, log=QUIET, resume=True)
+  assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
 def test_resume_with_another_model_or_mesh(config, straight, tmp_path):
   run = copy_run(straight, tmp_path)
   other = make_policy(tmp_path / "wide", hidden_size=32, head_dim=8)
