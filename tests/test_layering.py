@@ -49,7 +49,7 @@ ONLY = {
 }
 
 # Third-party packages that are extras, imported where they are used.
-OPTIONAL = {"wandb", "gguf", "trl", "torch", "accelerate"}
+OPTIONAL = {"wandb", "gguf", "trl", "torch", "accelerate", "verifiers"}
 
 
 def _modules() -> list[pathlib.Path]:

@@ -16,6 +16,7 @@ from logra_jax.envs.episodes import turn_rows
 from logra_jax.envs.episodes import TurnRows
 from logra_jax.envs.loading import load_environment
 from logra_jax.envs.loading import SHIPPED
+from logra_jax.envs.verifiers_source import VerifiersTaskset
 
 __all__ = [
     "Environment",
@@ -33,4 +34,5 @@ __all__ = [
     "TurnRows",
     "load_environment",
     "SHIPPED",
+    "VerifiersTaskset",
 ]

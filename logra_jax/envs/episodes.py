@@ -30,6 +30,7 @@ import numpy as np
 from logra_jax.envs.base import Environment
 from logra_jax.envs.base import Message
 from logra_jax.envs.base import StepResult
+from logra_jax.envs.verifiers_source import VerifiersTaskset
 
 Factory = Callable[[], Environment]
 # sample_turn(histories, turn) -> (tokens_NxT, logprobs_NxT, lengths_N) on
@@ -44,14 +45,15 @@ class EpisodeConfig:
   """How a run plays episodes.
 
   Attributes:
-    factory: makes one environment per episode (``task.environment``).
+    factory: makes one environment per episode (``task.environment``), or
+      the ``verifiers`` taskset whose episodes are played instead.
     max_turns: model turns per episode at most (``rollout.max_turns``).
     max_tokens: tokens after the prompt per episode at most, the model's
       and the environment's (``rollout.max_episode_tokens``); ``None``:
       bounded by the context only.
   """
 
-  factory: Factory
+  factory: Factory | VerifiersTaskset
   max_turns: int = 1
   max_tokens: Optional[int] = None
 

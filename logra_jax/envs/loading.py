@@ -4,6 +4,8 @@
 ``"package.module:factory"`` or ``"path/to/file.py:factory"``. The factory
 takes no arguments and returns a new :class:`~logra_jax.envs.base.Environment`
 (one per episode): an object with ``reset`` and ``step`` methods.
+``"verifiers:package.module"`` or ``"verifiers:path/to/file.py"`` names a
+``verifiers.v1`` taskset instead (:mod:`logra_jax.envs.verifiers_source`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Callable
 
 from logra_jax.envs.base import Environment
 from logra_jax.envs.calculator import calculator
+from logra_jax.envs.verifiers_source import load_verifiers
+from logra_jax.envs.verifiers_source import PREFIX as VERIFIERS
+from logra_jax.envs.verifiers_source import VerifiersTaskset
 
 Factory = Callable[[], Environment]
 
@@ -47,11 +52,18 @@ def _import(spec: str, where: str):
 
 def check_spec(spec: str) -> None:
   """Raises ValueError unless ``spec`` is a shipped name or has the form
-  ``where:factory``.
+  ``where:factory`` or ``verifiers:where``.
 
   Example:
     >>> check_spec("calculator")
   """
+  if spec.startswith(VERIFIERS):
+    if not spec[len(VERIFIERS) :]:
+      raise ValueError(
+          f"task.environment={spec!r} must name a module or a .py file after "
+          f"{VERIFIERS!r}"
+      )
+    return
   where, sep, name = spec.rpartition(":")
   if spec not in SHIPPED and not (sep and where and name):
     raise ValueError(
@@ -60,19 +72,21 @@ def check_spec(spec: str) -> None:
     )
 
 
-def load_environment(spec: str) -> Factory:
-  """The environment factory ``spec`` names, tried once.
+def load_environment(spec: str) -> Factory | VerifiersTaskset:
+  """The environment factory ``spec`` names, tried once (or the
+  ``verifiers.v1`` taskset a ``verifiers:`` spec names, loaded).
 
   The factory is called once here and what it returns must have callable
   ``reset`` and ``step``, so that a bad environment fails before a run
   compiles anything.
 
   Args:
-    spec: a name of :data:`SHIPPED`, ``"package.module:factory"`` or
-      ``"path/to/file.py:factory"`` (relative to the working directory).
+    spec: a name of :data:`SHIPPED`, ``"package.module:factory"``,
+      ``"path/to/file.py:factory"`` (relative to the working directory) or
+      ``"verifiers:<module or file.py>"``.
 
   Returns:
-    The factory.
+    The factory, or the :class:`VerifiersTaskset`.
 
   Raises:
     ValueError: an unknown name, a module that does not import, no such
@@ -85,6 +99,8 @@ def load_environment(spec: str) -> Factory:
     [{'role': 'user', 'content': '2*3='}]
   """
   check_spec(spec)
+  if spec.startswith(VERIFIERS):
+    return load_verifiers(spec)
   if spec in SHIPPED:
     factory = SHIPPED[spec]
   else:

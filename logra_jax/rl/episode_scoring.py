@@ -19,6 +19,7 @@ import numpy as np
 
 from logra_jax import envs
 from logra_jax import parallel
+from logra_jax import serve
 from logra_jax.configs import TrainConfig
 from logra_jax.rl import algo
 from logra_jax.rl import rewards as rewards_lib
@@ -37,7 +38,18 @@ def play(
     **settings,
 ) -> list[envs.Episode]:
   """One episode per example, each turn sampled by ``sample`` with
-  ``settings`` (``max_new_tokens``, ``temperature``, ...)."""
+  ``settings`` (``max_new_tokens``, ``temperature``, ...); a ``verifiers``
+  taskset's episodes are played through the endpoint."""
+  if isinstance(episodes.factory, envs.VerifiersTaskset):
+    return serve.play_verifiers(
+        episodes.factory,
+        policy,
+        sample,
+        examples,
+        key,
+        max_turns=episodes.max_turns,
+        **settings,
+    )
 
   def sample_turn(histories, turn):
     turn_key = key if turn == 0 else jax.random.fold_in(key, turn)

@@ -54,10 +54,10 @@ from logra_jax.serve.batching import QueueFull
 GENERATE = "/inference/v1/generate"
 CHAT = "/v1/chat/completions"
 MODELS = "/v1/models"
-SESSION_HEADER = "X-Session-ID"  # verifiers' clients name their episode.
 
-# on_completion(session, prompt_ids, completion): every answered request.
-OnCompletion = Callable[[Optional[str], list[int], Completion], None]
+# on_completion(request, completion): every answered request (its checked
+# body: prompt ids, settings, the model it named) and what was sampled.
+OnCompletion = Callable[[requests_lib.Request, Completion], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +90,8 @@ class Server:
       endpoint, ``decode`` for the completion's text).
     limits: the bounds.
     port: the port; 0 picks a free one (see :attr:`url`).
-    on_completion: called with each answered request (its session header,
-      prompt ids and completion), e.g. to record episodes.
+    on_completion: called with each answered request and its completion,
+      e.g. to record episodes.
   """
 
   def __init__(
@@ -122,7 +122,7 @@ class Server:
     host, port = self._http.server_address[:2]
     return f"http://{host}:{port}"
 
-  def answer(self, path: str, body: Any, session: Optional[str]) -> dict:
+  def answer(self, path: str, body: Any) -> dict:
     """The response to a POST of ``body`` (parsed JSON) to ``path``.
 
     Raises:
@@ -144,7 +144,7 @@ class Server:
     except RuntimeError as e:
       raise requests_lib.BadRequest(500, str(e)) from None
     if self.on_completion is not None:
-      self.on_completion(session, request.prompt_ids, done)
+      self.on_completion(request, done)
     request_id = f"logra-{next(self._ids)}"
     if path == GENERATE:
       return requests_lib.generate_response(request_id, request, done)
@@ -220,9 +220,7 @@ def _handler(server: Server) -> type:
         body = requests_lib.read_body(
             self.headers, self.rfile, server.limits.max_body_bytes
         )
-        self._send(
-            200, server.answer(self.path, body, self.headers[SESSION_HEADER])
-        )
+        self._send(200, server.answer(self.path, body))
       except requests_lib.BadRequest as e:
         self._refuse(e.status, e.reason)
       except Exception as e:  # noqa: BLE001 -- never take the server down.
