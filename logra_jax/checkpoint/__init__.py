@@ -54,7 +54,6 @@ from logra_jax.checkpoint.resume import (
     run_meta,
 )
 from logra_jax.checkpoint.store import BEST_METRIC, Checkpointer, locate
-from logra_jax.checkpoint.store import CheckpointSaveError
 
 __all__ = [
     "BEST_METRIC",
