@@ -175,7 +175,17 @@ def play_verifiers(
     The episodes, in the order of ``examples``, each with the environment's
     reward (the task's rewards, summed), its last reply as the answer, and
     a failure counted when ``verifiers`` did not finish it.
+
+  Raises:
+    ValueError: the policy shows no chat template (``verifiers``' train
+      client renders every prompt with it).
   """
+  if not policy.chat:
+    raise ValueError(
+        f"task.environment={source.spec!r}: verifiers renders prompts with "
+        "the tokenizer's chat template, and the policy shows none (an "
+        "instruct checkpoint with task.chat_template=auto)"
+    )
   calls = collections.defaultdict(list)
   lock = threading.Lock()
 

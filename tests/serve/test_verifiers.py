@@ -4,6 +4,7 @@ learner's episodes built from the ids the server sampled, a few smoke steps
 trained on its rewards, and bad specs refused before the run."""
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -201,3 +202,12 @@ def test_the_cli_refuses_a_bad_verifiers_spec_before_the_run(
 def test_the_chat_harness_is_what_verifiers_loads():
   harness = loaders.harness_class(serve.verifiers_env.register_harness())
   assert harness.__name__ == "ChatHarness" and not harness.NEEDS_CONTAINER
+
+
+def test_a_policy_without_a_chat_template_is_refused(taskset_file):
+  source = envs.load_environment(f"verifiers:{taskset_file}")
+  policy = types.SimpleNamespace(chat=False)  # no chat template
+  with pytest.raises(ValueError, match="chat template"):
+    serve.play_verifiers(
+        source, policy, None, [], None, max_turns=1, max_new_tokens=4
+    )
