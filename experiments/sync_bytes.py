@@ -13,7 +13,13 @@ OpenRLHF send) and a sparse delta of the bfloat16 values that changed
 (int32 index + bfloat16 value, 6 bytes per changed value, as verl-style
 delta sync sends) at 1% and 3% changed values; and LoRA's message at the
 same ranks (its float32 adapters every step, which the engine merges into
-its copy of the frozen weights). Writes nothing; prints a markdown table.
+its copy of the frozen weights). The row of the default configuration
+(``configs.OptimizerConfig()``: its rank, embeddings and refresh period)
+is marked. Prints the markdown table and writes it, with the learner-side
+figures and a provenance footer (commit, date, machine, versions, the
+command; no numerics fingerprint: nothing here trains), to
+``sync_bytes.md`` and the rows to ``sync_bytes.json`` under ``--results``
+(default ``experiments/results/sync_bytes/``).
 
 With ``--run DIR`` (a finished ``logra train`` folder), also the run's
 measured figures from its ``metrics.jsonl``: mean message bytes per step, a
@@ -26,10 +32,11 @@ against one: 2 bytes per parameter): its message is arrays it holds anyway
 plus their checksums, whose compiled temporaries (XLA's memory analysis of
 the checksum program on the model's abstract policy state, compiled on CPU
 as the memory planner compiles; summed in blocks of a million words) are
-printed.
+printed, for the default configuration's policy state.
 
 Run: python experiments/sync_bytes.py [--models qwen2.5-7b qwen3-style-27b]
-     [--ranks 16 32 64] [--refresh-every 50] [--run runs/default]
+     [--ranks 8 16 32] [--refresh-every 50] [--run runs/default]
+     [--results experiments/results/sync_bytes]
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ import pathlib
 
 import jax
 import numpy as np
+import provenance
+import study
 
 from logra_jax import checksums
 from logra_jax import memory
@@ -133,89 +142,171 @@ def measured(run: pathlib.Path) -> dict[str, float]:
   }
 
 
+def is_default(
+    optimizer: str, rank: int, project_embeddings: bool, refresh_every: int
+) -> bool:
+  """Whether a row is the default configuration (``OptimizerConfig()``)."""
+  default = configs.OptimizerConfig()
+  return (optimizer, rank, project_embeddings, refresh_every) == (
+      default.name,
+      default.rank,
+      default.project_embeddings,
+      default.refresh_every,
+  )
+
+
+def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
+  """Bytes per step of LoGRA's message (embeddings dense and projected) and
+  of LoRA's at each rank, with the full bfloat16 broadcast and sparse
+  deltas beside them."""
+  rows = []
+  arms = [("logra", False), ("logra", True), ("lora", False)]
+  for optimizer, project_embeddings in arms:
+    for rank in ranks:
+      b = message_bytes(model, rank, project_embeddings, optimizer)
+      if optimizer == "lora":  # adapters every step, merged by the engine
+        step, projector = b[sync.ADAPTER] + b[sync.DENSE], 0
+        embeddings = "LoRA adapters"
+      else:
+        step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
+        projector = b[sync.PROJECTOR]
+        embeddings = "projected" if project_embeddings else "dense"
+      rows.append(
+          {
+              "model": model,
+              "embeddings": embeddings,
+              "rank": rank,
+              "default": is_default(
+                  optimizer, rank, project_embeddings, refresh_every
+              ),
+              "step_bytes": step,
+              "projector_bytes": projector,
+              "mean_bytes": step + projector / refresh_every,
+              "full_bf16_bytes": 2 * b["params"],
+              "params": b["params"],
+          }
+      )
+  return rows
+
+
+def table(rows: list[dict], refresh_every: int, run: dict | None) -> str:
+  """The markdown table of :func:`model_rows` (and a run's measured
+  changed fraction as one more sparse column)."""
+  mb = lambda b: f"{b / 1e6:,.1f}"
+  fractions = [0.01, 0.03] + ([] if run is None else [run["changed"]])
+  names = ["sparse 1% MB", "sparse 3% MB"] + (
+      []
+      if run is None
+      else [f"sparse {100 * run['changed']:.1f}% (measured) MB"]
+  )
+  lines = [
+      "| model | embeddings | rank | LoGRA step MB (A + c + dense) | "
+      "+ projectors per refresh MB | LoGRA mean MB/step (refresh every "
+      f"{refresh_every}) | full bf16 MB | "
+      + " | ".join(names)
+      + " | full / LoGRA | sparse 1% / LoGRA |",
+      "|---|---|---:|" + "---:|" * (len(names) + 6),
+  ]
+  for r in rows:
+    sparse = [f * r["params"] * SPARSE_BYTES_PER_VALUE for f in fractions]
+    lines.append(
+        f"| {r['model']} | {r['embeddings']}"
+        + (" (**default**)" if r["default"] else "")
+        + f" | {r['rank']} | {mb(r['step_bytes'])} | "
+        + (mb(r["projector_bytes"]) if r["projector_bytes"] else "-")
+        + f" | {mb(r['mean_bytes'])} | {mb(r['full_bf16_bytes'])} | "
+        + " | ".join(mb(s) for s in sparse)
+        + f" | {r['full_bf16_bytes'] / r['mean_bytes']:,.0f}x | "
+        f"{sparse[0] / r['mean_bytes']:.1f}x |"
+    )
+  return "\n".join(lines)
+
+
+def learner_side(model: str) -> dict:
+  """The checksum program's compiled temporaries for the default
+  configuration's policy state, and the snapshot a sparse delta needs."""
+  default = configs.OptimizerConfig()
+  state, count = model_policy_state(
+      model, default.rank, default.project_embeddings
+  )
+  return {
+      "model": model,
+      "rank": default.rank,
+      "project_embeddings": default.project_embeddings,
+      "checksum_temp_bytes": checksum_temp_bytes(state),
+      "snapshot_bf16_bytes": 2 * count,
+  }
+
+
+def run_line(path: pathlib.Path, run: dict) -> str:
+  """One sentence of a finished run's measured sync figures."""
+  return (
+      f"Measured ({path}, steps 2-{run['steps'] + 1}, means per "
+      f"step): LoGRA message {run['bytes'] / 1e3:,.1f} kB, full bf16 "
+      f"{run['full'] / 1e3:,.1f} kB ({run['full'] / run['bytes']:.1f}x), "
+      f"sparse delta {run['sparse'] / 1e3:,.1f} kB "
+      f"({run['sparse'] / run['bytes']:.2f}x) at "
+      f"{100 * run['changed']:.1f}% of the bfloat16 values changed; "
+      f"sync {1e3 * run['seconds']:.1f} ms; {run['resyncs']:.0f} resyncs"
+  )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
       "--models", nargs="+", default=["qwen2.5-7b", "qwen3-style-27b"]
   )
-  parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+  parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
   parser.add_argument("--refresh-every", type=int, default=50)
   parser.add_argument(
       "--run",
       type=pathlib.Path,
       help="a finished logra train folder to measure",
   )
+  parser.add_argument(
+      "--results",
+      type=pathlib.Path,
+      default=study.RESULTS / "sync_bytes",
+      help="folder for sync_bytes.md and sync_bytes.json",
+  )
   args = parser.parse_args()
-  mb = lambda b: f"{b / 1e6:,.1f}"
+  if args.refresh_every < 1 or min(args.ranks) < 1:
+    parser.error("--refresh-every and --ranks must be >= 1")
+  unknown = sorted(set(args.models) - set(memory.MODEL_PRESETS))
+  if unknown:
+    parser.error(f"--models: unknown presets {unknown}")
   run = None if args.run is None else measured(args.run)
-  if run is not None:
-    print(
-        f"Measured ({args.run}, steps 2-{run['steps'] + 1}, means per "
-        f"step): LoGRA message {run['bytes'] / 1e3:,.1f} kB, full bf16 "
-        f"{run['full'] / 1e3:,.1f} kB ({run['full'] / run['bytes']:.1f}x), "
-        f"sparse delta {run['sparse'] / 1e3:,.1f} kB "
-        f"({run['sparse'] / run['bytes']:.2f}x) at "
-        f"{100 * run['changed']:.1f}% of the bfloat16 values changed; "
-        f"sync {1e3 * run['seconds']:.1f} ms; {run['resyncs']:.0f} "
-        "resyncs\n"
+  parts = [] if run is None else [run_line(args.run, run), ""]
+  rows = [
+      r
+      for m in args.models
+      for r in model_rows(m, args.ranks, args.refresh_every)
+  ]
+  parts.append(table(rows, args.refresh_every, run))
+  print("\n".join(parts), flush=True)
+  learner = [learner_side(m) for m in args.models]
+  for s in learner:
+    parts.append(
+        f"\nLearner side, {s['model']} (rank {s['rank']}, embeddings "
+        f"{'projected' if s['project_embeddings'] else 'dense'}): the "
+        "message's checksums compile to "
+        f"{s['checksum_temp_bytes'] / 1e6:,.1f} MB of temporaries; no "
+        "snapshot (a sparse delta diffs against one: "
+        f"{s['snapshot_bf16_bytes'] / 1e6:,.1f} MB in bfloat16)"
     )
-  measured_column = (
-      ""
-      if run is None
-      else f" sparse {100 * run['changed']:.1f}% (measured) MB |"
-  )
-  print(
-      "| model | embeddings | rank | LoGRA step MB (A + c + dense) | "
-      f"+ projectors per refresh MB | LoGRA mean MB/step (refresh every "
-      f"{args.refresh_every}) | full bf16 MB | sparse 1% MB | sparse 3% MB "
-      f"|{measured_column} full / LoGRA | sparse 1% / LoGRA |"
-  )
-  print(
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|"
-      + ("" if run is None else "---:|")
-      + "---:|---:|"
-  )
-  for model in args.models:
-    for project_embeddings in (False, True):
-      for rank in args.ranks:
-        b = message_bytes(model, rank, project_embeddings)
-        step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
-        mean = step + b[sync.PROJECTOR] / args.refresh_every
-        full = 2 * b["params"]
-        sparse = lambda f: f * b["params"] * SPARSE_BYTES_PER_VALUE
-        print(
-            f"| {model} | {'projected' if project_embeddings else 'dense'}"
-            f" | {rank} | {mb(step)} | {mb(b[sync.PROJECTOR])} | "
-            f"{mb(mean)} | {mb(full)} | {mb(sparse(0.01))} | "
-            f"{mb(sparse(0.03))} |"
-            + ("" if run is None else f" {mb(sparse(run['changed']))} |")
-            + f" {full / mean:,.0f}x | "
-            f"{sparse(0.01) / mean:.1f}x |",
-            flush=True,
-        )
-    # LoRA at the same rank: its adapters (float32) every step, merged by
-    # the engine into its copy of the frozen weights.
-    for rank in args.ranks:
-      b = message_bytes(model, rank, False, "lora")
-      step = b[sync.ADAPTER] + b[sync.DENSE]
-      full = 2 * b["params"]
-      sparse = lambda f: f * b["params"] * SPARSE_BYTES_PER_VALUE
-      print(
-          f"| {model} | LoRA adapters | {rank} | {mb(step)} | - | {mb(step)}"
-          f" | {mb(full)} | {mb(sparse(0.01))} | {mb(sparse(0.03))} |"
-          + ("" if run is None else f" {mb(sparse(run['changed']))} |")
-          + f" {full / step:,.0f}x | {sparse(0.01) / step:.1f}x |",
-          flush=True,
+    print(parts[-1], flush=True)
+  command = provenance.this_command()
+  record = provenance.collect(command, "not computed")
+  parts.append("\n" + provenance.footer(record))
+  args.results.mkdir(parents=True, exist_ok=True)
+  (args.results / "sync_bytes.md").write_text("\n".join(parts) + "\n")
+  (args.results / "sync_bytes.json").write_text(
+      json.dumps(
+          {"rows": rows, "learner": learner, "run": run, "provenance": record},
+          indent=1,
       )
-  for model in args.models:
-    state, count = model_policy_state(model, min(args.ranks), True)
-    print(
-        f"\nLearner side, {model}: the message's checksums compile to "
-        f"{mb(checksum_temp_bytes(state))} MB of temporaries; no snapshot "
-        f"(a sparse delta diffs against one: {mb(2 * count)} MB in "
-        "bfloat16)",
-        flush=True,
-    )
+      + "\n"
+  )
 
 
 if __name__ == "__main__":
