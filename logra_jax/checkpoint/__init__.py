@@ -54,12 +54,14 @@ from logra_jax.checkpoint.resume import (
     run_meta,
 )
 from logra_jax.checkpoint.store import BEST_METRIC, Checkpointer, locate
+from logra_jax.checkpoint.store import CheckpointSaveError
 
 __all__ = [
     "BEST_METRIC",
     "FORMAT_VERSION",
     "RESUMABLE_FIELDS",
     "CheckpointError",
+    "CheckpointSaveError",
     "Checkpointer",
     "CorruptCheckpointError",
     "LoopState",

@@ -41,6 +41,23 @@ from logra_jax.configs import CheckpointConfig
 
 # The metric "keep the best" ranks checkpoints by.
 BEST_METRIC = "accuracy/eval"
+# Orbax's own reports of a failed background save (with tracebacks): the
+# failure is raised as one CheckpointSaveError instead.
+_SAVE_FAILURES = (
+    "background save thread",
+    "Save Finalize thread",
+    "_SignalingThread.run() raised",
+)
+
+
+class CheckpointSaveError(OSError):
+  """A checkpoint could not be written (the folder and the OS error in one
+  line). Orbax's threads of a failed asynchronous save wait for it for
+  good, so a process that gets this must end (``logra train`` exits 1)."""
+
+
+def _drop_save_failures(record: logging.LogRecord) -> bool:
+  return not any(text in record.getMessage() for text in _SAVE_FAILURES)
 
 
 @contextlib.contextmanager
@@ -145,6 +162,21 @@ class Checkpointer:
     self._closed = False
     self._clock = clock
     self._last_save = clock()
+    logging.getLogger("absl").addFilter(_drop_save_failures)
+
+  @contextlib.contextmanager
+  def _saving(self):
+    """Raises a failure of Orbax to write inside the block (this save's or
+    an earlier one's in the background) as a :class:`CheckpointSaveError`."""
+    try:
+      yield
+    except CheckpointError:
+      raise
+    except Exception as error:  # Orbax and tensorstore raise many kinds.
+      raise CheckpointSaveError(
+          f"saving a checkpoint in {self.directory} failed: "
+          f"{_first_line(error)}"
+      ) from error
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -157,11 +189,20 @@ class Checkpointer:
     it returns, nothing runs in the background. Later calls do nothing."""
     if not self._closed:
       self._closed = True
-      self._manager.close()
+      try:
+        with self._saving():
+          self._manager.close()
+      finally:
+        logging.getLogger("absl").removeFilter(_drop_save_failures)
 
   def wait(self) -> None:
-    """Blocks until a pending asynchronous save is finished on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until a pending asynchronous save is finished on disk.
+
+    Raises:
+      CheckpointSaveError: the save failed.
+    """
+    with self._saving():
+      self._manager.wait_until_finished()
 
   def all_steps(self) -> list[int]:
     """Steps of the finished checkpoints, oldest first."""
@@ -223,6 +264,8 @@ class Checkpointer:
 
     Raises:
       CheckpointError: if a checkpoint of ``step`` already exists.
+      CheckpointSaveError: this save, or an earlier asynchronous one,
+        failed to write (naming the folder and the OS error).
     """
     if step in self.all_steps():
       raise CheckpointError(
@@ -239,9 +282,10 @@ class Checkpointer:
     metrics = (
         None if eval_accuracy is None else {BEST_METRIC: float(eval_accuracy)}
     )
-    self._manager.save(
-        step, args=ocp.args.Composite(**items), metrics=metrics, force=True
-    )
+    with self._saving():
+      self._manager.save(
+          step, args=ocp.args.Composite(**items), metrics=metrics, force=True
+      )
     self._last_save = self._clock()
     if wait:
       self.wait()

@@ -15,9 +15,9 @@ from logra_jax.configs.schema import OPTIMIZERS
 from logra_jax.configs.loss import POLICY_LOSSES
 from logra_jax.configs.schema import PolicyConfig
 from logra_jax.configs.schema import RewardConfig
-from logra_jax.configs.schema import ROLLOUT_DTYPES
-from logra_jax.configs.schema import ROLLOUT_ENGINES
-from logra_jax.configs.schema import RolloutConfig
+from logra_jax.configs.rollout import ROLLOUT_DTYPES
+from logra_jax.configs.rollout import ROLLOUT_ENGINES
+from logra_jax.configs.rollout import RolloutConfig
 from logra_jax.configs.schema import SyncConfig
 from logra_jax.configs.schema import TaskConfig
 from logra_jax.configs.schema import TRACKERS

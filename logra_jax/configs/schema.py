@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from logra_jax.checks import check_choice, check_range
 from logra_jax.configs.loss import LossConfig
+from logra_jax.configs.rollout import RolloutConfig
 from logra_jax.envs.loading import check_spec as check_environment
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import REMAT
@@ -30,8 +31,6 @@ from logra_jax.optim.types import MOMENT_POLICIES
 
 OPTIMIZERS = ("logra", "adam", "galore", "lora")
 GRADIENT_MODES = ("sketch", "dense")
-ROLLOUT_ENGINES = ("colocated", "process")
-ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")
 CHAT_TEMPLATES = ("auto", "none")
 TRACKERS = ("tensorboard", "wandb")
 # Group advantage estimators (``rl.algo.ADVANTAGE_ESTIMATORS`` implements
@@ -259,76 +258,6 @@ class PolicyConfig:
           f"{self.num_heads} = {self.hidden_size // self.num_heads} must be "
           "even (the head size, for rotary embeddings)"
       )
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  """Sampling of completions.
-
-  Attributes:
-    prompts_per_step: prompts sampled per learner step.
-    num_generations: completions per prompt (the GRPO group size, >= 2).
-    max_new_tokens: generation budget per completion.
-    temperature: sampling temperature (> 0 for RL rollouts).
-    top_p: nucleus mass in (0, 1].
-    top_k: 0 disables.
-    engine: where the rollout engine runs: ``"colocated"`` (the learner's
-      process and devices) or ``"process"`` (a separate process on its own
-      devices, sent each sync message as bytes over a local socket; one
-      learner process, sharded or not). Its weights are bit-identical
-      either way, so the run's results are too.
-    dtype: the dtype of the weights the engine samples with, cast from the
-      synced policy once per message: ``"float32"``, ``"bfloat16"`` or
-      ``"auto"`` (bfloat16 on GPU and TPU, float32 on CPU, whose bfloat16
-      matmuls are slow). The engine's synced copy, which its checksums
-      verify, keeps the learner's dtypes.
-    max_staleness: how many policy versions a batch may lag behind the
-      weights it trains: 0 samples each batch with the latest weights (the
-      synchronous loop); s > 0 lets the engine sample the next s batches
-      while the learner trains on this one (asynchronous rollouts, one step
-      off-policy for s = 1), the importance ratios taken against the
-      sampler's own log-probabilities. Metrics record each batch's lag
-      (``rollout/version_lag``). With a mesh it needs
-      ``engine="process"``: a colocated engine would launch sharded programs
-      onto the learner's devices from a second thread.
-    dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all
-      equal (no advantage) are dropped and the batch is filled with groups
-      of more prompts, drawn from the training split by the rollout's key,
-      in up to ``max_resample_rounds`` more samplings of
-      ``prompts_per_step`` prompts; groups still missing after that are
-      equal-reward groups masked from the loss (metrics
-      ``rollout/resample_rounds``, ``rollout/dropped_groups``,
-      ``rollout/masked_groups``).
-    max_resample_rounds: the bound of ``dynamic_sampling``.
-    max_turns: model turns per episode, each up to ``max_new_tokens``.
-    max_episode_tokens: model and environment tokens per episode at most;
-      ``None``: the policy's context.
-  """
-
-  prompts_per_step: int = 64
-  num_generations: int = 8
-  max_new_tokens: int = 6
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  engine: str = "colocated"
-  dtype: str = "auto"
-  max_staleness: int = 0
-  dynamic_sampling: bool = False
-  max_resample_rounds: int = 3
-  max_turns: int = 1
-  max_episode_tokens: Optional[int] = None
-
-  def __post_init__(self):
-    check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
-    _check("rollout", self, "max_turns max_episode_tokens", ge=1)
-    _check("rollout", self, "max_staleness max_resample_rounds", ge=0)
-    check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
-    _check("rollout", self, "prompts_per_step max_new_tokens", ge=1)
-    _check("rollout", self, "num_generations", ge=2)  # a group baseline
-    _check("rollout", self, "temperature", gt=0)
-    _check("rollout", self, "top_p", gt=0, le=1)
-    _check("rollout", self, "top_k", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,14 @@
-"""What guards a run: the lock on its folder, stop signals, the
-out-of-memory hint and the stop after too many non-finite steps."""
+"""What guards a run: the lock on its folder, stop signals, a failed
+checkpoint save, the out-of-memory hint and the stop after too many
+non-finite steps."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import signal
+import sys
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -13,10 +16,16 @@ import filelock
 import jax
 
 from logra_jax import parallel
+from logra_jax.checkpoint import CheckpointSaveError
 from logra_jax.checkpoint import folders
 from logra_jax.configs import TrainConfig
 from logra_jax.optim import non_finite
 from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout import transport
+
+# Seconds a stopping run may take to finish its step before the request it
+# waits for is interrupted (StopSignals' on_stuck).
+STOP_GRACE_S = 5.0
 
 Log = Callable[[str], None]
 
@@ -128,15 +137,58 @@ def explain_out_of_memory(step: int, command: Callable[[], str]):
     raise explained from error
 
 
-class StopSignals:
-  """SIGTERM and SIGINT ask the run to stop after the current step (it then
-  saves a checkpoint); a second signal stops it at once (KeyboardInterrupt).
-  Handlers are only installed on the main thread, and restored on exit."""
+class StepAbandoned(BaseException):
+  """A stop signal came while the run waited for a rollout (the engine and
+  the rewards): the step is given up (a BaseException, so that no
+  ``except Exception`` on the way holds it)."""
 
-  def __init__(self, log: Log):
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class StopSignals:
+  """How a run ends on SIGTERM or SIGINT, and on a failed checkpoint save.
+
+  A first signal asks the run to stop after the current step (it then saves
+  a checkpoint); one that comes while the run waits for a rollout inside
+  :meth:`abandonable` (a frozen engine, a slow reward) raises
+  :class:`StepAbandoned` there at once: the step is given up and the last
+  completed one saved, and on leaving the block the run exits with the
+  shell's status for the signal, ``128 + signum`` (143 for SIGTERM, 130
+  for SIGINT), the status a run stopped after its step returns too. If the
+  run is still going ``grace_s`` seconds after the signal, ``on_stuck()``
+  interrupts what it waits for (the engine's sync or final evaluation); an
+  engine interrupted so (a :class:`~transport.TransportError` leaving the
+  block once a signal came) also exits with the signal's status. A
+  second signal ends the process at once, without saving, with that same
+  status. A :class:`~logra_jax.checkpoint.CheckpointSaveError` leaving the
+  block ends the process with one line and status 1 (Orbax's threads of a
+  failed save would keep it alive). Handlers are only installed on the
+  main thread, and restored on exit.
+
+  Example:
+    >>> with StopSignals(print) as stop:
+    ...   with stop.abandonable():
+    ...     pass
+    >>> stop.received is None
+    True
+  """
+
+  def __init__(
+      self,
+      log: Log,
+      on_stuck: Optional[Callable[[], None]] = None,
+      grace_s: float = STOP_GRACE_S,
+  ):
     self.received: Optional[str] = None
     self._log = log
     self._previous: dict[int, Any] = {}
+    self._abandonable = False
+    self._signum = 0
+    self._watchdog = (
+        None if on_stuck is None else threading.Timer(grace_s, on_stuck)
+    )
 
   def __enter__(self) -> "StopSignals":
     if threading.current_thread() is threading.main_thread():
@@ -144,19 +196,55 @@ class StopSignals:
         self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
+  @contextlib.contextmanager
+  def abandonable(self) -> Iterator[None]:
+    """A wait a first signal gives up at once (:class:`StepAbandoned`)."""
+    self._abandonable = True
+    try:
+      yield
+    finally:
+      self._abandonable = False
+
   def _handle(self, signum, frame) -> None:
     del frame
+    name = signal.Signals(signum).name
     if self.received is not None:
-      raise KeyboardInterrupt
-    self.received = signal.Signals(signum).name
+      _exit_now(f"{name} again: exiting at once, without saving", 128 + signum)
+    self.received, self._signum = name, signum
+    if self._watchdog is not None:
+      self._watchdog.daemon = True
+      self._watchdog.start()
+    if self._abandonable:
+      self._abandonable = False
+      raise StepAbandoned(signum)
     self._log(
-        f"{self.received}: stopping after the current step and saving "
-        "a checkpoint (send it again to stop at once, without saving)"
+        f"{name}: stopping after the current step and saving a checkpoint "
+        "(send it again to exit at once, without saving)"
     )
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, kind, error, traceback) -> None:
+    del traceback
+    if self._watchdog is not None:
+      self._watchdog.cancel()
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+    if isinstance(error, CheckpointSaveError):
+      _exit_now(f"error: {error}", 1)
+    if isinstance(error, StepAbandoned):
+      raise SystemExit(128 + error.signum) from None
+    if self.received and isinstance(error, transport.TransportError):
+      self._log(
+          f"{self.received}: stopped without a final evaluation ({error})"
+      )
+      raise SystemExit(128 + self._signum) from None
+
+
+def _exit_now(line: str, status: int) -> None:
+  """Writes ``line`` to stderr and ends the process with ``status`` at once
+  (no cleanup: what a run leaves is safe to kill, its lock dies with it)."""
+  sys.stdout.flush()
+  print(line, file=sys.stderr, flush=True)
+  os._exit(status)
 
 
 def check_finite(

@@ -34,6 +34,7 @@ from logra_jax.rl import tracking
 from logra_jax.rl.learner_state import Learner, build_learner
 from logra_jax.rl.run_log import RunLog, step_times
 from logra_jax.rollout import engine as engine_lib
+from logra_jax.rollout import transport
 from logra_jax.rollout.pipeline import PromptStream, RolloutPipeline
 from logra_jax.rollout.pipeline import start_engine
 
@@ -266,7 +267,7 @@ def _start(
           progress=inputs.progress,
           log=log,
       ),
-      stop=guards.StopSignals(log),
+      stop=guards.StopSignals(log, on_stuck=pipeline.interrupt),
       projectors=guards.NonFiniteProjectors(log),
       memory_hint=memory_hint,
       sizes=learner.sizes(),
@@ -336,6 +337,7 @@ def _start_pipeline(
       loop.step,
       rollout_fn=rollout_fn,
       evaluate_fn=evaluate_fn,
+      log=inputs.log,
   )
 
 
@@ -366,7 +368,7 @@ def _run_steps(run: _Run) -> None:
     done = step + 1
     step_start = time.perf_counter()
     with guards.explain_out_of_memory(done, run.memory_hint):
-      rollout, version_lag = pipeline.next_rollout(step)
+      rollout, version_lag = _next_rollout(run, step)
       rollout.metrics["rollout/version_lag"] = float(version_lag)
       run_log.observe(rollout.samples)
       batch = learner.prepare(rollout.batch)
@@ -405,6 +407,32 @@ def _run_steps(run: _Run) -> None:
     if done < config.steps and run.checkpointer.due(done, evaluated):
       _save(run, done, metrics.get("accuracy/eval"))
     run_log.show(metrics)
+
+
+def _next_rollout(run: _Run, step: int) -> tuple[Any, int]:
+  """The rollout of step ``step + 1``. A stop signal while it is awaited,
+  or an engine lost for good, first saves the last completed step."""
+  try:
+    with run.stop.abandonable():
+      return run.pipeline.next_rollout(step)
+  except (guards.StepAbandoned, transport.TransportError) as error:
+    if step and run.checkpointer.latest_step() != step:
+      _save(run, step, wait=True)
+    saved = run.checkpointer.latest_step()
+    what = (
+        f"stopped by {error}"
+        if isinstance(error, guards.StepAbandoned)
+        else "rollout engine lost"
+    )
+    run.log(
+        f"{what} during the rollout of step {step + 1}; latest checkpoint: "
+        + (
+            "none"
+            if saved is None
+            else str(run.checkpointer.directory / str(saved))
+        )
+    )
+    raise
 
 
 def _finish_steps(run: _Run) -> dict[str, float]:

@@ -5,6 +5,11 @@ step, and the point a resumed run samples again from.
 
 What a request computes is the caller's (``rollout_fn``: the RL side samples
 with the engine and scores); the pipeline only orders requests and syncs.
+
+A process engine that froze or died (:class:`~transport.TransportError`) is
+restarted up to ``rollout.engine_restarts`` times: the new engine is sent
+the learner's latest weights in full and samples the lost requests again,
+with their prompts and keys.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import pathlib
+import queue
+import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import jax
@@ -92,7 +99,11 @@ def start_engine(
   )
   if config.rollout.engine == "process":
     engine = transport.ProcessEngine(
-        policy, config, folder, log_path=out / "rollout_engine.log"
+        policy,
+        config,
+        folder,
+        log_path=out / "rollout_engine.log",
+        timeout=config.rollout.engine_timeout_s,
     )
   else:
     engine = engine_lib.RolloutEngine(
@@ -137,13 +148,54 @@ def sync_metrics(stats: engine_lib.SyncStats, resyncs: int) -> dict[str, float]:
 
 class _Request(NamedTuple):
   """A rollout requested and not yet trained on: its job, the policy
-  version the engine samples it with, and the data position and key before
-  it."""
+  version the engine samples it with, the data position and key before it,
+  and its prompts and key (to sample it again on a restarted engine)."""
 
   job: concurrent.futures.Future
   version: int
   position: int
   key: jax.Array
+  examples: list[dict]
+  rollout_key: jax.Array
+
+
+class _Worker:
+  """One daemon thread running jobs in order (a process that ends, e.g.
+  stopped by a signal, never waits for a job stuck on a frozen engine or a
+  hung reward, as it would for a ``ThreadPoolExecutor``'s thread)."""
+
+  def __init__(self):
+    self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._run, name="rollout", daemon=True).start()
+
+  def _run(self) -> None:
+    while (item := self._jobs.get()) is not None:
+      future, fn, args = item
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (the caller's to raise)
+          future.set_exception(e)
+
+  def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    self._jobs.put((future, fn, args))
+    return future
+
+  def shutdown(self) -> None:
+    """Ends the thread after the jobs submitted so far (without waiting)."""
+    self._jobs.put(None)
+
+
+def _run_now(fn: Callable, *args: Any) -> concurrent.futures.Future:
+  """``fn(*args)`` run on this thread, as a done future (its exception
+  kept for :meth:`~concurrent.futures.Future.result`)."""
+  future = concurrent.futures.Future()
+  try:
+    future.set_result(fn(*args))
+  except Exception as e:  # noqa: BLE001 (raised by result())
+    future.set_exception(e)
+  return future
 
 
 class RolloutPipeline:
@@ -170,6 +222,7 @@ class RolloutPipeline:
     rollout_fn: ``rollout_fn(examples, key)``, a rollout of one prompt
       batch with the engine (run in order with the syncs).
     evaluate_fn: ``evaluate_fn()``, an evaluation with the engine.
+    log: where a restart of the engine is told.
 
   Attributes:
     engine: the rollout engine.
@@ -185,6 +238,7 @@ class RolloutPipeline:
       version: int,
       rollout_fn: RolloutFn,
       evaluate_fn: Callable[[], dict[str, float]],
+      log: Callable[[str], None] = print,
   ):
     self.engine = engine
     self._sender = sender
@@ -194,11 +248,14 @@ class RolloutPipeline:
     self._rollout_fn = rollout_fn
     self._evaluate_fn = evaluate_fn
     self._staleness = config.rollout.max_staleness
-    self._worker = (
-        concurrent.futures.ThreadPoolExecutor(1, "rollout")
-        if self._staleness
-        else None
-    )
+    self._worker = _Worker() if self._staleness else None
+    self._restarts = config.rollout.engine_restarts
+    self._log = log
+    # The learner's state last sent (a restarted engine's weights) and an
+    # engine lost during a sync, raised at the next request.
+    self._state: Optional[tuple[Any, Any]] = None
+    self._lost: Optional[transport.TransportError] = None
+    self._stopping = False
     self._pending: collections.deque[_Request] = collections.deque()
     self._syncs: collections.deque[concurrent.futures.Future] = (
         collections.deque()
@@ -212,32 +269,98 @@ class RolloutPipeline:
     return self._worker is not None
 
   def close(self) -> None:
-    """Waits for the worker thread's jobs and ends it."""
+    """Ends the worker thread after its jobs (without waiting for them);
+    a job still in progress (a run stopped while it waited) is
+    interrupted."""
     if self._worker is not None:
+      jobs = [r.job for r in self._pending] + list(self._syncs)
+      if not all(job.done() for job in jobs):
+        self.interrupt()
       self._worker.shutdown()
+
+  def interrupt(self) -> None:
+    """Ends the engine's request in progress, from any thread (a process
+    engine's; the colocated engine's requests are not interrupted); the run
+    is stopping, so the engine is not restarted."""
+    self._stopping = True
+    interrupt = getattr(self.engine, "interrupt", None)
+    if interrupt is not None:
+      interrupt()
+
+  def _submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` in order with the engine's other jobs: on the worker
+    thread, or now."""
+    if self._worker is None:
+      return _run_now(fn, *args)
+    return self._worker.submit(fn, *args)
 
   def _request(self) -> None:
     """Requests the rollout of the next prompt batch."""
     position, key_before = self._prompts.position, self._key
     examples = next(self._prompts)
     self._key, rollout_key = jax.random.split(self._key)
-    if self._worker is None:
-      job = concurrent.futures.Future()
-      job.set_result(self._rollout_fn(examples, rollout_key))
-    else:
-      job = self._worker.submit(self._rollout_fn, examples, rollout_key)
+    # Pending before it runs: a stop while it runs resumes before it.
     self._pending.append(
-        _Request(job, self._engine_version, position, key_before)
+        _Request(
+            concurrent.futures.Future(),
+            self._engine_version,
+            position,
+            key_before,
+            examples,
+            rollout_key,
+        )
     )
+    job = self._submit(self._rollout_fn, examples, rollout_key)
+    self._pending[-1] = self._pending[-1]._replace(job=job)
 
   def next_rollout(self, step: int) -> tuple[Any, int]:
     """The rollout the learner trains on at ``step`` (0-based) and how many
     policy versions behind it was sampled, requesting the ones ahead of it
-    that ``max_staleness`` allows."""
+    that ``max_staleness`` allows. It stays pending (the resume point)
+    until it is done.
+
+    Raises:
+      transport.TransportError: the engine froze or died and no restart is
+        left (or it failed on the request).
+    """
+    if self._lost is not None:
+      raise self._lost
     while len(self._pending) <= self._staleness:
       self._request()
-    request = self._pending.popleft()
-    return request.job.result(), step - request.version
+    while True:
+      try:
+        rollout = self._pending[0].job.result()
+        break
+      except transport.TransportError as error:
+        self._restart(error)
+    return rollout, step - self._pending.popleft().version
+
+  def _restart(self, error: transport.TransportError) -> None:
+    """Restarts an engine that froze or died, sends it the latest state in
+    full and requests the pending rollouts again; raises ``error`` when no
+    restart is left (or the engine cannot restart)."""
+    restart = getattr(self.engine, "restart", None)
+    if restart is None or not self._restarts or self._state is None:
+      raise error
+    if self._stopping:
+      raise error
+    self._restarts -= 1
+    self._log(
+        f"{error}; restarting it from the learner's weights of step "
+        f"{self._engine_version} ({self._restarts} restart(s) left)"
+    )
+    for job in [r.job for r in self._pending] + list(self._syncs):
+      job.exception()  # done soon: the engine is stopped
+    self._syncs.clear()
+    restart()
+    self.engine.sync(self._sender.message(*self._state, full=True))
+    for i, request in enumerate(self._pending):
+      self._pending[i] = request._replace(
+          job=self._submit(
+              self._rollout_fn, request.examples, request.rollout_key
+          ),
+          version=self._engine_version,
+      )
 
   def sync(self, state: tuple[Any, Any], step: int) -> engine_lib.SyncStats:
     """Sends the learner's ``state`` (weights, optimizer state) after
@@ -248,13 +371,17 @@ class RolloutPipeline:
       self._engine_version = step
       return self.engine.follow(state)
     weights, opt_state = state
+    self._state = state
     full = bool(self._resync_every and step % self._resync_every == 0)
     message = self._sender.message(weights, opt_state, full=full)
     if self._worker is None:
-      synced = self.engine.sync(
-          message,
-          resync=lambda: self._sender.message(weights, opt_state, full=True),
-      )
+      try:
+        synced = self.engine.sync(
+            message,
+            resync=lambda: self._sender.message(weights, opt_state, full=True),
+        )
+      except transport.TransportError as error:
+        synced = self._sync_lost(error, step)
     else:
       # On the host now: the next step donates the arrays it was made of.
       message = dataclasses.replace(
@@ -262,11 +389,27 @@ class RolloutPipeline:
           arrays={n: np.asarray(x) for n, x in message.arrays.items()},
       )
       self._syncs.append(self._worker.submit(self.engine.sync, message))
-      self.collect_syncs(state, wait=False)
+      try:
+        self.collect_syncs(state, wait=False)
+      except transport.TransportError as error:
+        self._sync_lost(error, step)
       # The figures of the latest sync that finished (none at first).
       synced = self._synced or NO_SYNC_YET
     self._engine_version = step
     return synced
+
+  def _sync_lost(
+      self, error: transport.TransportError, step: int
+  ) -> engine_lib.SyncStats:
+    """A sync of ``step`` that found the engine frozen or dead: restarted
+    with the step's state, or kept to raise at the next request (the step
+    itself is done)."""
+    self._engine_version = step
+    try:
+      self._restart(error)
+    except transport.TransportError as lost:
+      self._lost = lost
+    return NO_SYNC_YET
 
   def collect_syncs(self, state: tuple[Any, Any], wait: bool) -> None:
     """Records the asynchronous syncs that finished (all, with ``wait``); a
@@ -290,9 +433,13 @@ class RolloutPipeline:
   def evaluate(self) -> dict[str, float]:
     """``evaluate_fn()`` with the engine's latest weights (after every
     request before it)."""
-    if self._worker is None:
-      return self._evaluate_fn()
-    return self._worker.submit(self._evaluate_fn).result()
+    if self._lost is not None:
+      raise self._lost
+    while True:
+      try:
+        return self._submit(self._evaluate_fn).result()
+      except transport.TransportError as error:
+        self._restart(error)
 
   def sync_metrics(self, stats: engine_lib.SyncStats) -> dict[str, float]:
     """A step's sync figures (:func:`sync_metrics`) and the resyncs so

@@ -15,6 +15,11 @@ A frame cut short (the other side died or closed mid-message), damaged or
 late is a :class:`TransportError`; a sync message the child refuses comes
 back as a refusal, and :meth:`ProcessEngine.sync` then sends a full message,
 as the colocated engine does.
+
+Liveness: while the child works on a request it sends a heartbeat frame
+every ``heartbeat_s`` seconds (a quarter of ``rollout.engine_timeout_s``),
+so the learner notices a frozen (stopped, deadlocked) or dead child within
+``timeout`` seconds of silence, however long the request itself takes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import traceback
 import zlib
 from typing import Any, Optional, Sequence
@@ -50,8 +56,8 @@ _FRAME = struct.Struct(_FIELDS.format + "I")
 _MAGIC = b"LGRT"
 # Requests.
 _INIT, _SYNC, _SAMPLE, _CLOSE = 1, 2, 3, 4
-# Replies.
-_OK, _REFUSED, _ERROR = 16, 17, 18
+# Replies, and the heartbeat the child sends while it works on a request.
+_OK, _REFUSED, _ERROR, _ALIVE = 16, 17, 18, 19
 _REPLIES = (_OK, _REFUSED, _ERROR)
 _KINDS = {
     _INIT: "init",
@@ -61,7 +67,11 @@ _KINDS = {
     _OK: "ok",
     _REFUSED: "refused",
     _ERROR: "error",
+    _ALIVE: "heartbeat",
 }
+# The longest a new child may take to start (import JAX and this package)
+# before it reads its first request and its heartbeats begin.
+STARTUP_S = 120.0
 # jax.config settings the engine process takes from the learner's, so that
 # both compute alike (e.g. the tests' matmul precision).
 _JAX_SETTINGS = (
@@ -213,12 +223,50 @@ class _Server:
     raise TransportError(f"unexpected {_KINDS[kind]} frame")
 
 
-def serve(sock: socket.socket) -> None:
+class _Heartbeat:
+  """While the block runs, a thread sends a heartbeat frame for ``request``
+  every ``seconds``; ``send`` sends a frame whole (under the lock the
+  heartbeats take), so the two never interleave."""
+
+  def __init__(self, sock: socket.socket, seconds: float):
+    self._sock, self._seconds = sock, seconds
+    self._lock = threading.Lock()
+    self._done = threading.Event()
+    self._request = 0
+
+  def send(self, kind: int, payload: bytes, request: int) -> None:
+    with self._lock:
+      send_frame(self._sock, kind, payload, request)
+
+  def _beat(self) -> None:
+    while not self._done.wait(self._seconds):
+      try:
+        self.send(_ALIVE, b"", self._request)
+      except OSError:
+        return  # the learner went away; the main loop will see it
+
+  def __call__(self, request: int) -> "_Heartbeat":
+    self._request = request
+    return self
+
+  def __enter__(self) -> None:
+    self._done.clear()
+    self._thread = threading.Thread(target=self._beat, daemon=True)
+    self._thread.start()
+
+  def __exit__(self, *exc) -> None:
+    self._done.set()
+    self._thread.join()
+
+
+def serve(sock: socket.socket, heartbeat_s: float = 15.0) -> None:
   """Answers requests on ``sock`` until a close request or the connection
-  closes. A failed request is answered with its traceback; the engine's
+  closes, sending a heartbeat every ``heartbeat_s`` seconds while it works
+  on one. A failed request is answered with its traceback; the engine's
   weights are only ever changed by a verified message. A damaged frame ends
   the connection (the stream cannot be trusted after it), said on stderr."""
   server = _Server()
+  heartbeat = _Heartbeat(sock, heartbeat_s)
   while True:
     try:
       kind, request, payload = recv_frame(sock)
@@ -230,11 +278,12 @@ def serve(sock: socket.socket) -> None:
     if kind == _CLOSE:
       send_frame(sock, _OK, b"", request)
       return
-    try:
-      reply = server.handle(kind, payload)
-    except Exception:  # noqa: BLE001 (reported to the learner)
-      reply = _ERROR, traceback.format_exc().encode()
-    send_frame(sock, *reply, request)
+    with heartbeat(request):
+      try:
+        reply = server.handle(kind, payload)
+      except Exception:  # noqa: BLE001 (reported to the learner)
+        reply = _ERROR, traceback.format_exc().encode()
+    heartbeat.send(*reply, request)
 
 
 class ProcessEngine(engine_lib.Engine):
@@ -249,11 +298,15 @@ class ProcessEngine(engine_lib.Engine):
   memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``) or give the child devices of
   its own (``CUDA_VISIBLE_DEVICES``) in its environment, ``env``.
 
-  Every request waits at most ``timeout`` seconds for its reply; a request
-  that fails half-way (a timeout, a closed or damaged connection, an
+  The child sends a heartbeat every quarter of ``timeout`` while it works
+  on a request, so a request fails once the child has been silent for
+  ``timeout`` seconds (frozen or dead), however long it takes (a new child
+  has :data:`STARTUP_S` to start, before its heartbeats begin). A request
+  that fails half-way (silence, a closed or damaged connection, an
   interrupt) stops the child, and every later request raises
-  :class:`TransportError`: replies are matched to requests by id, never
-  guessed.
+  :class:`TransportError` until :meth:`restart`: replies are matched to
+  requests by id, never guessed. :meth:`interrupt` ends a request in
+  progress at once, from any thread.
 
   Args:
     policy: the learner's :class:`engine_lib.Policy` (its tokenizer encodes
@@ -262,8 +315,8 @@ class ProcessEngine(engine_lib.Engine):
     folder: the policy's HF folder, which the child loads the model from.
     log_path: where the child's output goes (None: its stderr is this
       process's, its stdout discarded).
-    timeout: seconds to wait for each reply (loading, compiling and sampling
-      included).
+    timeout: the longest silence (seconds) before the child is taken for
+      frozen or dead (``rollout.engine_timeout_s``).
     env: the child's environment (None: this process's).
 
   Example (``logra train --set rollout.engine=process`` does this)::
@@ -280,23 +333,29 @@ class ProcessEngine(engine_lib.Engine):
       folder: pathlib.Path | str,
       *,
       log_path: Optional[pathlib.Path | str] = None,
-      timeout: float = 3600.0,
+      timeout: float = 60.0,
       env: Optional[dict[str, str]] = None,
   ):
     self.policy = policy
     self._requests = 0
     self._sock = self._process = self._log = None
+    self._interrupted = False
     self._log_path = None if log_path is None else pathlib.Path(log_path)
-    init = _pack(
+    self._timeout, self._env = timeout, env
+    self._init = _pack(
         {
             "config": json.dumps(to_dict(config)),
             "folder": str(folder),
             "jax": {name: getattr(jax.config, name) for name in _JAX_SETTINGS},
         }
     )
+    self._start()
+
+  def _start(self) -> None:
+    """Starts the child and builds its engine (its INIT request)."""
     try:
-      if log_path is not None:
-        self._log = open(log_path, "ab")
+      if self._log_path is not None:
+        self._log = open(self._log_path, "ab")
       self._sock, theirs = socket.socketpair()
       with theirs:
         self._process = subprocess.Popen(
@@ -306,6 +365,8 @@ class ProcessEngine(engine_lib.Engine):
                 "logra_jax.rollout.transport",
                 "--fd",
                 str(theirs.fileno()),
+                "--heartbeat-s",
+                str(self._timeout / 4),
             ],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
@@ -313,14 +374,32 @@ class ProcessEngine(engine_lib.Engine):
             # 2, which also works under notebooks' replaced sys.stderr).
             stdout=self._log or subprocess.DEVNULL,
             stderr=self._log,
-            env=env,
+            env=self._env,
             start_new_session=True,
         )
-      self._sock.settimeout(timeout)
-      self.signature = _unpack(self._request(_INIT, init))["signature"]
+      self._sock.settimeout(max(self._timeout, STARTUP_S))
+      self.signature = _unpack(self._request(_INIT, self._init))["signature"]
     except BaseException:
       self._stop()
       raise
+
+  def restart(self) -> None:
+    """Ends the child (if any is left) and starts a new one; it holds no
+    weights until a full sync message."""
+    self._stop()
+    self._interrupted = False
+    self._start()
+
+  def interrupt(self) -> None:
+    """Ends the request in progress (in any thread) with a
+    :class:`TransportError`; the child is then stopped."""
+    self._interrupted = True
+    sock = self._sock
+    if sock is not None:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv
+      except OSError:
+        pass  # already closed
 
   def _request(self, kind: int, payload: bytes | Sequence[bytes]) -> bytes:
     """Sends a request; its reply's payload (raises on an error reply)."""
@@ -338,13 +417,19 @@ class ProcessEngine(engine_lib.Engine):
     try:
       send_frame(self._sock, kind, payload, self._requests)
       reply_kind, request, reply = recv_frame(self._sock)
+      self._sock.settimeout(self._timeout)  # once started: heartbeats
+      while reply_kind == _ALIVE and request == self._requests:
+        reply_kind, request, reply = recv_frame(self._sock)
       if request != self._requests or reply_kind not in _REPLIES:
         raise TransportError(
             f"reply {request} ({_KINDS[reply_kind]}) to request "
             f"{self._requests} ({_KINDS[kind]})"
         )
     except BaseException as e:
-      note = self._stop(grace=5.0)  # a dead child is reaped at once
+      # A dead child is reaped at once; an interrupted one not waited for.
+      note = self._stop(grace=0.0 if self._interrupted else 5.0)
+      if self._interrupted:
+        raise TransportError(f"rollout engine process interrupted{note}")
       if isinstance(e, (TransportError, OSError)):
         raise TransportError(f"rollout engine process: {e}{note}") from e
       raise
@@ -369,7 +454,7 @@ class ProcessEngine(engine_lib.Engine):
       except subprocess.TimeoutExpired:
         self._process.kill()
         code = self._process.wait()
-        note = " (it was stopped"
+        note = f" (it was killed, exit code {code}"
       else:
         note = f" (it exited with code {code}"
       if self._log_path is not None:
@@ -416,17 +501,17 @@ class ProcessEngine(engine_lib.Engine):
     )
 
   def close(self) -> None:
-    """Asks the process to exit and waits for it (killing it after 30 s)."""
-    if self._sock is None:
+    """Asks the process to exit and waits for it (killing it after
+    ``timeout`` seconds, or at once after :meth:`interrupt`)."""
+    if self._sock is None or self._interrupted:
       self._stop()
       return
     try:
-      self._sock.settimeout(30.0)
       send_frame(self._sock, _CLOSE, b"", self._requests + 1)
       recv_frame(self._sock)
     except (TransportError, OSError):
       pass  # already gone, or it will be stopped
-    self._stop(grace=30.0)
+    self._stop(grace=self._timeout)
 
 
 def _main() -> None:
@@ -437,9 +522,15 @@ def _main() -> None:
       required=True,
       help="the file descriptor of this end of the socket",
   )
+  parser.add_argument(
+      "--heartbeat-s",
+      type=float,
+      default=15.0,
+      help="seconds between heartbeats while a request is worked on",
+  )
   args = parser.parse_args()
   with socket.socket(fileno=args.fd) as sock:
-    serve(sock)
+    serve(sock, args.heartbeat_s)
 
 
 if __name__ == "__main__":

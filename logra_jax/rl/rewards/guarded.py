@@ -1,11 +1,12 @@
 """The guarded evaluator that never lets a bad reward stop training.
 
 :func:`evaluate_rewards` runs the reward functions sample by sample off the
-main thread with a per-sample deadline: a sample whose reward raises, returns a
-non-number or runs past ``timeout_s`` gets 0 and is counted, and the run goes
-on. :class:`RewardFailureWarnings` turns a reward that fails on most of a
-batch (e.g. unparseable reference answers) into a rate-limited console
-warning.
+main thread with a per-sample deadline and a per-batch one: a sample whose
+reward raises, returns a non-number, runs past ``timeout_s`` or is not reached
+within ``batch_timeout_s`` gets 0 and is counted, and the run goes on.
+:class:`RewardFailureWarnings` turns a reward that fails on most of a batch
+(e.g. unparseable reference answers), or that ran out of its batch deadline,
+into a rate-limited console warning.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import copy
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,6 +40,8 @@ class RewardReport:
     timeouts: name -> number of samples past the deadline.
     first_errors: name -> description of the first failure or timeout (only names with
       any), to make a misconfigured reward visible.
+    late: name -> seconds the function took on a batch it did not finish
+      within the batch deadline (only names that ran out of it).
   """
 
   rewards: np.ndarray
@@ -45,6 +49,7 @@ class RewardReport:
   failures: dict[str, int]
   timeouts: dict[str, int]
   first_errors: dict[str, str]
+  late: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def failure_fraction(self) -> dict[str, float]:
@@ -113,24 +118,46 @@ def _score_samples(
       results.put((False, f"{type(e).__name__}: {e}"))
 
 
+class _Scores(NamedTuple):
+  """One function's scores of a batch and what went wrong."""
+
+  scores: np.ndarray
+  failures: int
+  timeouts: int
+  first_error: str | None
+  late: float | None  # seconds taken, if the batch deadline passed
+
+
 def _guarded_scores(
     fn: RewardFn,
     prompts: Sequence[str],
     completions: Sequence[str],
     columns: Mapping[str, Sequence[Any]],
     timeout_s: float,
-) -> tuple[np.ndarray, int, int, str | None]:
+    batch_timeout_s: float,
+) -> _Scores:
   """Scores every sample in a worker thread; a sample past the deadline abandons the worker.
 
   The abandoned worker is told to stop and exits as soon as the hung call returns; a fresh
   worker resumes at the next sample, so at most one live thread per hung call remains.
+  Once ``batch_timeout_s`` have passed, the samples not scored yet are timeouts.
   """
   n = len(completions)
   scores = np.zeros(n, np.float32)
   failures = timeouts = 0
   first_error = None
+  start = time.monotonic()
   i = 0
   while i < n:
+    left = start + batch_timeout_s - time.monotonic()
+    if left <= 0:
+      late = time.monotonic() - start
+      timeouts += n - i
+      first_error = first_error or (
+          f"samples {i} to {n - 1}: not scored within the batch deadline of "
+          f"{batch_timeout_s:g} s"
+      )
+      return _Scores(scores, failures, timeouts, first_error, late)
     results: queue.SimpleQueue = queue.SimpleQueue()
     cancelled = threading.Event()
     threading.Thread(
@@ -140,15 +167,17 @@ def _guarded_scores(
         daemon=True,
     ).start()
     while i < n:
+      left = start + batch_timeout_s - time.monotonic()
       try:
-        ok, value = results.get(timeout=timeout_s)
+        ok, value = results.get(timeout=max(0.0, min(timeout_s, left)))
       except queue.Empty:
         cancelled.set()
-        timeouts += 1
-        first_error = (
-            first_error or f"sample {i}: no result within {timeout_s} s"
-        )
-        i += 1
+        if left > timeout_s:
+          timeouts += 1
+          first_error = (
+              first_error or f"sample {i}: no result within {timeout_s} s"
+          )
+          i += 1
         break
       if ok:
         scores[i] = value
@@ -156,7 +185,7 @@ def _guarded_scores(
         failures += 1
         first_error = first_error or f"sample {i}: {value}"
       i += 1
-  return scores, failures, timeouts, first_error
+  return _Scores(scores, failures, timeouts, first_error, None)
 
 
 def evaluate_rewards(
@@ -166,6 +195,7 @@ def evaluate_rewards(
     columns: Mapping[str, Sequence[Any]] | None = None,
     *,
     timeout_s: float = 10.0,
+    batch_timeout_s: float = 60.0,
 ) -> RewardReport:
   """Weighted rewards of a batch, robust to reward functions that raise or hang.
 
@@ -173,7 +203,9 @@ def evaluate_rewards(
   returns something other than one finite number, or takes longer than ``timeout_s`` scores
   0 for that function and is counted in ``failures`` / ``timeouts``; nothing propagates. A
   hung call cannot be interrupted: its daemon thread is abandoned and exits once the call
-  returns.
+  returns. A function still scoring after ``batch_timeout_s`` stops there: the samples it
+  did not reach are timeouts and its time is in ``late`` (a slow reward bounds the step,
+  and is warned about, instead of stalling every batch).
 
   Args:
     fns: ``(reward_fn, weight)`` pairs; metrics use each function's
@@ -182,6 +214,7 @@ def evaluate_rewards(
     completions: ``N`` completions.
     columns: column name -> ``N`` values (``answer``, ``entry``, ...), passed as keywords.
     timeout_s: per-sample deadline for each function, in seconds.
+    batch_timeout_s: per-batch deadline for each function, in seconds.
 
   Returns:
     A :class:`RewardReport`.
@@ -201,8 +234,11 @@ def evaluate_rewards(
         "evaluate_rewards needs at least one (reward_fn, weight) pair."
     )
   check_weights(fns)
-  if timeout_s <= 0:
-    raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+  if timeout_s <= 0 or batch_timeout_s <= 0:
+    raise ValueError(
+        f"timeout_s and batch_timeout_s must be > 0, got {timeout_s} and "
+        f"{batch_timeout_s}."
+    )
   columns = dict(columns or {})
   if len(prompts) != len(completions):
     raise ValueError(
@@ -214,13 +250,20 @@ def evaluate_rewards(
           f"column {column!r} has {len(values)} values for {len(completions)} completions."
       )
   total = np.zeros(len(completions), np.float32)
-  per_function, failures, timeouts, first_errors = {}, {}, {}, {}
+  per_function, failures, timeouts, first_errors, late = {}, {}, {}, {}, {}
   for name, (fn, weight) in zip(reward_names([fn for fn, _ in fns]), fns):
     # Each function gets its own copies: one that edits a column (e.g.
     # entry["answer"]) must not change what the others and later batches see.
-    scores, failed, timed_out, error = _guarded_scores(
-        fn, list(prompts), list(completions), copy.deepcopy(columns), timeout_s
+    scores, failed, timed_out, error, seconds = _guarded_scores(
+        fn,
+        list(prompts),
+        list(completions),
+        copy.deepcopy(columns),
+        timeout_s,
+        batch_timeout_s,
     )
+    if seconds is not None:
+      late[name] = seconds
     per_function[name], failures[name], timeouts[name] = (
         scores,
         failed,
@@ -247,6 +290,7 @@ def evaluate_rewards(
       failures=failures,
       timeouts=timeouts,
       first_errors=first_errors,
+      late=late,
   )
 
 
@@ -271,7 +315,8 @@ class RewardFailureWarnings:
   missing column) scores 0 everywhere and the run learns nothing, visible only
   in the metrics. Called on each batch's :class:`RewardReport`, this logs one
   line when a function fails (raises, returns a bad value or times out) on more
-  than ``threshold`` of the batch: the first time, then at most once every
+  than ``threshold`` of the batch, and one when it ran out of its batch
+  deadline (naming its time): the first time, then at most once every
   ``every`` batches per function, counting the batches it held back.
 
   Args:
@@ -308,6 +353,15 @@ class RewardFailureWarnings:
     """Logs the functions of ``report`` that failed on too much of the batch."""
     self._batches += 1
     n = len(report.rewards)
+    for name, seconds in report.late.items():
+      held = self._held_back(f"{name} (late)")
+      if held is not None:
+        since = f"; {held} more such batch(es) since the last" if held else ""
+        self._log(
+            f"warning: reward {name} took {seconds:.1f} s on a batch of {n} "
+            f"samples and was stopped at its batch deadline; "
+            f"{report.timeouts[name]} sample(s) scored 0 as timeouts{since}."
+        )
     for name, fraction in report.failure_fraction.items():
       if fraction <= self._threshold:
         continue
@@ -334,3 +388,13 @@ class RewardFailureWarnings:
         )
       self._last[name] = self._batches
       self._log(line)
+
+  def _held_back(self, key: str) -> int | None:
+    """None while a warning about ``key`` is held back (counting it), else
+    the batches held back since the last one (now due)."""
+    last = self._last.get(key)
+    if last is not None and self._batches - last < self._every:
+      self._held[key] = self._held.get(key, 0) + 1
+      return None
+    self._last[key] = self._batches
+    return self._held.pop(key, 0)

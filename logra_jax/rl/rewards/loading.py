@@ -25,7 +25,26 @@ from logra_jax.rl.rewards.builtin import reward_names
 from logra_jax.rl.rewards.builtin import RewardFn
 
 
-def load_reward_function(spec: str) -> RewardFn:
+def _within(fn: Callable[[], Any], timeout_s: float, name: str) -> Any:
+  """``fn()`` run in a daemon thread: ``(True, result)``, ``(False,
+  exception)``, or None when it has not returned within ``timeout_s`` (the
+  thread is abandoned; it cannot be interrupted)."""
+  results: queue.SimpleQueue = queue.SimpleQueue()
+
+  def call():
+    try:
+      results.put((True, fn()))
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the caller's.
+      results.put((False, e))
+
+  threading.Thread(target=call, name=name, daemon=True).start()
+  try:
+    return results.get(timeout=timeout_s)
+  except queue.Empty:
+    return None
+
+
+def load_reward_function(spec: str, *, timeout_s: float = 30.0) -> RewardFn:
   """A reward function by import path or file path.
 
   Args:
@@ -34,14 +53,17 @@ def load_reward_function(spec: str) -> RewardFn:
       working directory). The function takes
       ``(prompts, completions, **columns)`` as keywords and returns one float
       per completion.
+    timeout_s: the deadline of the import (the same as each call's in
+      :func:`check_reward_functions`): a module that blocks while it
+      imports is refused, not waited for.
 
   Returns:
     The function.
 
   Raises:
     ValueError: a spec without ``:``, a module or file that does not import
-      (naming the file and the error), no such attribute, or an attribute
-      that is not callable.
+      (naming the file and the error) or not within ``timeout_s``, no such
+      attribute, or an attribute that is not callable.
     FileNotFoundError: a ``.py`` file that does not exist.
 
   Example:
@@ -62,12 +84,18 @@ def load_reward_function(spec: str) -> RewardFn:
     loader = lambda: _exec_module(module_spec)  # noqa: E731
   else:
     loader = lambda: importlib.import_module(where)  # noqa: E731
-  try:
-    module = loader()
-  except (Exception, SystemExit) as e:  # noqa: BLE001 -- user code's import.
+  imported = _within(loader, timeout_s, f"reward-import-{name}")
+  if imported is None:
     raise ValueError(
-        f"reward {spec!r}: {where} does not import: " f"{type(e).__name__}: {e}"
-    ) from e
+        f"reward {spec!r}: {where} did not finish importing within "
+        f"{timeout_s:g} s"
+    )
+  ok, module = imported
+  if not ok:
+    raise ValueError(
+        f"reward {spec!r}: {where} does not import: "
+        f"{type(module).__name__}: {module}"
+    ) from module
   fn = getattr(module, name, None)
   if fn is None:
     raise ValueError(f"reward {spec!r}: {where} has no attribute {name!r}")
@@ -119,26 +147,17 @@ def check_reward_functions(
   completions = [str(e["answer"]) for e in examples]
   columns = {k: [e[k] for e in examples] for k in examples[0] if k != "prompt"}
   for name, (fn, _) in zip(reward_names([fn for fn, _ in fns]), fns):
-    results: queue.SimpleQueue = queue.SimpleQueue()
-
-    def call(fn=fn, results=results):
-      try:
-        results.put(
-            (True, fn(prompts=prompts, completions=completions, **columns))
-        )
-      except Exception as e:  # noqa: BLE001 -- reported below.
-        results.put((False, e))
-
-    threading.Thread(
-        target=call, name=f"reward-check-{name}", daemon=True
-    ).start()
-    try:
-      ok, out = results.get(timeout=timeout_s)
-    except queue.Empty:
+    called = _within(
+        lambda fn=fn: fn(prompts=prompts, completions=completions, **columns),
+        timeout_s,
+        f"reward-check-{name}",
+    )
+    if called is None:
       raise ValueError(
           f"reward {name} returned nothing within {timeout_s} s on "
           f"{len(prompts)} reference answers"
-      ) from None
+      )
+    ok, out = called
     if not ok:
       signature = _signature(fn)
       raise ValueError(
