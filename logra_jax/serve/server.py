@@ -80,6 +80,14 @@ class Limits:
   model: str = "logra"
 
 
+class _HTTPServer(http.server.ThreadingHTTPServer):
+  """A thread per connection; a listen backlog for a batch's worth of
+  clients connecting at once (the default of 5 resets the rest)."""
+
+  daemon_threads = True
+  request_queue_size = 256
+
+
 class Server:
   """The endpoints on ``127.0.0.1:port`` (0: a free port), served on
   their own threads until :meth:`close`.
@@ -107,10 +115,7 @@ class Server:
     self.renderer = envs.Renderer(tokenizer, chat=True)
     self.on_completion = on_completion
     self._ids = itertools.count()
-    self._http = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", port), _handler(self)
-    )
-    self._http.daemon_threads = True
+    self._http = _HTTPServer(("127.0.0.1", port), _handler(self))
     self._thread = threading.Thread(
         target=self._http.serve_forever, daemon=True
     )

@@ -130,6 +130,33 @@ def test_concurrent_requests_are_one_sampler_call(server):
     assert choice["finish_reason"] == ("stop" if stopped else "length")
 
 
+def test_a_batch_of_clients_connecting_at_once_is_served():
+  """64 clients at once: none is reset (the listen backlog holds them) and
+  they share few sampler calls."""
+  sampler = FakeSampler()
+  batcher = serve.Batcher(sampler, window_s=1.0, max_batch=64, max_queue=64)
+  limits = serve.Limits(
+      max_new_tokens=WIDTH, max_prompt_tokens=8, vocab_size=99
+  )
+  statuses = []
+  start = threading.Barrier(64)
+
+  def client(i):
+    start.wait()
+    body = {"token_ids": [5, i % 90]}
+    statuses.append(post(server.url, "/inference/v1/generate", body)[0])
+
+  with serve.Server(batcher, char_tokenizer(), limits) as server:
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+  assert statuses == [200] * 64
+  assert sum(len(prompts) for prompts, _ in sampler.calls) == 64
+  assert len(sampler.calls) < 64
+
+
 def test_chat_completions_render_the_template_and_return_the_ids(server):
   tokenizer = server.tokenizer
   messages = [
