@@ -28,7 +28,9 @@ _NEUTRAL = frozenset(
     }
 )
 _SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "top_k", "n"})
-_GENERATE = frozenset({"model", "token_ids", "sampling_params", "cache_salt"})
+_GENERATE = frozenset(
+    {"model", "token_ids", "sampling_params", "cache_salt", "priority"}
+)
 _CHAT = frozenset(
     {
         "model",
