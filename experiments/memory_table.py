@@ -6,18 +6,25 @@ and reads XLA's memory analysis: seq 4096, micro-batch 1 per device, block
 remat, fsdp=8, LoGRA rank 64, with LoGRA taking either full gradients
 (`dense`, then projected) or sketch-direct ones (`sketch`, the default), and
 in sketch mode with the embedding table and LM head projected too, and that
-with a bfloat16 base (factored weights `W = c B + P A`). The
-colocated-rollout columns add bf16 inference weights and the KV cache of 64
-sequences x 8192 tokens, spread over the 8 devices. LoRA (AdamW on rank-64
-adapters of every attention and MLP matrix, everything else frozen) runs on
-a float32 and on a bfloat16 frozen base. Writes `memory_table.md` and
-`memory_table.csv`.
+with a bfloat16 base (factored weights `W = c B + P A`). The system columns
+are the train step plus the colocated rollout engine at its real cost: it
+samples with the learner's own arrays (zero-copy, the default engine), so
+it adds the sampling program's temporaries and outputs, the KV cache of 64
+sequences x 8192 tokens among them (`memory.shared_rollout_bytes`); for
+comparison, the asynchronous engine's own bfloat16 copy of the weights and
+its KV cache (`memory.rollout_reservation`, `logra memory --rollout-copy`).
+LoRA (AdamW on rank-64 adapters of every attention and MLP matrix,
+everything else frozen) runs on a float32 and on a bfloat16 frozen base.
+Writes `memory_table.md` (with a provenance footer: commit, date, machine,
+versions, the command) and `memory_table.csv` under `--results` (default
+`experiments/results/memory_table/`).
 
 `--check` instead compares the planner with the peak resident memory measured
 while the same step runs on this machine's CPU (one device), for a small
 config, and prints the ratio.
 
-Run: python experiments/memory_table.py [--models ...] [--out runs/memory]
+Run: python experiments/memory_table.py [--models ...]
+     [--results experiments/results/memory_table]
      python experiments/memory_table.py --check
 """
 
@@ -33,6 +40,8 @@ import subprocess
 import sys
 
 import jax
+import provenance
+import study
 
 from logra_jax import memory
 from logra_jax import models
@@ -154,6 +163,142 @@ CHECK_CONFIG = models.DecoderConfig.tiny(
 )
 
 
+ARMS = (  # name, optimizer, gradients, embeddings projected, base, system
+    ("adam", "adam", "dense", False, "float32", True),
+    ("logra-dense", "logra", "dense", False, "float32", False),
+    ("logra", "logra", "sketch", False, "float32", True),
+    ("logra-embeddings", "logra", "sketch", True, "float32", True),
+    ("logra-bf16-base", "logra", "sketch", True, "bfloat16", True),
+    ("lora", "lora", "dense", False, "float32", False),
+    ("lora-bf16-base", "lora", "dense", False, "bfloat16", False),
+)
+
+
+def plan_rows(args: argparse.Namespace) -> list[dict]:
+  """One row per model and arm: the train step's plan and, for the arms of
+  the system columns, the colocated zero-copy engine's reservation (the
+  sampling program on the learner's own arrays) and the separate bfloat16
+  copy of the asynchronous engine (``--rollout-copy``)."""
+  mesh = parallel.MeshConfig.parse(args.mesh)
+  rows = []
+  for name in args.models:
+    model = TINY if name == "tiny" else name
+    config = TINY if name == "tiny" else memory.load_model_config(name)
+    copy = memory.rollout_reservation(
+        config, mesh, args.rollout_seqs, args.rollout_tokens
+    )
+    for arm, optimizer, gradient_mode, embeddings, base, system in ARMS:
+      report = memory.plan_memory(
+          model,
+          mesh=mesh,
+          optimizer=optimizer,
+          rank=args.rank,
+          seq_len=args.seq,
+          rollout_seqs=args.rollout_seqs if system else 0,
+          rollout_tokens=args.rollout_tokens if system else 0,
+          device_memory_gib=args.device_memory_gib,
+          gradient_mode=gradient_mode,
+          project_embeddings=embeddings,
+          base_dtype=base,
+      )
+      train_total = report.total - report.rollout
+      limit = args.device_memory_gib * GIB
+      rows.append(
+          {
+              "model": name,
+              "optimizer": arm,
+              **{
+                  k: v
+                  for k, v in report.to_dict().items()
+                  if isinstance(v, int)
+              },
+              "train_total": train_total,
+              "system_total": report.total if system else None,
+              "system_fits": report.total <= limit if system else None,
+              "rollout_copy": copy,
+              "system_copy_total": train_total + copy,
+              "system_copy_fits": train_total + copy <= limit,
+          }
+      )
+      print(report.summary(), flush=True)
+  return rows
+
+
+def _gib(b: int) -> str:
+  return f"{b / GIB:.1f}" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def header(args: argparse.Namespace) -> list[str]:
+  """The settings line and the table's header."""
+  return [
+      f"GiB per device; mesh {args.mesh}, seq {args.seq}, micro-batch "
+      f"1/device, block remat, LoGRA rank {args.rank}; weights: float32 "
+      "(Adam, dense gradients), factored W = c B + P A with a float32 or "
+      "bfloat16 base B (sketch-direct). System = the train step + the "
+      "colocated rollout engine at its real cost: it samples with the "
+      "learner's own arrays (zero-copy, the default engine), so it adds the "
+      "sampling program's temporaries and outputs (the KV cache of "
+      f"{args.rollout_seqs} x {args.rollout_tokens} tokens among them), "
+      "compiled on the learner's layout. For comparison, the asynchronous "
+      "engine (`logra memory --rollout-copy`) holds its own bfloat16 copy "
+      "of the weights plus the KV cache. fits: <= "
+      f"{args.device_memory_gib:g} GiB per device",
+      "",
+      "| model | params | Adam: state / grads / temps / train step | "
+      "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
+      "LoGRA, sketch-direct, embeddings projected: same | "
+      "same, bfloat16 base: params / state / temps / train step | "
+      "temp + unaliased output: dense -> sketch gradients | train step vs "
+      "Adam: LoGRA (sketch) / embeddings projected / + bfloat16 base | "
+      "system (train step + zero-copy colocated engine): Adam | system: "
+      "LoGRA (sketch) / embeddings projected / + bfloat16 base | colocated "
+      "engine's reservation, LoGRA + bfloat16 base: zero-copy / own copy "
+      "(asynchronous engine) | train step + own-copy engine: LoGRA + "
+      "bfloat16 base | LoRA: params / state / temps / train step | LoRA, "
+      "bfloat16 base: same | train step vs Adam: LoRA / LoRA, bfloat16 base "
+      "|",
+      "|---|---:|" + "---:|" * 14,
+  ]
+
+
+def table_line(name: str, rows: list[dict]) -> str:
+  """The table's row of one model."""
+  adam, dense, sketch, embeddings, bf16, lora, lora_bf16 = (
+      next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
+      for arm, *_ in ARMS
+  )
+  size = (
+      f"{adam['num_params'] / 1e9:.2f}B"
+      if adam["num_params"] > 1e8
+      else f"{adam['num_params'] / 1e6:.2f}M"
+  )
+  cell = lambda r: (
+      f"{_gib(r['optimizer_state'])} / {_gib(r['grads'])} / "
+      f"{_gib(r['temporaries'])} / **{_gib(r['train_total'])}**"
+  )
+  fits = lambda total, ok: f"{_gib(total)} ({'fits' if ok else 'OOM'})"
+  system = lambda r: fits(r["system_total"], r["system_fits"])
+  step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
+  change = lambda r: (
+      f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
+  )
+  with_params = lambda r: (
+      f"{_gib(r['params'])} / {_gib(r['optimizer_state'])} / "
+      f"{_gib(r['temporaries'])} / **{_gib(r['train_total'])}**"
+  )
+  return (
+      f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
+      f"{cell(embeddings)} | {with_params(bf16)} | {_gib(step(dense))} -> "
+      f"{_gib(step(sketch))} | {change(sketch)} / {change(embeddings)} / "
+      f"{change(bf16)} | {system(adam)} | {system(sketch)} / "
+      f"{system(embeddings)} / {system(bf16)} | {_gib(bf16['rollout'])} / "
+      f"{_gib(bf16['rollout_copy'])} | "
+      f"{fits(bf16['system_copy_total'], bf16['system_copy_fits'])} | "
+      f"{with_params(lora)} | {with_params(lora_bf16)} | "
+      f"{change(lora)} / {change(lora_bf16)} |"
+  )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
@@ -165,7 +310,12 @@ def main() -> None:
   parser.add_argument("--rollout-seqs", type=int, default=64)
   parser.add_argument("--rollout-tokens", type=int, default=8192)
   parser.add_argument("--device-memory-gib", type=float, default=80.0)
-  parser.add_argument("--out", default="runs/memory")
+  parser.add_argument(
+      "--results",
+      type=pathlib.Path,
+      default=study.RESULTS / "memory_table",
+      help="folder for memory_table.md and memory_table.csv",
+  )
   parser.add_argument("--check", action="store_true")
   parser.add_argument(
       "--check-one", choices=["adam", "logra"], help=argparse.SUPPRESS
@@ -187,114 +337,21 @@ def main() -> None:
         f"{measured / planned:.3f}"
     )
     return
-
-  mesh = parallel.MeshConfig.parse(args.mesh)
-  rows = []
-  arms = (
-      ("adam", "adam", "dense", False, "float32"),
-      ("logra-dense", "logra", "dense", False, "float32"),
-      ("logra", "logra", "sketch", False, "float32"),
-      ("logra-embeddings", "logra", "sketch", True, "float32"),
-      ("logra-bf16-base", "logra", "sketch", True, "bfloat16"),
-      ("lora", "lora", "dense", False, "float32"),
-      ("lora-bf16-base", "lora", "dense", False, "bfloat16"),
-  )
-  for name in args.models:
-    model = TINY if name == "tiny" else name
-    for arm, optimizer, gradient_mode, project_embeddings, base in arms:
-      report = memory.plan_memory(
-          model,
-          mesh=mesh,
-          optimizer=optimizer,
-          rank=args.rank,
-          seq_len=args.seq,
-          rollout_seqs=args.rollout_seqs,
-          rollout_tokens=args.rollout_tokens,
-          device_memory_gib=args.device_memory_gib,
-          gradient_mode=gradient_mode,
-          project_embeddings=project_embeddings,
-          base_dtype=base,
-      )
-      train_total = report.total - report.rollout
-      rows.append(
-          {
-              "model": name,
-              "optimizer": arm,
-              **{
-                  k: v
-                  for k, v in report.to_dict().items()
-                  if isinstance(v, int)
-              },
-              "train_total": train_total,
-              "fits_with_rollout": report.fits,
-          }
-      )
-      print(report.summary(), flush=True)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  with open(out / "memory_table.csv", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+  unknown = sorted(set(args.models) - {"tiny", *memory.MODEL_PRESETS})
+  if unknown:
+    parser.error(f"--models: unknown presets {unknown}")
+  rows = plan_rows(args)
+  record = provenance.collect(provenance.this_command(), "not computed")
+  args.results.mkdir(parents=True, exist_ok=True)
+  with open(args.results / "memory_table.csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=["commit", "date", *rows[0]])
     writer.writeheader()
-    writer.writerows(rows)
-  gib = lambda b: (
-      f"{b / GIB:.1f}" if b >= GIB / 10 else f"{b / 2**20:.1f} MiB"
-  )
-  lines = [
-      f"GiB per device; mesh {mesh}, seq {args.seq}, micro-batch 1/device, "
-      f"block remat, LoGRA rank {args.rank}; weights: float32 (Adam, dense "
-      f"gradients), factored W = c B + P A with a float32 or bfloat16 base B "
-      f"(sketch-direct); rollout: "
-      f"{args.rollout_seqs} x {args.rollout_tokens} tokens colocated; fits: "
-      f"<= {args.device_memory_gib:g} GiB per device",
-      "",
-      "| model | params | Adam: state / grads / temps / train step | "
-      "LoGRA, dense gradients: same | LoGRA, sketch-direct: same | "
-      "LoGRA, sketch-direct, embeddings projected: same | "
-      "same, bfloat16 base: params / state / temps / train step | "
-      "temp + unaliased output: dense -> sketch gradients | train step vs "
-      "Adam: LoGRA (sketch) / embeddings projected / + bfloat16 base | "
-      "+ rollout: Adam | + rollout: LoGRA (sketch) / embeddings projected / "
-      "+ bfloat16 base | LoRA: params / state / temps / train step | LoRA, "
-      "bfloat16 base: same | train step vs Adam: LoRA / LoRA, bfloat16 base "
-      "|",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  for name in args.models:
-    adam, dense, sketch, embeddings, bf16, lora, lora_bf16 = (
-        next(r for r in rows if r["model"] == name and r["optimizer"] == arm)
-        for arm, *_ in arms
+    writer.writerows(
+        {"commit": record["commit"], "date": record["date"], **r} for r in rows
     )
-    size = (
-        f"{adam['num_params'] / 1e9:.2f}B"
-        if adam["num_params"] > 1e8
-        else f"{adam['num_params'] / 1e6:.2f}M"
-    )
-    cell = lambda r: (
-        f"{gib(r['optimizer_state'])} / {gib(r['grads'])} / "
-        f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**"
-    )
-    fits = lambda r: (
-        f"{gib(r['total'])} " f"({'fits' if r['fits_with_rollout'] else 'OOM'})"
-    )
-    step = lambda r: r["grads"] + r["temporaries"] + r["outputs"]
-    change = lambda r: (
-        f"{100 * (r['train_total'] / adam['train_total'] - 1):+.1f}%"
-    )
-    with_params = lambda r: (
-        f"{gib(r['params'])} / {gib(r['optimizer_state'])} / "
-        f"{gib(r['temporaries'])} / **{gib(r['train_total'])}**"
-    )
-    base = with_params(bf16)
-    lines.append(
-        f"| {name} | {size} | {cell(adam)} | {cell(dense)} | {cell(sketch)} | "
-        f"{cell(embeddings)} | {base} | {gib(step(dense))} -> "
-        f"{gib(step(sketch))} | {change(sketch)} / {change(embeddings)} / "
-        f"{change(bf16)} | {fits(adam)} | {fits(sketch)} / {fits(embeddings)} "
-        f"/ {fits(bf16)} | {with_params(lora)} | {with_params(lora_bf16)} | "
-        f"{change(lora)} / {change(lora_bf16)} |"
-    )
-  table = "\n".join(lines)
-  (out / "memory_table.md").write_text(table + "\n")
+  lines = header(args) + [table_line(name, rows) for name in args.models]
+  table = "\n".join(lines + ["", provenance.footer(record)])
+  (args.results / "memory_table.md").write_text(table + "\n")
   print(table)
 
 
