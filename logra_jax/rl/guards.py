@@ -23,9 +23,9 @@ from logra_jax.optim import non_finite
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout import transport
 
-# Seconds a stopping run may take to finish its step before the request it
-# waits for is interrupted (StopSignals' on_stuck).
-STOP_GRACE_S = 5.0
+# Seconds a stopping run may take to finish its step before what it waits
+# for is given up (StopSignals).
+STOP_GRACE_S = 10.0
 
 Log = Callable[[str], None]
 
@@ -138,9 +138,9 @@ def explain_out_of_memory(step: int, command: Callable[[], str]):
 
 
 class StepAbandoned(BaseException):
-  """A stop signal came while the run waited for a rollout (the engine and
-  the rewards): the step is given up (a BaseException, so that no
-  ``except Exception`` on the way holds it)."""
+  """A stopping run's rollout (the engine, the rewards) was not done within
+  the grace: the step is given up (a BaseException, so that no ``except
+  Exception`` on the way holds it)."""
 
   def __init__(self, signum: int):
     super().__init__(signal.Signals(signum).name)
@@ -151,21 +151,25 @@ class StopSignals:
   """How a run ends on SIGTERM or SIGINT, and on a failed checkpoint save.
 
   A first signal asks the run to stop after the current step (it then saves
-  a checkpoint); one that comes while the run waits for a rollout inside
-  :meth:`abandonable` (a frozen engine, a slow reward) raises
-  :class:`StepAbandoned` there at once: the step is given up and the last
-  completed one saved, and on leaving the block the run exits with the
-  shell's status for the signal, ``128 + signum`` (143 for SIGTERM, 130
-  for SIGINT), the status a run stopped after its step returns too. If the
-  run is still going ``grace_s`` seconds after the signal, ``on_stuck()``
-  interrupts what it waits for (the engine's sync or final evaluation); an
-  engine interrupted so (a :class:`~transport.TransportError` leaving the
-  block once a signal came) also exits with the signal's status. A
-  second signal ends the process at once, without saving, with that same
-  status. A :class:`~logra_jax.checkpoint.CheckpointSaveError` leaving the
-  block ends the process with one line and status 1 (Orbax's threads of a
-  failed save would keep it alive). Handlers are only installed on the
-  main thread, and restored on exit.
+  a checkpoint, evaluates and exits with the shell's status for the signal,
+  ``128 + signum``: 143 for SIGTERM, 130 for SIGINT). If the run is still
+  going ``grace_s`` seconds later, what it waits for is given up:
+  ``on_stuck()`` interrupts the engine's request (a sync, the final
+  evaluation) and a wait for a rollout inside :meth:`abandonable` (a
+  frozen engine, a slow reward) raises :class:`StepAbandoned`, the caller
+  then saving the last completed step; leaving the block with either (a
+  :class:`~transport.TransportError` once a signal came) exits with the
+  signal's status. A second signal ends the process at once, without
+  saving, with that same status. A
+  :class:`~logra_jax.checkpoint.CheckpointSaveError` leaving the block
+  ends the process with one line and status 1 (Orbax's threads of a failed
+  save would keep it alive). Handlers are only installed on the main
+  thread, and restored on exit.
+
+  Args:
+    log: where the lines go.
+    on_stuck: called (on a thread of its own) once the grace has passed.
+    grace_s: seconds a stopping run may take to finish its step.
 
   Example:
     >>> with StopSignals(print) as stop:
@@ -183,12 +187,14 @@ class StopSignals:
   ):
     self.received: Optional[str] = None
     self._log = log
+    self._on_stuck = on_stuck
     self._previous: dict[int, Any] = {}
     self._abandonable = False
+    self._grace_over = False
+    self._waking = False  # _expire's own signal is on its way
     self._signum = 0
-    self._watchdog = (
-        None if on_stuck is None else threading.Timer(grace_s, on_stuck)
-    )
+    self._watchdog = threading.Timer(grace_s, self._expire)
+    self._watchdog.daemon = True
 
   def __enter__(self) -> "StopSignals":
     if threading.current_thread() is threading.main_thread():
@@ -198,34 +204,45 @@ class StopSignals:
 
   @contextlib.contextmanager
   def abandonable(self) -> Iterator[None]:
-    """A wait a first signal gives up at once (:class:`StepAbandoned`)."""
+    """A wait given up once the grace has passed (:class:`StepAbandoned`)."""
     self._abandonable = True
     try:
+      if self._grace_over:
+        raise StepAbandoned(self._signum)
       yield
     finally:
       self._abandonable = False
 
+  def _expire(self) -> None:
+    """The grace has passed: wake the main thread (its handler gives up an
+    abandonable wait) and interrupt what it waits for."""
+    self._grace_over = self._waking = True
+    signal.pthread_kill(threading.main_thread().ident, self._signum)
+    if self._on_stuck is not None:
+      self._on_stuck()
+
   def _handle(self, signum, frame) -> None:
     del frame
     name = signal.Signals(signum).name
+    if self._waking:  # _expire's signal: give up an abandonable wait
+      self._waking = False
+      if self._abandonable:
+        self._abandonable = False
+        raise StepAbandoned(self._signum)
+      return
     if self.received is not None:
       _exit_now(f"{name} again: exiting at once, without saving", 128 + signum)
     self.received, self._signum = name, signum
-    if self._watchdog is not None:
-      self._watchdog.daemon = True
-      self._watchdog.start()
-    if self._abandonable:
-      self._abandonable = False
-      raise StepAbandoned(signum)
     self._log(
         f"{name}: stopping after the current step and saving a checkpoint "
         "(send it again to exit at once, without saving)"
     )
+    if self._previous:
+      self._watchdog.start()
 
   def __exit__(self, kind, error, traceback) -> None:
     del traceback
-    if self._watchdog is not None:
-      self._watchdog.cancel()
+    self._watchdog.cancel()
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     if isinstance(error, CheckpointSaveError):

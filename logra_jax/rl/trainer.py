@@ -415,13 +415,13 @@ def _next_rollout(run: _Run, step: int) -> tuple[Any, int]:
   try:
     with run.stop.abandonable():
       return run.pipeline.next_rollout(step)
-  except (guards.StepAbandoned, transport.TransportError) as error:
+  except (guards.StepAbandoned, transport.TransportError):
     if step and run.checkpointer.latest_step() != step:
       _save(run, step, wait=True)
     saved = run.checkpointer.latest_step()
     what = (
-        f"stopped by {error}"
-        if isinstance(error, guards.StepAbandoned)
+        f"stopped by {run.stop.received}"
+        if run.stop.received
         else "rollout engine lost"
     )
     run.log(
