@@ -12,8 +12,8 @@ from logra_jax.envs.episodes import episode_sequence
 from logra_jax.envs.episodes import EpisodeConfig
 from logra_jax.envs.episodes import Renderer
 from logra_jax.envs.episodes import run_episodes
-from logra_jax.envs.episodes import turn_rows
-from logra_jax.envs.episodes import TurnRows
+from logra_jax.envs.episodes import episode_rows
+from logra_jax.envs.episodes import EpisodeRows
 from logra_jax.envs.loading import load_environment
 from logra_jax.envs.loading import SHIPPED
 from logra_jax.envs.verifiers_source import VerifiersTaskset
@@ -30,8 +30,8 @@ __all__ = [
     "EpisodeConfig",
     "Renderer",
     "run_episodes",
-    "turn_rows",
-    "TurnRows",
+    "episode_rows",
+    "EpisodeRows",
     "load_environment",
     "SHIPPED",
     "VerifiersTaskset",

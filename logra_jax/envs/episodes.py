@@ -6,14 +6,14 @@ log-probabilities, never re-tokenized); the environment's messages are
 rendered to tokens between them and are context only: the loss mask is 1 on
 the model's tokens and 0 on the environment's (:func:`episode_sequence`).
 
-The learner's batch holds the episode as one row per model turn
-(:func:`turn_rows`): row ``j`` has the episode's sequence up to turn ``j``
-as its prompt and turn ``j`` as its completion, so the environment's tokens
-are attended to but never scored, and each row's log-probabilities are the
-ones its turn was sampled with. Every episode has ``max_turns`` rows (the
-rows of turns not taken are padding, masked out), so a batch's shape does
-not depend on how its episodes went. With the token-mean loss this equals
-the masked loss on the whole sequence (``tests/envs/test_mask.py``).
+The learner's batch holds the episode as one row (:func:`episode_rows`):
+the prompt, then the episode's sequence as the completion, with an
+attention mask that is 1 on all of it and a loss mask that is 1 on the
+model's tokens only, so the environment's tokens are attended to but never
+scored, and the model's tokens carry the log-probabilities they were
+sampled with. The shared history is computed once, and an episode pads only
+to the batch's longest (``tests/envs/test_mask.py`` checks the loss and the
+gradients against one row per turn).
 
 A model turn ends at the sampler's stop token, or at the first of the
 environment's ``stop_strings`` (the closing tag of a tool call), keeping
@@ -369,68 +369,70 @@ def episode_sequence(episode: Episode) -> tuple[list[int], list[int]]:
   return ids, mask
 
 
-class TurnRows(NamedTuple):
-  """Episodes as the learner's rows, ``max_turns`` per episode (module
-  docstring): prompts left-padded, turns right-padded, numpy arrays."""
+class EpisodeRows(NamedTuple):
+  """Episodes as the learner's rows, one per episode (module docstring):
+  prompts left-padded, sequences right-padded, numpy arrays; ``mask_ExT``
+  is 1 on the model's tokens, ``context_mask_ExT`` on the environment's
+  too, and ``lengths_E`` counts both."""
 
-  prompt_ids_RxP: np.ndarray
-  prompt_mask_RxP: np.ndarray
-  tokens_RxT: np.ndarray
-  mask_RxT: np.ndarray
-  logprobs_RxT: np.ndarray
-  lengths_R: np.ndarray
+  prompt_ids_ExP: np.ndarray
+  prompt_mask_ExP: np.ndarray
+  tokens_ExT: np.ndarray
+  mask_ExT: np.ndarray
+  context_mask_ExT: np.ndarray
+  logprobs_ExT: np.ndarray
+  lengths_E: np.ndarray
 
 
-def turn_rows(
+def episode_rows(
     episodes: Sequence[Episode],
-    max_turns: int,
     width: int,
     pad_id: int = 0,
     bucket: int = 1,
-) -> TurnRows:
-  """The rows of ``episodes``: row ``e * max_turns + j`` is turn ``j`` of
-  episode ``e`` after its history; rows of turns not taken keep the
-  episode's prompt and no tokens.
+) -> EpisodeRows:
+  """The rows of ``episodes``: row ``e`` is episode ``e``'s prompt and its
+  :func:`episode_sequence` as the completion, with the log-probabilities its
+  turns were sampled with (0 on the environment's tokens).
 
   Args:
     episodes: played episodes.
-    max_turns: rows per episode.
-    width: completion columns (at least the longest turn).
+    width: completion columns (at least the longest sequence).
     pad_id: the filler id.
     bucket: the prompts' width is a multiple of it (the sampler's bucket
       size, so that the learner compiles for a few widths only).
 
   Returns:
-    The :class:`TurnRows`.
+    The :class:`EpisodeRows`.
 
   Example:
     >>> episode = Episode(None, [], [1], turns=[[5, 6], [7]],
     ...                   logprobs=[[-1., -2.], [-3.]], contexts=[[9]])
-    >>> rows = turn_rows([episode], 2, 3)
-    >>> rows.prompt_ids_RxP.tolist(), rows.tokens_RxT.tolist()
-    ([[0, 0, 0, 1], [1, 5, 6, 9]], [[5, 6, 0], [7, 0, 0]])
+    >>> rows = episode_rows([episode], 5)
+    >>> rows.tokens_ExT.tolist(), rows.mask_ExT.tolist()
+    ([[5, 6, 9, 7, 0]], [[1, 1, 0, 1, 0]])
+    >>> rows.context_mask_ExT.tolist(), rows.logprobs_ExT.tolist()
+    ([[1, 1, 1, 1, 0]], [[-1.0, -2.0, 0.0, -3.0, 0.0]])
   """
-  histories, turns, logprobs = [], [], []
-  for episode in episodes:
-    history = list(episode.prompt_ids)
-    for j in range(max_turns):
-      taken = j < len(episode.turns)
-      histories.append(list(history if taken else episode.prompt_ids))
-      turns.append(episode.turns[j] if taken else [])
-      logprobs.append(episode.logprobs[j] if taken else [])
-      if taken and j < len(episode.contexts):
-        history += episode.turns[j] + episode.contexts[j]
-  longest = -(-max(map(len, histories)) // bucket) * bucket
-  rows = len(histories)
+  rows = len(episodes)
+  longest = max(len(e.prompt_ids) for e in episodes)
+  longest = -(-longest // bucket) * bucket
   prompt_ids = np.full((rows, longest), pad_id, np.int32)
   prompt_mask = np.zeros((rows, longest), np.int32)
   tokens = np.full((rows, width), pad_id, np.int32)
   mask = np.zeros((rows, width), np.int32)
+  context = np.zeros((rows, width), np.int32)
   logp = np.zeros((rows, width), np.float32)
-  for r, (history, turn, lp) in enumerate(zip(histories, turns, logprobs)):
-    prompt_ids[r, longest - len(history) :] = history
-    prompt_mask[r, longest - len(history) :] = 1
-    tokens[r, : len(turn)] = turn
-    mask[r, : len(turn)] = 1
-    logp[r, : len(turn)] = lp
-  return TurnRows(prompt_ids, prompt_mask, tokens, mask, logp, mask.sum(axis=1))
+  for r, episode in enumerate(episodes):
+    prompt = episode.prompt_ids
+    prompt_ids[r, longest - len(prompt) :] = prompt
+    prompt_mask[r, longest - len(prompt) :] = 1
+    ids, model = episode_sequence(episode)
+    if len(ids) > width:
+      raise ValueError(f"an episode of {len(ids)} tokens exceeds {width=}")
+    tokens[r, : len(ids)] = ids
+    mask[r, : len(ids)] = model
+    context[r, : len(ids)] = 1
+    logp[r, np.flatnonzero(model)] = [x for lp in episode.logprobs for x in lp]
+  return EpisodeRows(
+      prompt_ids, prompt_mask, tokens, mask, context, logp, context.sum(axis=1)
+  )

@@ -26,12 +26,15 @@ def completion_hidden_states(
     prompt_mask_BxP: jax.Array,
     completion_ids_BxN: jax.Array,
     completion_mask_BxN: jax.Array | None = None,
+    context_mask_BxN: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Final hidden states that predict each completion token, and the unembedding.
 
   One forward pass over `[prompt; completion]`; position `P - 1 + t` predicts
   completion token `t`, so `hidden_BxNxD @ w_DxV` are the logits of the
-  completion tokens (before any temperature).
+  completion tokens (before any temperature). The completion's attention
+  mask (and positions) is `context_mask_BxN`, or `completion_mask_BxN` when
+  it is None.
 
   Returns:
     `(hidden_BxNxD, w_DxV)` in the compute dtype.
@@ -45,6 +48,8 @@ def completion_hidden_states(
     )
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
+  if context_mask_BxN is not None:
+    completion_mask_BxN = context_mask_BxN
   model = nnx.merge(graphdef, params)
   ids_BxT = jnp.concatenate([prompt_ids_BxP, completion_ids_BxN], axis=1)
   mask_BxT = jnp.concatenate(
@@ -67,6 +72,7 @@ def token_logprobs(
     completion_ids_BxN: jax.Array,
     completion_mask_BxN: jax.Array | None = None,
     *,
+    context_mask_BxN: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
     chunk_size: int = 128,
     return_entropy: bool = False,
@@ -89,6 +95,10 @@ def token_logprobs(
     prompt_mask_BxP: 1 for real prompt tokens.
     completion_ids_BxN: completion tokens.
     completion_mask_BxN: 1 for real completion tokens; default all ones.
+    context_mask_BxN: 1 for the completion's tokens attended to (an
+      episode's environment tokens as well as the model's), the attention
+      mask and positions of the completion; None: `completion_mask_BxN`.
+      Log-probs are kept where `completion_mask_BxN` is 1 only.
     temperature: sampling temperature (>= 0); may be a traced scalar, so one
       compiled function serves every temperature.
     chunk_size: completion positions per chunk.
@@ -120,6 +130,7 @@ def token_logprobs(
       prompt_mask_BxP,
       completion_ids_BxN,
       completion_mask_BxN,
+      context_mask_BxN,
   )
   scale = completion_logits_scale(temperature)
 

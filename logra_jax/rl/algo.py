@@ -473,7 +473,9 @@ class RolloutBatch:
   """One step's rollouts, ready for the learner (a pytree; ``num_generations`` is static).
 
   Rows are completions, ``num_generations`` consecutive rows per prompt; prompts are
-  left-padded, completions right-padded. Fields are keyword-only.
+  left-padded, completions right-padded. Fields are keyword-only. A row may be a whole
+  episode: the model's turns and the environment's tokens, all attended to
+  (``context_mask_BxT``), the model's alone scored (``completion_mask_BxT``).
 
   Attributes:
     prompt_tokens_BxP: int32 prompt token ids (each prompt repeated for its group).
@@ -487,6 +489,8 @@ class RolloutBatch:
     proximal_logp_BxT: float32 log-probabilities under the learner's weights at the
       batch's first update (``rl.learner.make_proximal_logprobs``), or ``None``: then
       each update takes its own (right when a batch gets one update).
+    context_mask_BxT: 1 on the completion's tokens attended to (an episode's model
+      and environment tokens); ``None``: ``completion_mask_BxT``.
   """
 
   prompt_tokens_BxP: Array
@@ -498,6 +502,7 @@ class RolloutBatch:
   num_generations: int = flax.struct.field(pytree_node=False)
   ref_logp_BxT: Array | None = None
   proximal_logp_BxT: Array | None = None
+  context_mask_BxT: Array | None = None
 
   @property
   def batch_size(self) -> int:
@@ -572,6 +577,7 @@ class RolloutBatch:
         old_logp_BxT=right(self.old_logp_BxT),
         ref_logp_BxT=right(self.ref_logp_BxT),
         proximal_logp_BxT=right(self.proximal_logp_BxT),
+        context_mask_BxT=right(self.context_mask_BxT),
     )
 
 

@@ -4,9 +4,9 @@
 Each turn of every episode is sampled by the engine's ``sample`` (turn
 ``j > 0`` with the key ``fold_in(key, j)``); an episode is scored once, by
 the run's reward functions on its answer plus the environment's own
-rewards; its group advantage goes to every one of its turns' rows
-(:func:`envs.turn_rows`), so the environment's tokens are context and never
-in the loss.
+rewards, and is one row of the learner's batch with its group advantage
+(:func:`envs.episode_rows`): the environment's tokens are attended to
+(``context_mask_BxT``) and never in the loss (``completion_mask_BxT``).
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def scored_episodes(
     key: jax.Array,
 ) -> scoring.Rollout:
   """``num_generations`` episodes per example, scored per episode, as the
-  learner's batch of ``max_turns`` rows per episode (``examples`` and
+  learner's batch of one row per episode (``examples`` and
   ``key`` are the arguments a rollout pipeline's ``rollout_fn`` takes)."""
-  group, turns = config.rollout.num_generations, episodes.max_turns
+  group = config.rollout.num_generations
   repeated = [e for e in examples for _ in range(group)]
   played = play(
       policy,
@@ -161,33 +161,33 @@ def scored_episodes(
   )
   report, rewards_N = episode_rewards(rewards, examples, group, played)
   sequences = [envs.episode_sequence(e)[0] for e in played]
-  rows = envs.turn_rows(
+  longest = max(map(len, sequences))
+  rows = envs.episode_rows(
       played,
-      turns,
-      config.rollout.max_new_tokens,
+      algo.bucket_width(longest, max(longest, policy.sampler.max_length)),
       policy.sampler.pad_id,
       policy.sampler.bucket_size,
   )
-  advantages_N = algo.compute_advantages(
-      jnp.asarray(rewards_N, jnp.float32), group, config.advantage
-  )
   batch = algo.RolloutBatch(
-      prompt_tokens_BxP=jnp.asarray(rows.prompt_ids_RxP),
-      prompt_mask_BxP=jnp.asarray(rows.prompt_mask_RxP),
-      completion_tokens_BxT=jnp.asarray(rows.tokens_RxT),
-      completion_mask_BxT=jnp.asarray(rows.mask_RxT),
-      old_logp_BxT=jnp.asarray(rows.logprobs_RxT),
-      advantages_B=jnp.repeat(advantages_N, turns),
+      prompt_tokens_BxP=jnp.asarray(rows.prompt_ids_ExP),
+      prompt_mask_BxP=jnp.asarray(rows.prompt_mask_ExP),
+      completion_tokens_BxT=jnp.asarray(rows.tokens_ExT),
+      completion_mask_BxT=jnp.asarray(rows.mask_ExT),
+      old_logp_BxT=jnp.asarray(rows.logprobs_ExT),
+      advantages_B=algo.compute_advantages(
+          jnp.asarray(rewards_N, jnp.float32), group, config.advantage
+      ),
       num_generations=group,
+      context_mask_BxT=jnp.asarray(rows.context_mask_ExT),
   )
-  batch, metrics = scoring.trimmed_with_metrics(
-      batch,
-      config,
-      report,
-      int(rows.prompt_mask_RxP.sum(axis=1).max()),
-      rows.lengths_R,
-      {},
+  prompt_width = algo.bucket_width(
+      int(rows.prompt_mask_ExP.sum(axis=1).max()),
+      batch.prompt_tokens_BxP.shape[1],
   )
+  batch = batch.trimmed(prompt_width, batch.completion_tokens_BxT.shape[1])
+  metrics = report.metrics()
+  metrics["batch/prompt_width"] = float(prompt_width)
+  metrics["batch/completion_width"] = float(rows.tokens_ExT.shape[1])
   metrics.update(_metrics(played, rewards_N, sequences))
   samples = scoring.RolloutSamples(
       [e["prompt"] for e in repeated],

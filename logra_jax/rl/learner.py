@@ -149,6 +149,7 @@ def make_proximal_logprobs(
         batch.prompt_mask_BxP,
         batch.completion_tokens_BxT,
         batch.completion_mask_BxT,
+        context_mask_BxN=batch.context_mask_BxT,
         temperature=config.rollout.temperature,
     )
     return batch.replace(proximal_logp_BxT=logp_BxT.astype(jnp.float32))
@@ -336,6 +337,7 @@ class _TrainStep:
         batch.prompt_mask_BxP,
         batch.completion_tokens_BxT,
         batch.completion_mask_BxT,
+        context_mask_BxN=batch.context_mask_BxT,
         temperature=self.config.rollout.temperature,
         return_entropy=with_entropy,
     )
@@ -378,6 +380,7 @@ class _TrainStep:
           batch.prompt_mask_BxP,
           batch.completion_tokens_BxT,
           batch.completion_mask_BxT,
+          batch.context_mask_BxT,
       )
       return hidden_BxTxD.astype(jnp.float32) / scale, w_DxV
 

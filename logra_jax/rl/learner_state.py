@@ -101,6 +101,8 @@ def _mesh_placement(
       old_logp_BxT=row(2),
       advantages_B=row(1),
       num_generations=config.rollout.num_generations,
+      # An episode's row attends to its environment's tokens too.
+      context_mask_BxT=row(2) if config.task.environment else None,
   )
   with_reference = config.loss.beta > 0
   batch_sharding = (

@@ -90,6 +90,7 @@ def make_reference_logprobs(
         batch.prompt_mask_BxP,
         batch.completion_tokens_BxT,
         batch.completion_mask_BxT,
+        context_mask_BxN=batch.context_mask_BxT,
         temperature=temperature,
     )
     return batch.replace(ref_logp_BxT=logp_BxT.astype(jnp.float32))

@@ -65,16 +65,26 @@ def test_a_tool_call_turn_is_cut_at_its_tag_and_the_result_follows_it():
   assert mask == [1] * 17 + [0] * len(result) + [1] * 3
 
 
-def test_turn_rows_put_each_turn_after_its_history():
-  (episode,), _ = play([["<calc>12*3</calc>", "36$"]], max_turns=3)
-  rows = envs.turn_rows([episode], 3, width=20)
-  history = episode.prompt_ids + episode.turns[0] + episode.contexts[0]
-  assert rows.prompt_ids_RxP.shape == (3, len(history))
-  np.testing.assert_array_equal(rows.prompt_ids_RxP[1], history)
-  assert rows.prompt_mask_RxP.sum(1).tolist() == [6, len(history), 6]
-  assert rows.lengths_R.tolist() == [17, 3, 0]  # the third turn not taken
-  np.testing.assert_array_equal(rows.tokens_RxT[1, :3], episode.turns[1])
-  np.testing.assert_array_equal(rows.logprobs_RxT[2], 0.0)
+def test_episode_rows_hold_each_episode_in_one_row():
+  played, _ = play([["<calc>12*3</calc>", "36$"], ["36$"]], max_turns=3)
+  rows = envs.episode_rows(played, width=50, bucket=4)
+  first, second = played
+  sequence, model = envs.episode_sequence(first)
+  assert rows.prompt_ids_ExP.shape == (2, 8)  # 6 prompt tokens, bucket 4
+  np.testing.assert_array_equal(rows.prompt_ids_ExP[0, 2:], first.prompt_ids)
+  assert rows.prompt_mask_ExP.sum(1).tolist() == [6, 6]
+  assert rows.lengths_E.tolist() == [len(sequence), 3]
+  np.testing.assert_array_equal(rows.tokens_ExT[0, : len(sequence)], sequence)
+  np.testing.assert_array_equal(rows.mask_ExT[0, : len(sequence)], model)
+  assert rows.mask_ExT[0, len(sequence) :].sum() == 0
+  assert rows.context_mask_ExT.sum(1).tolist() == [len(sequence), 3]
+  sampled = first.logprobs[0] + first.logprobs[1]
+  scored = rows.mask_ExT[0] == 1
+  np.testing.assert_allclose(rows.logprobs_ExT[0][scored], sampled)
+  np.testing.assert_array_equal(rows.logprobs_ExT[0][~scored], 0.0)
+  np.testing.assert_array_equal(rows.tokens_ExT[1, :3], second.turns[0])
+  with pytest.raises(ValueError, match="exceeds width=10"):
+    envs.episode_rows(played, width=10)
 
 
 def test_episodes_stop_at_max_turns_and_at_the_token_budget():
