@@ -71,6 +71,11 @@ export: 200-400 s measured on a 2-core machine not shared with other work
 than the ~10 CPU-hours planned for the whole study once a second setting
 qualifies. smollm2 is excluded (on CPU one run takes about 30 minutes).
 
+``--report-only`` writes the reports from the committed rows alone (each
+found by its setting, arm, rate and seed; all must come from one commit and
+fingerprint, which the reports then name), so that a study run at a fixed
+commit is reported by today's tables and plots.
+
 Writes ``parity.csv`` (one row per final and KL-matched run: setting, arm,
 learning rate, seed, split sizes, validation and test accuracy before and
 after, memory, commit, fingerprint), ``sweep.csv``, ``parity.md`` (tables
@@ -363,8 +368,38 @@ class Context:
 
   args: Any
   results: pathlib.Path
-  evaluator: Evaluator
+  evaluator: Evaluator | None  # None with --report-only
   record: dict[str, Any]
+
+
+def committed_row(path: pathlib.Path) -> dict[str, Any]:
+  """A row as committed, for ``--report-only``: found by its setting, arm,
+  rate and seed (its path), whatever code made it; a missing one exits
+  (status 2) naming it."""
+  if not path.exists():
+    study.fail(
+        f"--report-only: no row {path}; run the study without --report-only "
+        "to make it"
+    )
+  return {
+      k: math.nan if v is None else v
+      for k, v in json.loads(path.read_text()).items()
+  }
+
+
+def rows_record(args, rows: list[dict]) -> dict[str, Any]:
+  """The provenance of a ``--report-only`` report: the rows' one commit and
+  numerics fingerprint (several exit, status 2: a report mixes no code
+  versions), with this invocation's command, date and machine."""
+  made = sorted({(r["commit"], r["fingerprint"]) for r in rows})
+  if len(made) != 1:
+    study.fail(
+        "--report-only: the rows were made by several code versions "
+        f"(commit, fingerprint): {made}"
+    )
+  record = provenance.collect(provenance.this_command(), made[0][1])
+  record.update(commit=made[0][0], dirty=False)
+  return record
 
 
 def run_row(ctx: Context, key: dict) -> dict[str, Any]:
@@ -373,6 +408,8 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
   validation and test splits, and written at once."""
   args, config = ctx.args, key["config"]
   path = row_path(ctx.results, key)
+  if args.report_only:
+    return committed_row(path)
   fingerprint = ctx.record["fingerprint"]
   if path.exists() and not args.rerun:
     row = {  # null marks a value that does not apply (NaN in the tables)
@@ -520,6 +557,13 @@ def parse_args():
       type=float,
       default=10.0,
       help="KL-matched arms' rate over the chosen one",
+  )
+  parser.add_argument(
+      "--report-only",
+      action="store_true",
+      help="write the reports from the committed rows (found by setting, "
+      "arm, rate and seed; all of one commit and fingerprint), running "
+      "nothing",
   )
   parser.add_argument(
       "--lr-grid",
@@ -712,9 +756,13 @@ def main() -> None:
   args = parse_args()
   plan(args)  # every config checked before anything is written
   results = study.results_folder(args, "parity")
-  prepare(args, args.settings)
-  record = study.provenance_record(args)
-  sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
+  if args.report_only:
+    sweep, rows, chosen = run_all(Context(args, results, None, {}))
+    record = rows_record(args, sweep + rows)
+  else:
+    prepare(args, args.settings)
+    record = study.provenance_record(args)
+    sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
   csv_row = lambda r: {k: v for k, v in r.items() if k != "curve"}
   study.write_csv([csv_row(r) for r in rows], results / "parity.csv", record)
   study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)

@@ -332,7 +332,14 @@ def run(
 
 
 # Flags that say where things go or whether to redo them, not what is run.
-_NOT_SETTINGS = ("out", "results", "rerun", "overwrite", "fingerprint_cache")
+_NOT_SETTINGS = (
+    "out",
+    "results",
+    "rerun",
+    "overwrite",
+    "fingerprint_cache",
+    "report_only",
+)
 
 
 def footer(command: str) -> str:

@@ -212,6 +212,40 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   assert "Chosen learning rates" in table and "Command: `python " in table
   for png in ("parity.png", "sweep.png"):
     assert (results / png).stat().st_size > 0
+  # --report-only rewrites the same reports from the rows, running nothing
+  # (an empty --out stays empty) ...
+  report_only = ("--report-only", "--out", str(tmp_path / "nothing"))
+  again = _study(
+      "parity",
+      "--settings",
+      "tiny",
+      "--arms",
+      "logra",
+      "adam",
+      *report_only,
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert _rows(results / "parity.csv") == rows
+  assert not list((tmp_path / "nothing").rglob("*.json"))
+  # ... and refuses rows of two code versions.
+  changed = row_files[0]
+  row = json.loads(changed.read_text())
+  changed.write_text(json.dumps(dict(row, fingerprint="0" * 16)))
+  mixed = _study(
+      "parity",
+      "--settings",
+      "tiny",
+      "--arms",
+      "logra",
+      "adam",
+      *report_only,
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert mixed.returncode == 2
+  assert "several code versions" in mixed.stderr
 
 
 @pytest.mark.parametrize("module", [provenance, study])
