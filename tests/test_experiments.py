@@ -9,6 +9,7 @@ only when its config and numerics fingerprint both match."""
 import argparse
 import csv
 import doctest
+import importlib
 import json
 import math
 import pathlib
@@ -520,3 +521,26 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
       assert math.isfinite(row[key]) and row[key] > 0, (key, row)
   table = (tmp_path / "gpu_bench.md").read_text()
   assert "| tiny | adam | 128 |" in table and "Command:" in table
+
+
+def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
+  """Question (a)'s first row is planned with the 7B command word for word
+  (one device, 64 x 1024 colocated rollout), and every 27B grid point is
+  either planned or skipped with its own command."""
+  system_memory = importlib.import_module("system_memory")
+  assert system_memory.command(*system_memory.QUESTION_A[0]) == (
+      "logra memory --model qwen2.5-7b --mesh fsdp=1 --seq 2048 "
+      "--micro-batch 1 --optimizer logra --rank 32 --project-embeddings "
+      "--base-dtype bfloat16 --rollout-seqs 64 --rollout-tokens 1024 "
+      "--device-memory-gib 24.0"
+  )
+  skipped = {
+      "question": "b",
+      "seq": 4096,
+      "micro_batch": 4,
+      "skipped": "a point with no larger seq and micro-batch did not fit",
+      "command": "logra memory --model qwen3-style-27b --seq 4096",
+  }
+  table = system_memory.markdown([skipped])
+  assert "| b | qwen3-style-27b | 131.32 | 32 | 4096 | 4 | 64x1024 |" in table
+  assert table.splitlines()[-1].endswith("`" + skipped["command"] + "` |")
