@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import pathlib
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -302,6 +303,13 @@ def train(
     summary = trainer.train_or_reuse(config, folder, rerun)
   except cli.BAD_INPUT as error:  # as logra train's exit status 2
     fail(" ".join(str(error).split()))
+  if summary.get("stopped_by"):  # the study stops too; its next run resumes
+    print(
+        f"stopped by {summary['stopped_by']} after step {summary['steps']} "
+        f"of {folder}; run the same command again to resume",
+        file=sys.stderr,
+    )
+    raise SystemExit(128 + signal.Signals[summary["stopped_by"]].value)
   history = [
       json.loads(line)
       for line in (folder / "metrics.jsonl").read_text().splitlines()

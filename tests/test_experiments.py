@@ -269,6 +269,21 @@ def _config():
   return configs.apply_overrides(configs.get_preset("smoke"), ["steps=1"])
 
 
+def test_a_run_stopped_by_a_signal_stops_the_study(tmp_path, monkeypatch):
+  """A run that SIGTERM stopped is not a finished run: the study exits with
+  the signal's status (143) instead of reporting it and going on."""
+  monkeypatch.setattr(
+      study.trainer,
+      "train_or_reuse",
+      lambda config, folder, rerun: {"stopped_by": "SIGTERM", "steps": 3},
+  )
+  monkeypatch.setattr(study.provenance, "fingerprint", lambda cache: "aaaa")
+  args = argparse.Namespace(rerun=False, fingerprint_cache="unused")
+  with pytest.raises(SystemExit) as stopped:
+    study.train(args, _config(), tmp_path / "run")
+  assert stopped.value.code == 143
+
+
 def test_a_run_of_another_fingerprint_is_not_reused(tmp_path, monkeypatch):
   """study.train asks the trainer to rerun a folder whose fingerprint is
   another (or unknown), and to reuse it when it matches."""

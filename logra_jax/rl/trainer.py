@@ -504,13 +504,16 @@ def train_or_reuse(
 ) -> dict[str, Any]:
   """:func:`train` quietly, unless ``out_dir`` already holds a finished run
   of the same config; returns its summary. An unfinished run of the same
-  config resumes from its checkpoint; checkpoints, summary, samples and
-  tracker files of another config (or all of them, with ``rerun``) are
-  deleted first. For studies that resume."""
+  config (killed, or stopped by a signal: its summary names it) resumes
+  from its checkpoint; checkpoints, summary, samples and tracker files of
+  another config (or all of them, with ``rerun``) are deleted first. For
+  studies that resume."""
   out = pathlib.Path(out_dir)
   same = (out / "config.yaml").exists() and _saved_config(out) == config
   if same and not rerun and (out / "summary.json").exists():
-    return json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    if not summary.get("stopped_by"):  # a stopped run resumes below
+      return summary
   resume = False
   if (out / "checkpoints").exists():
     if same and not rerun:

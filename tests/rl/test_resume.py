@@ -216,9 +216,20 @@ def test_no_resume_into_a_folder_with_checkpoints_and_nothing_to_resume(
   assert cli_main(["train", "--resume", "--preset=smoke"]) == 2
 
 
-def test_train_or_reuse_resumes_an_unfinished_run(config, straight, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stopped by a signal"])
+def test_train_or_reuse_resumes_an_unfinished_run(
+    config, straight, tmp_path, how
+):
+  """A run killed after step 4 left no summary; one stopped by SIGTERM
+  left a summary naming the signal: neither is reused as finished."""
   run = copy_run(straight, tmp_path)
-  (run / "summary.json").unlink()  # as if it had stopped after step 4
+  summary_file = run / "summary.json"
+  if how == "killed":
+    summary_file.unlink()
+  else:
+    stopped = json.loads(summary_file.read_text())
+    stopped.update(steps=4, stopped_by="SIGTERM", interrupted=True)
+    summary_file.write_text(json.dumps(stopped))
   shutil.rmtree(run / "checkpoints" / "6")
   summary = trainer.train_or_reuse(config, run)
   assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
