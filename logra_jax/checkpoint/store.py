@@ -78,6 +78,17 @@ def _first_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+def _os_error(error: BaseException) -> BaseException:
+  """The first OSError among ``error`` and its causes (what the disk
+  said), else ``error`` itself."""
+  seen = error
+  while seen is not None:
+    if isinstance(seen, OSError):
+      return seen
+    seen = seen.__cause__ or seen.__context__
+  return error
+
+
 def _describe_steps(steps: Sequence[int]) -> str:
   """The steps as a list in words (``"none"`` for none)."""
   return ", ".join(map(str, steps)) if steps else "none"
@@ -175,7 +186,7 @@ class Checkpointer:
     except Exception as error:  # Orbax and tensorstore raise many kinds.
       raise CheckpointSaveError(
           f"saving a checkpoint in {self.directory} failed: "
-          f"{_first_line(error)}"
+          f"{_first_line(_os_error(error))}"
       ) from error
 
   def __enter__(self) -> Checkpointer:
