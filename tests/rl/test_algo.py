@@ -360,6 +360,8 @@ def test_rollout_batch_is_a_pytree_with_static_generations():
   assert len(jax.tree.leaves(no_ref.micro_batches(2))) == 6
   with pytest.raises(ValueError, match="divide the batch size 8"):
     batch.micro_batches(3)
+  episodes = batch.replace(context_mask_BxT=jnp.ones((8, 5), jnp.int32))
+  assert episodes.micro_batches(4).context_mask_BxT.shape == (4, 2, 5)
 
 
 @hypothesis.settings(deadline=None, max_examples=200)
@@ -388,6 +390,9 @@ def test_a_trimmed_batch_keeps_the_last_prompt_and_first_completion_columns():
   np.testing.assert_array_equal(trimmed.prompt_tokens_BxP, [[0, 7, 8]] * 8)
   np.testing.assert_array_equal(trimmed.old_logp_BxT, batch.old_logp_BxT[:, :4])
   assert trimmed.ref_logp_BxT.shape == (8, 4)
+  assert trimmed.context_mask_BxT is None
+  episodes = batch.replace(context_mask_BxT=jnp.ones((8, 5), jnp.int32))
+  assert episodes.trimmed(3, 4).context_mask_BxT.shape == (8, 4)
   for widths, name in (((0, 4), "prompt_width"), ((3, 6), "completion_width")):
     with pytest.raises(ValueError, match=name):
       batch.trimmed(*widths)
