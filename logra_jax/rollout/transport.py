@@ -340,6 +340,7 @@ class ProcessEngine(engine_lib.Engine):
     self._requests = 0
     self._sock = self._process = self._log = None
     self._interrupted = False
+    self._failure: Optional[str] = None
     self._log_path = None if log_path is None else pathlib.Path(log_path)
     self._timeout, self._env = timeout, env
     self._init = _pack(
@@ -387,7 +388,7 @@ class ProcessEngine(engine_lib.Engine):
     """Ends the child (if any is left) and starts a new one; it holds no
     weights until a full sync message."""
     self._stop()
-    self._interrupted = False
+    self._interrupted, self._failure = False, None
     self._start()
 
   def interrupt(self) -> None:
@@ -412,7 +413,12 @@ class ProcessEngine(engine_lib.Engine):
       self, kind: int, payload: bytes | Sequence[bytes]
   ) -> tuple[int, bytearray]:
     if self._sock is None:
-      raise TransportError("the rollout engine process is closed")
+      # What closed it, if a failure did (a later request's error names
+      # the cause, not only the closed socket).
+      raise TransportError(
+          "the rollout engine process is closed"
+          + (f" after: {self._failure}" if self._failure else "")
+      )
     self._requests += 1
     try:
       send_frame(self._sock, kind, payload, self._requests)
@@ -429,9 +435,11 @@ class ProcessEngine(engine_lib.Engine):
       # A dead child is reaped at once; an interrupted one not waited for.
       note = self._stop(grace=0.0 if self._interrupted else 5.0)
       if self._interrupted:
-        raise TransportError(f"rollout engine process interrupted{note}")
+        self._failure = f"rollout engine process interrupted{note}"
+        raise TransportError(self._failure) from None
       if isinstance(e, (TransportError, OSError)):
-        raise TransportError(f"rollout engine process: {e}{note}") from e
+        self._failure = f"rollout engine process: {e}{note}"
+        raise TransportError(self._failure) from e
       raise
     if reply_kind == _ERROR:
       raise TransportError(

@@ -112,13 +112,15 @@ def test_interrupt_ends_a_request_in_progress_at_once(monkeypatch):
   ours, theirs = socket.socketpair()
   engine._sock, engine._process, engine._log = ours, None, None
   engine._log_path, engine._requests = None, 0
-  engine._interrupted, engine._timeout = False, 60.0
+  engine._interrupted, engine._timeout, engine._failure = False, 60.0, None
   ours.settimeout(60.0)
   threading.Timer(0.2, engine.interrupt).start()
   start = time.monotonic()
   with theirs, pytest.raises(transport.TransportError, match="interrupted"):
     engine._request(transport._SAMPLE, b"")
   assert time.monotonic() - start < 5.0
+  with pytest.raises(transport.TransportError, match="closed after: .*interr"):
+    engine._request(transport._SAMPLE, b"")
   engine.close()
 
 
