@@ -7,9 +7,9 @@ completions) with one shipped recipe of `logra train --list-recipes`
 layered on it, exactly as `logra train --config <recipe>` does; `default`
 is the main job as it is. For every seed: the held-out accuracy before and
 after (and during training, every `eval_every` steps), the median step
-time after the first two steps (compiles), and the load average of the
-machine while it ran (step times are only comparable between runs of
-similar load). Reports the mean and 95% CI over seeds and each recipe's
+time after the first two steps (compiles). Step times are only comparable
+between runs on an otherwise idle machine: say in the results when it was
+shared. Reports the mean and 95% CI over seeds and each recipe's
 step time as a ratio to the default's.
 
 Writes ``recipes.csv``, ``recipes.md`` and ``recipes.png`` (held-out
@@ -23,7 +23,6 @@ Run: python experiments/recipes.py [--quick] [--seeds 2 (1 with --quick)]
 
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
 
@@ -49,7 +48,6 @@ def run_config(args, arm: str, seed: int):
 def measure(args, arm: str, seed: int) -> tuple[dict, list]:
   """One run (reused when finished): its row and held-out curve."""
   out = pathlib.Path(args.out) / ("quick" if args.quick else "full")
-  load_before = os.getloadavg()[0]
   result = study.train(
       args, run_config(args, arm, seed), out / f"{arm}-seed{seed}"
   )
@@ -63,7 +61,6 @@ def measure(args, arm: str, seed: int) -> tuple[dict, list]:
       "held_out_after": summary["eval_accuracy_after"],
       "step_s_median": statistics.median(steady),
       "steps": len(history),
-      "load_average": round((load_before + os.getloadavg()[0]) / 2, 2),
   }
   curve = [(0, summary["eval_accuracy_before"])] + [
       (m["step"], m["accuracy/eval"]) for m in history if "accuracy/eval" in m
@@ -82,13 +79,11 @@ def table(args, rows: list[dict], record: dict) -> str:
   reference = statistics.median(r["step_s_median"] for r in of(DEFAULT))
   lines = [
       "Held-out accuracy: mean [95% CI] over seeds (Student t); step time: "
-      "median over the runs' steps after the first two, then over seeds. "
-      "Runs share the machine with other work: the load average column "
-      "says how much.",
+      "median over the runs' steps after the first two, then over seeds.",
       "",
       "| arm | seeds | held-out before | held-out after "
-      "| median s/step (vs default) | load average |",
-      "|---|---:|---:|---:|---:|---:|",
+      "| median s/step (vs default) |",
+      "|---|---:|---:|---:|---:|",
   ]
   for arm in args.arms:
     runs = of(arm)
@@ -97,8 +92,7 @@ def table(args, rows: list[dict], record: dict) -> str:
         f"| {arm} | {len(runs)} "
         f"| {statistics.fmean(r['held_out_before'] for r in runs):.3f} "
         f"| {study.mean_ci([r['held_out_after'] for r in runs])} "
-        f"| {step:.3f} ({step / reference:.2f}x) "
-        f"| {statistics.fmean(r['load_average'] for r in runs):.1f} |"
+        f"| {step:.3f} ({step / reference:.2f}x) |"
     )
   lines += ["", provenance.footer(record)]
   return "\n".join(lines) + "\n"
