@@ -315,7 +315,12 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
     tmp_path, monkeypatch
 ):
   args = argparse.Namespace(
-      quick=True, set=[], rerun=False, out=str(tmp_path), target_kl=5e-3
+      quick=True,
+      set=[],
+      rerun=False,
+      report_only=False,
+      out=str(tmp_path),
+      target_kl=5e-3,
   )
   key = parity.key_of(args, "tiny", "logra", 1e-3, 0, False)
   path = parity.row_path(tmp_path, key)

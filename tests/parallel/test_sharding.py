@@ -29,6 +29,10 @@ RUN = dataclasses.replace(
         refresh_every=2,
         learning_rate=1e-2,
     ),
+    # The step's sharding is what is tested here, on the plain clipped loss
+    # whose bounds below were set; the rollout correction's weights are
+    # tested in tests/rl/test_rollout_correction.py.
+    loss=dataclasses.replace(SMOKE.loss, rollout_correction="none"),
 )
 
 
