@@ -50,19 +50,24 @@ def test_a_second_signal_exits_at_once_with_the_signals_status():
 
 def test_a_first_signal_lets_the_step_end_and_gives_up_a_stuck_wait():
   proc = _start("""
-      import queue, time
+      import queue, sys, time
       from logra_jax.rl import guards
-      stuck = lambda: print("STUCK", flush=True)
-      with guards.StopSignals(print, on_stuck=stuck, grace_s=1.0) as stop:
-        print("READY", flush=True)
+      # One write per line: on_stuck runs on the watchdog's thread, and two
+      # threads' print calls (text, then newline) may interleave.
+      def say(line):
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+      stuck = lambda: say("STUCK")
+      with guards.StopSignals(say, on_stuck=stuck, grace_s=1.0) as stop:
+        say("READY")
         while not stop.received:  # a step that ends on its own
           time.sleep(0.01)
-        print("STEP DONE", flush=True)
+        say("STEP DONE")
         try:
           with stop.abandonable():
             queue.Queue().get()  # a rollout that never comes
         except guards.StepAbandoned as error:
-          print("ABANDONED", error.signum, flush=True)
+          say(f"ABANDONED {error.signum}")
           raise
       """)
   start = time.monotonic()

@@ -130,13 +130,17 @@ class _FlakyEngine(engine_lib.Engine):
 
   signature = "flaky"
 
-  def __init__(self, failures):
+  def __init__(self, failures, failing_call=None):
     self.policy = None
     self.failures, self.restarts, self.synced = failures, 0, []
+    # The request (counted from 0) that fails once: with rollouts sampled
+    # ahead, which step a request serves depends only on the call order.
+    self.failing_call, self.calls = failing_call, 0
 
   def sample(self, examples, key):
-    if self.failures:
-      self.failures -= 1
+    call, self.calls = self.calls, self.calls + 1
+    if self.failures or call == self.failing_call:
+      self.failures = max(0, self.failures - 1)
       raise transport.TransportError("no reply within 2 s (it was killed)")
     return (tuple(e["prompt"] for e in examples), jax.random.key_data(key))
 
@@ -190,11 +194,12 @@ def test_a_lost_engine_is_restarted_and_samples_the_same_batches(staleness):
   of an engine never lost."""
   runs = {}
   for failures in (0, 1):
-    engine, lines = _FlakyEngine(0), []
+    # Step 2's request fails once (the second call): set before anything
+    # is sampled, as a thread sampling ahead would make it race otherwise.
+    engine, lines = _FlakyEngine(0, failing_call=1 if failures else None), []
     pipeline = _pipeline(engine, 1, staleness, lines)
     batches = []
     for step in range(3):
-      engine.failures = failures if step == 1 else 0
       batches.append(pipeline.next_rollout(step)[0])
       pipeline.sync(("weights", step + 1), step + 1)
     pipeline.collect_syncs(("weights", 3), wait=True)
