@@ -56,6 +56,7 @@ def pytest_sessionfinish(session):
 def without_compilation_cache():
   """Every program compiled here, none read back from the suite's cache (for
   tests that count XLA compilations)."""
+  enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   yield
-  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_enable_compilation_cache", enabled)

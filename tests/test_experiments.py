@@ -215,18 +215,19 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
     assert (results / png).stat().st_size > 0
   # --report-only rewrites the same reports from the rows, running nothing
   # (an empty --out stays empty) ...
-  report_only = ("--report-only", "--out", str(tmp_path / "nothing"))
-  again = _study(
+  report_only = lambda: _study(
       "parity",
       "--settings",
       "tiny",
       "--arms",
       "logra",
       "adam",
-      *report_only,
+      "--report-only",
+      f"--out={tmp_path / 'nothing'}",
       tmp_path=tmp_path,
       cache=fingerprints,
   )
+  again = report_only()
   assert again.returncode == 0, again.stderr[-3000:]
   assert _rows(results / "parity.csv") == rows
   assert not list((tmp_path / "nothing").rglob("*.json"))
@@ -234,17 +235,7 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   changed = row_files[0]
   row = json.loads(changed.read_text())
   changed.write_text(json.dumps(dict(row, fingerprint="0" * 16)))
-  mixed = _study(
-      "parity",
-      "--settings",
-      "tiny",
-      "--arms",
-      "logra",
-      "adam",
-      *report_only,
-      tmp_path=tmp_path,
-      cache=fingerprints,
-  )
+  mixed = report_only()
   assert mixed.returncode == 2
   assert "several code versions" in mixed.stderr
 

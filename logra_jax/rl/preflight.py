@@ -121,19 +121,10 @@ def check_prompts(
   that leave no room in the context for ``rollout.max_new_tokens``: the
   :data:`LONGEST_PROMPTS` prompts longest in characters are encoded as the
   policy will see them (the sampler checks every batch exactly again)."""
-  chat = config.task.chat_template == "auto" and bool(
-      getattr(tokenizer, "chat_template", None)
-  )
   where = config.policy.path or "the warm-started policy"
-  if config.task.system_prompt is not None and not chat:
-    raise ValueError(
-        "task.system_prompt needs a chat template, but "
-        + (
-            "task.chat_template is 'none'"
-            if config.task.chat_template == "none"
-            else f"the tokenizer of {where} has none"
-        )
-    )
+  chat = engine_lib.uses_chat_template(
+      tokenizer, config.task.chat_template, config.task.system_prompt, where
+  )
   prompts = sorted({e["prompt"] for e in examples}, key=len, reverse=True)
   lengths = engine_lib.encode_prompts(
       tokenizer, prompts[:LONGEST_PROMPTS], chat, config.task.system_prompt

@@ -60,6 +60,30 @@ def check_policy_folder(folder: str | pathlib.Path) -> pathlib.Path:
   return folder
 
 
+def uses_chat_template(
+    tokenizer: Any,
+    chat_template: str,
+    system_prompt: Optional[str],
+    where: Any,
+) -> bool:
+  """Whether prompts are rendered by ``tokenizer``'s chat template
+  (``task.chat_template`` ``"auto"`` and the tokenizer has one); refuses a
+  ``system_prompt`` without one, naming ``where`` the tokenizer is from."""
+  chat = chat_template == "auto" and bool(
+      getattr(tokenizer, "chat_template", None)
+  )
+  if system_prompt is not None and not chat:
+    raise ValueError(
+        "task.system_prompt needs a chat template, but "
+        + (
+            "task.chat_template is 'none'"
+            if chat_template == "none"
+            else f"the tokenizer of {where} has none"
+        )
+    )
+  return chat
+
+
 def prompt_text(
     tokenizer: Any, prompt: str, chat: bool, system_prompt: Optional[str]
 ) -> str:
@@ -139,16 +163,7 @@ class Policy:
     graphdef, params = models.split_model(model)
     if mesh is not None:
       params = jax.device_put(params, parallel.param_shardings(params, mesh))
-    chat = chat_template == "auto" and bool(tokenizer.chat_template)
-    if system_prompt is not None and not chat:
-      raise ValueError(
-          "task.system_prompt needs a chat template, but "
-          + (
-              "task.chat_template is 'none'"
-              if chat_template == "none"
-              else f"the tokenizer of {folder} has none"
-          )
-      )
+    chat = uses_chat_template(tokenizer, chat_template, system_prompt, folder)
     policy = cls(
         graphdef,
         params,
