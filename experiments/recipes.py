@@ -52,14 +52,19 @@ def measure(args, arm: str, seed: int) -> tuple[dict, list]:
       args, run_config(args, arm, seed), out / f"{arm}-seed{seed}"
   )
   summary, history = result["summary"], result["history"]
-  times = [m["time/step_s"] for m in history]
-  steady = times[2:] or times
+  steady = history[2:] or history  # the first two steps compile
+  median = lambda key: statistics.median(m[key] for m in steady)
   row = {
       "arm": arm,
       "seed": seed,
       "held_out_before": summary["eval_accuracy_before"],
       "held_out_after": summary["eval_accuracy_after"],
-      "step_s_median": statistics.median(steady),
+      "step_s_median": median("time/step_s"),
+      "rollout_s_median": median("time/rollout_s"),
+      "train_s_median": median("time/train_s"),
+      "resample_rounds_mean": statistics.fmean(
+          m.get("rollout/resample_rounds", 0.0) for m in history
+      ),
       "steps": len(history),
   }
   curve = [(0, summary["eval_accuracy_before"])] + [
@@ -82,17 +87,22 @@ def table(args, rows: list[dict], record: dict) -> str:
       "median over the runs' steps after the first two, then over seeds.",
       "",
       "| arm | seeds | held-out before | held-out after "
-      "| median s/step (vs default) |",
-      "|---|---:|---:|---:|---:|",
+      "| median s/step (vs default) | rollout s / train s "
+      "| resample rounds per step |",
+      "|---|---:|---:|---:|---:|---:|---:|",
   ]
   for arm in args.arms:
     runs = of(arm)
     step = statistics.median(r["step_s_median"] for r in runs)
+    of_runs = lambda key: statistics.median(r[key] for r in runs)
     lines.append(
         f"| {arm} | {len(runs)} "
         f"| {statistics.fmean(r['held_out_before'] for r in runs):.3f} "
         f"| {study.mean_ci([r['held_out_after'] for r in runs])} "
-        f"| {step:.3f} ({step / reference:.2f}x) |"
+        f"| {step:.3f} ({step / reference:.2f}x) "
+        f"| {of_runs('rollout_s_median'):.3f} / "
+        f"{of_runs('train_s_median'):.3f} "
+        f"| {of_runs('resample_rounds_mean'):.2f} |"
     )
   lines += ["", provenance.footer(record)]
   return "\n".join(lines) + "\n"
