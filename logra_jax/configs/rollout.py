@@ -70,6 +70,11 @@ class RolloutConfig:
     max_turns: model turns per episode, each up to ``max_new_tokens``.
     max_episode_tokens: model and environment tokens per episode at most;
       ``None``: the policy's context.
+    env_timeout_s: seconds each environment call may take (making the
+      environment and its ``reset`` together, or one ``step``): past it the
+      episode ends as a failure with reward 0, counted in ``env/failures``
+      and ``env/timeouts``, and the run goes on. ``None``: unbounded, the
+      calls run in the rollout's own thread.
     engine_timeout_s: the longest the process engine may stay silent, in
       seconds: while it works on a request it sends a heartbeat every
       quarter of this, so a frozen (e.g. stopped) or dead engine is noticed
@@ -97,6 +102,7 @@ class RolloutConfig:
   max_resample_rounds: int = 3
   max_turns: int = 1
   max_episode_tokens: Optional[int] = None
+  env_timeout_s: Optional[float] = None
   engine_timeout_s: float = 60.0
   engine_restarts: int = 1
 
@@ -111,4 +117,5 @@ class RolloutConfig:
     _check(self, "top_p", gt=0, le=1)
     _check(self, "top_k", ge=0)
     _check(self, "engine_timeout_s", gt=0, le=MAX_ENGINE_TIMEOUT_S)
+    _check(self, "env_timeout_s", gt=0)
     _check(self, "engine_restarts", ge=0)

@@ -23,6 +23,7 @@ the tokens up to it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -51,11 +52,16 @@ class EpisodeConfig:
     max_tokens: tokens after the prompt per episode at most, the model's
       and the environment's (``rollout.max_episode_tokens``); ``None``:
       bounded by the context only.
+    timeout_s: seconds each environment call (the factory and ``reset``
+      together, or one ``step``) may take (``rollout.env_timeout_s``); past
+      it the episode ends as a failure and a timeout. ``None``: calls run
+      in the caller's thread, unbounded.
   """
 
   factory: Factory | VerifiersTaskset
   max_turns: int = 1
   max_tokens: Optional[int] = None
+  timeout_s: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +171,8 @@ class Episode:
     reward: the environment's rewards, summed.
     tool_calls: tool calls run.
     failures: failed steps (environment errors included).
+    timeouts: environment calls that ran past the time limit (counted in
+      ``failures`` too).
     truncated: ended by the turn, token or context bound, not by the
       environment.
     done: over.
@@ -180,6 +188,7 @@ class Episode:
   reward: float = 0.0
   tool_calls: int = 0
   failures: int = 0
+  timeouts: int = 0
   truncated: bool = False
   done: bool = False
 
@@ -195,31 +204,99 @@ class Episode:
     return sum(map(len, self.turns)) + sum(map(len, self.contexts))
 
 
-def start(factory: Factory, example: Mapping[str, Any], renderer: Renderer):
-  """A new episode on ``example``; an environment that fails to start
-  gives a failed episode of the bare prompt (no turns)."""
+def call_bounded(function: Callable[[], Any], timeout_s: Optional[float]):
+  """``function()``, given at most ``timeout_s`` seconds.
+
+  The call runs in a worker thread joined with the time limit. Python cannot
+  stop a thread: a call past its limit is abandoned, its (daemon) thread
+  left to finish or hang without keeping the process alive, and whatever it
+  returns or raises later lands in a cell no one reads.
+
+  Args:
+    function: the call, without arguments.
+    timeout_s: its time limit; ``None``: called in this thread, unbounded.
+
+  Returns:
+    What ``function`` returns.
+
+  Raises:
+    TimeoutError: the call still runs after ``timeout_s`` seconds.
+    Exception: what ``function`` raised, within the limit.
+
+  Example:
+    >>> call_bounded(lambda: 6 * 7, timeout_s=1.0)
+    42
+    >>> import threading
+    >>> call_bounded(threading.Event().wait, timeout_s=0.01)
+    Traceback (most recent call last):
+    ...
+    TimeoutError: an environment call still runs after 0.01 s
+  """
+  if timeout_s is None:
+    return function()
+  cell = {}
+
+  def work():
+    try:
+      cell["value"] = function()
+    except BaseException as error:  # noqa: BLE001 -- re-raised below.
+      cell["error"] = error
+
+  worker = threading.Thread(target=work, name="environment-call", daemon=True)
+  worker.start()
+  worker.join(timeout_s)
+  if worker.is_alive():
+    raise TimeoutError(f"an environment call still runs after {timeout_s} s")
+  if "error" in cell:
+    raise cell["error"]
+  return cell["value"]
+
+
+def _opening(factory: Factory, example: Mapping[str, Any]):
+  """A new environment and its opening messages (checked) on a copy of
+  ``example``, so that a call abandoned past its time limit cannot change
+  the example the episode's group shares."""
+  environment = factory()
+  messages = environment.reset(dict(example))
+  return environment, _checked_messages(messages, "reset")
+
+
+def start(
+    factory: Factory,
+    example: Mapping[str, Any],
+    renderer: Renderer,
+    timeout_s: Optional[float] = None,
+) -> Episode:
+  """A new episode on ``example``; an environment that fails to start (or
+  to start within ``timeout_s`` seconds) gives a failed episode of the
+  bare prompt (no turns)."""
   try:
-    environment = factory()
-    messages = _checked_messages(environment.reset(example), "reset")
-  except Exception:  # noqa: BLE001 -- user code: a failed episode.
+    environment, messages = call_bounded(
+        lambda: _opening(factory, example), timeout_s
+    )
+  except Exception as error:  # noqa: BLE001 -- user code: a failed episode.
     messages = [{"role": "user", "content": str(example["prompt"])}]
     episode = Episode(None, messages, renderer.prompt_ids(messages))
     episode.failures, episode.done = 1, True
+    episode.timeouts = int(isinstance(error, TimeoutError))
     return episode
   messages = renderer.opening(messages)
   return Episode(environment, messages, renderer.prompt_ids(messages))
 
 
 def _checked_messages(messages: Any, method: str) -> list[Message]:
-  """``messages`` if it is a list of role/content string dicts."""
+  """Copies of ``messages`` if it is a list of role/content string dicts."""
   if not isinstance(messages, list) or not all(
       isinstance(m, dict)
       and isinstance(m.get("role"), str)
       and isinstance(m.get("content"), str)
       for m in messages
   ):
-    raise TypeError(f"{method} returned {type(messages).__name__}, not a list")
-  return messages
+    raise TypeError(
+        f"{method} returned {type(messages).__name__}, not a list of "
+        "role/content messages"
+    )
+  return [dict(m) for m in messages]
 
 
 def cut_at(tokens: list[int], stop_strings: Sequence[str], decode) -> int:
@@ -243,19 +320,32 @@ def cut_at(tokens: list[int], stop_strings: Sequence[str], decode) -> int:
   return low
 
 
-def _step(episode: Episode, text: str) -> StepResult:
-  """The environment's answer to a turn; an error or a malformed answer is
-  a failed step that ends the episode."""
+def _checked_step(environment: Environment, text: str) -> StepResult:
+  """``environment.step(text)`` if it is a :class:`StepResult` of messages
+  with a numeric reward, its messages copied."""
+  result = environment.step(text)
+  if not isinstance(result, StepResult):
+    raise TypeError(f"step returned {type(result).__name__}")
+  messages = _checked_messages(result.messages, "step")
+  if result.reward is not None:
+    float(result.reward)
+  return dataclasses.replace(result, messages=messages)
+
+
+def _step(
+    episode: Episode, text: str, timeout_s: Optional[float] = None
+) -> StepResult:
+  """The environment's answer to a turn; an error, a malformed answer or
+  a call past ``timeout_s`` seconds is a failed step that ends the episode
+  with an empty answer and no reward of its own (the environment is
+  dropped: an abandoned call cannot reach the episode)."""
+  environment = episode.environment
   try:
-    result = episode.environment.step(text)
-    if not isinstance(result, StepResult):
-      raise TypeError(f"step returned {type(result).__name__}")
-    _checked_messages(result.messages, "step")
-    if result.reward is not None:
-      float(result.reward)
-    return result
-  except Exception:  # noqa: BLE001 -- user code: a failed episode.
-    return StepResult(done=True, failed=True)
+    return call_bounded(lambda: _checked_step(environment, text), timeout_s)
+  except Exception as error:  # noqa: BLE001 -- user code: a failed episode.
+    episode.environment = None
+    episode.timeouts += int(isinstance(error, TimeoutError))
+    return StepResult(done=True, answer="", failed=True)
 
 
 def play_turn(
@@ -266,17 +356,19 @@ def play_turn(
     stop_ids: Sequence[int],
     last: bool,
     room: int,
+    timeout_s: Optional[float] = None,
 ) -> None:
   """Adds a model turn (already cut) to ``episode`` and the environment's
-  answer; ends the episode when the environment, ``last`` or ``room`` (the
-  tokens the next turn's history may hold) says so."""
+  answer (within ``timeout_s`` seconds); ends the episode when the
+  environment, ``last`` or ``room`` (the tokens the next turn's history may
+  hold) says so."""
   stopped = bool(tokens) and tokens[-1] in stop_ids
   text = renderer.tokenizer.decode(
       tokens[:-1] if stopped else tokens, skip_special_tokens=True
   )
   episode.turns.append(list(tokens))
   episode.logprobs.append(list(logprobs))
-  result = _step(episode, text)
+  result = _step(episode, text, timeout_s)
   episode.reward += float(result.reward or 0.0)
   episode.tool_calls += int(result.tool_calls)
   episode.failures += int(result.failed)
@@ -323,7 +415,9 @@ def run_episodes(
   Returns:
     The episodes, in the order of ``examples``.
   """
-  episodes = [start(config.factory, e, renderer) for e in examples]
+  episodes = [
+      start(config.factory, e, renderer, config.timeout_s) for e in examples
+  ]
   budget = config.max_tokens or np.iinfo(np.int64).max
   decode = lambda ids: renderer.tokenizer.decode(ids)  # noqa: E731
   for turn in range(config.max_turns):
@@ -346,6 +440,7 @@ def run_episodes(
           stop_ids,
           last=turn == config.max_turns - 1,
           room=min(context, len(episode.prompt_ids) + budget - 1),
+          timeout_s=config.timeout_s,
       )
   return episodes
 

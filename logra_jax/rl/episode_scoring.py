@@ -130,6 +130,7 @@ def _metrics(played: list[envs.Episode], rewards_N, sequences) -> dict:
       "env/tokens_per_episode": float(np.mean(list(map(len, sequences)))),
       "env/tool_calls": float(sum(e.tool_calls for e in played)),
       "env/failures": float(sum(e.failures for e in played)),
+      "env/timeouts": float(sum(e.timeouts for e in played)),
       "env/truncated_fraction": float(np.mean([e.truncated for e in played])),
   }
 

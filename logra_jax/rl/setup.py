@@ -122,6 +122,7 @@ def episode_config(config: TrainConfig) -> envs.EpisodeConfig | None:
       envs.load_environment(config.task.environment),
       config.rollout.max_turns,
       config.rollout.max_episode_tokens,
+      config.rollout.env_timeout_s,
   )
 
 

@@ -1,6 +1,10 @@
 """Episodes played against a scripted sampler: turns, the environment's
 tokens between them, their bounds, and failures counted, never raised."""
 
+import dataclasses
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -110,19 +114,92 @@ class Raising:
   def reset(self, example):
     if self.where == "reset":
       raise RuntimeError("down")
+    if self.where == "reset messages":
+      return [{"role": "user"}]  # no content
     return [{"role": "user", "content": example["prompt"]}]
 
   def step(self, model_message):
     if self.where == "step":
       raise RuntimeError("down")
+    if self.where == "step messages":
+      return envs.StepResult("a text, not messages")
     return "not a StepResult"
 
 
-@pytest.mark.parametrize("where", ["reset", "step", "result"])
+@pytest.mark.parametrize(
+    "where", ["reset", "reset messages", "step", "step messages", "result"]
+)
 def test_an_environment_that_fails_is_a_counted_failed_episode(where):
   (episode,), _ = play([["36$"]], lambda: Raising(where), max_turns=2)
-  assert episode.done and episode.failures == 1
-  assert len(episode.turns) == (0 if where == "reset" else 1)
+  assert episode.done and episode.failures == 1 and episode.timeouts == 0
+  assert len(episode.turns) == (0 if where.startswith("reset") else 1)
+  assert episode.answer == "" and episode.reward == 0.0
+
+
+class Hanging:
+  """Waits on ``release`` in ``reset`` or ``step`` (forever unless it is
+  set), then changes what it was given and what it keeps."""
+
+  def __init__(self, where, release):
+    self.where, self.release = where, release
+
+  def reset(self, example):
+    if self.where == "reset":
+      self.release.wait()
+      example["prompt"] = "changed"
+    self.opening = [{"role": "user", "content": example["prompt"]}]
+    return self.opening
+
+  def step(self, model_message):
+    if self.where == "step":
+      self.release.wait()
+      self.opening.append({"role": "user", "content": "changed"})
+    return envs.StepResult([{"role": "tool", "content": "1"}], reward=1.0)
+
+
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_an_environment_that_hangs_ends_its_episode_as_a_timeout(where):
+  release = threading.Event()
+  example = {"prompt": "12*3="}
+  sample_turn, seen = scripted([["36$"], ["36$"]])
+  config = envs.EpisodeConfig(
+      lambda: Hanging(where, release), max_turns=2, timeout_s=0.2
+  )
+  began = time.monotonic()
+  played = envs.run_episodes(
+      config, [example] * 2, RENDERER, sample_turn, stop_ids=[EOS], context=64
+  )
+  # Each of the two episodes waited once for its limit, and no longer.
+  assert 0.4 <= time.monotonic() - began < 30
+  for episode in played:
+    assert (episode.failures, episode.timeouts) == (1, 1)
+    assert episode.done and episode.environment is None
+    assert (episode.answer, episode.reward) == ("", 0.0)
+    assert len(episode.turns) == (0 if where == "reset" else 1)
+  assert len(seen) == (0 if where == "reset" else 1)
+  before = [
+      (e.conversation, e.turns, e.contexts, e.answer, e.reward) for e in played
+  ]
+  # The abandoned calls finish now and change what they hold; the episodes
+  # and the example their group shares do not see it.
+  release.set()
+  time.sleep(0.2)
+  after = [
+      (e.conversation, e.turns, e.contexts, e.answer, e.reward) for e in played
+  ]
+  assert after == before and example == {"prompt": "12*3="}
+  assert all(m["content"] != "changed" for e in played for m in e.conversation)
+
+
+def test_an_environment_within_its_time_limit_plays_as_without_one():
+  script = [["<calc>12*3</calc>", "36$"], ["36$"]]
+  unbounded, _ = play(script, max_turns=3)
+  bounded, _ = play(script, max_turns=3, timeout_s=30.0)
+  drop = lambda played: [  # noqa: E731
+      dataclasses.replace(e, environment=None) for e in played
+  ]
+  assert drop(bounded) == drop(unbounded)
+  assert [e.timeouts for e in bounded] == [0, 0]
 
 
 def test_a_bad_call_is_answered_and_counted_and_the_episode_goes_on():

@@ -80,6 +80,11 @@ def test_a_bad_environment_is_one_line_naming_it(
         (["task.environment=my_env.py:no_step"], "without reset and step"),
         (["task.environment=nothing"], "must be one of"),
         (["rollout.max_turns=2"], "needs an environment"),
+        (["rollout.env_timeout_s=0"], "rollout.env_timeout_s must be > 0"),
+        (
+            ["rollout.env_timeout_s=inf"],
+            "rollout.env_timeout_s must be a finite number > 0, got inf",
+        ),
         (
             ["task.environment=calculator", "rollout.dynamic_sampling=true"],
             "not supported with task.environment",

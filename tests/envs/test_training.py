@@ -33,6 +33,32 @@ def again():
   return Again()
 """
 
+# Every other environment made hangs in reset, the others in their first
+# step, until the process ends.
+HANGING = """
+import threading
+
+from logra_jax import envs
+
+made = []
+
+class Hanging:
+  def __init__(self):
+    made.append(self)
+    self.in_reset = len(made) % 2 == 0
+
+  def reset(self, example):
+    if self.in_reset:
+      threading.Event().wait()
+    return [{"role": "user", "content": example["prompt"]}]
+
+  def step(self, model_message):
+    threading.Event().wait()
+
+def hanging():
+  return Hanging()
+"""
+
 
 def run(tmp_path, policy_folder, *overrides):
   config = configs.apply_overrides(
@@ -91,3 +117,25 @@ def test_multi_turn_episodes_train_on_what_was_sampled(
     # The learner's log-probs of every turn, after the environment's
     # tokens, are the sampler's (same weights, same context).
     assert metrics["rollout/logprob_gap_max"] <= gap
+
+
+def test_a_run_whose_environment_hangs_finishes_counting_timeouts(
+    tmp_path, policy_folder, monkeypatch
+):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "hanging.py").write_text(textwrap.dedent(HANGING))
+  summary, history = run(
+      tmp_path,
+      policy_folder,
+      "task.environment=hanging.py:hanging",
+      "rollout.max_turns=2",
+      "rollout.env_timeout_s=0.05",
+  )
+  assert summary["steps"] == 2
+  episodes = 2 * SMOKE.rollout.num_generations  # prompts_per_step=2
+  for metrics in history:
+    assert metrics["env/timeouts"] == metrics["env/failures"] == episodes
+    # Half hung in reset (no turn), half in their first step (one turn).
+    assert metrics["env/turns_per_episode"] == 0.5
+    assert metrics["reward/environment"] == 0.0
+    assert metrics["env/truncated_fraction"] == 0.0
