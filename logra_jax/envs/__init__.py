@@ -7,6 +7,7 @@ from logra_jax.envs.base import StepResult
 from logra_jax.envs.calculator import calculate
 from logra_jax.envs.calculator import Calculator
 from logra_jax.envs.calculator import CalculatorError
+from logra_jax.envs.calculator import parse_tool_call
 from logra_jax.envs.episodes import Episode
 from logra_jax.envs.episodes import episode_sequence
 from logra_jax.envs.episodes import EpisodeConfig
@@ -25,6 +26,7 @@ __all__ = [
     "calculate",
     "Calculator",
     "CalculatorError",
+    "parse_tool_call",
     "Episode",
     "episode_sequence",
     "EpisodeConfig",

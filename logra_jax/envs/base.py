@@ -55,6 +55,11 @@ class Environment(Protocol):
   ``stop_strings`` (optional attribute): texts that end a model turn, e.g.
   the closing tag of a tool call; the turn keeps its tokens up to the first
   one and the rest of what was sampled is dropped.
+
+  ``tools`` (optional attribute): the environment's tools as JSON schemas
+  (OpenAI's function format), rendered by a chat template with tool
+  support as transformers' ``apply_chat_template(..., tools=tools)`` does;
+  a template without it ignores them.
   """
 
   def reset(self, example: Mapping[str, Any]) -> list[Message]:

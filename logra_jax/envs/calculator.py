@@ -1,10 +1,22 @@
 """The shipped ``calculator`` environment: arithmetic with a calculator tool.
 
-The model calls the tool by writing ``<calc>EXPRESSION</calc>`` (integers,
-``+ - * / // % **`` and parentheses); the environment answers with a
-``tool`` message holding ``<result>VALUE</result>``, or an error text when
-the call is malformed or names another tool (``<foo>...</foo>``: unknown
-tool), and the model's next turn follows. A turn without a tool call is the
+The model calls the tool in one of two formats:
+
+- its chat template's own, where the template renders a ``tools=``
+  argument (Qwen2.5's and Hermes' ``<tool_call>{"name": "calculator",
+  "arguments": {"expression": "..."}}</tool_call>``): the environment
+  declares the tool's JSON schema (:data:`TOOL_SCHEMA`, its ``tools``), the
+  episode's messages are rendered with it, and the result comes back as a
+  ``tool`` message holding the bare value, which the template renders (in
+  ``<tool_response>`` tags for Qwen2.5);
+- ``<calc>EXPRESSION</calc>`` otherwise (a template without tool support,
+  such as SmolLM2's, which ignores ``tools``, or no template): the
+  environment answers with a ``tool`` message holding
+  ``<result>VALUE</result>``.
+
+A malformed call, or one naming another tool (``<foo>...</foo>``, or
+another ``"name"`` in a ``<tool_call>``), is answered with an error text
+and the model's next turn follows. A turn without a tool call is the
 model's answer and ends the episode: the text between ``<answer>`` and
 ``</answer>`` if it writes them, else its whole message, scored by the
 run's reward functions (the task's verifier by default).
@@ -18,6 +30,7 @@ are bounded, so no call can take long or build a huge number.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import re
@@ -27,6 +40,30 @@ from logra_jax.envs.base import Message
 from logra_jax.envs.base import StepResult
 
 TOOL = "calc"
+# The tool as a chat template's ``tools=`` argument declares it (OpenAI's
+# function format, which transformers' ``apply_chat_template`` takes).
+TOOL_NAME = "calculator"
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": (
+            "Evaluates an arithmetic expression exactly: numbers, "
+            "+ - * / // % ** and parentheses."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": "the expression, e.g. 12345 * 678",
+                }
+            },
+            "required": ["expression"],
+        },
+    },
+}
+TOOL_CALL = "tool_call"  # the template format's tag
 # Bounds of one call: characters of the expression, digits of a literal or
 # a result, and the largest exponent.
 MAX_EXPRESSION_CHARS = 200
@@ -131,8 +168,58 @@ def calculate(expression: str) -> str:
   return str(value)
 
 
+def parse_tool_call(body: str) -> str:
+  """The expression of a calculator call in the chat template's format.
+
+  ``body`` is the text between ``<tool_call>`` and ``</tool_call>``: a JSON
+  object ``{"name": "calculator", "arguments": {"expression": "..."}}``
+  (``arguments`` may also be that object as a JSON string, as OpenAI's
+  format writes it).
+
+  Args:
+    body: the call's text.
+
+  Returns:
+    The expression.
+
+  Raises:
+    CalculatorError: a body that is not such an object (malformed), or a
+      call of another tool (unknown tool).
+
+  Example:
+    >>> parse_tool_call('{"name": "calculator", '
+    ...                 '"arguments": {"expression": "2*21"}}')
+    '2*21'
+    >>> try:
+    ...   parse_tool_call('{"name": "search", "arguments": {}}')
+    ... except CalculatorError as error:
+    ...   print(error)
+    unknown tool 'search'; use calculator
+  """
+  try:
+    call = json.loads(body)
+  except ValueError:
+    raise CalculatorError("malformed call: not JSON") from None
+  if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    raise CalculatorError('malformed call: no "name"')
+  if call["name"] != TOOL_NAME:
+    raise CalculatorError(f"unknown tool {call['name']!r}; use {TOOL_NAME}")
+  arguments = call.get("arguments")
+  if isinstance(arguments, str):
+    try:
+      arguments = json.loads(arguments)
+    except ValueError:
+      raise CalculatorError("malformed call: arguments not JSON") from None
+  expression = (
+      arguments.get("expression") if isinstance(arguments, dict) else None
+  )
+  if not isinstance(expression, str):
+    raise CalculatorError('malformed call: no "expression" string')
+  return expression
+
+
 class Calculator:
-  """An episode of arithmetic with the ``<calc>`` tool (module docstring).
+  """An episode of arithmetic with the calculator tool (module docstring).
 
   Example:
     >>> env = Calculator()
@@ -140,11 +227,16 @@ class Calculator:
     [{'role': 'user', 'content': '12345*678='}]
     >>> env.step("<calc>12345*678</calc>").messages
     [{'role': 'tool', 'content': '<result>8369910</result>'}]
+    >>> env.step('<tool_call>{"name": "calculator", '
+    ...          '"arguments": {"expression": "12345*678"}}</tool_call>'
+    ...          ).messages
+    [{'role': 'tool', 'content': '8369910'}]
     >>> env.step("<answer>8369910</answer>").answer
     '8369910'
   """
 
-  stop_strings = (f"</{TOOL}>", "</answer>")
+  stop_strings = (f"</{TOOL}>", f"</{TOOL_CALL}>", "</answer>")
+  tools = (TOOL_SCHEMA,)
 
   def reset(self, example: Mapping[str, Any]) -> list[Message]:
     """The task's prompt as the user's message."""
@@ -157,9 +249,16 @@ class Calculator:
     if answer is not None and (call is None or call.group(1) == "answer"):
       return StepResult(done=True, answer=answer.group(1).strip())
     if call is None:
-      if f"<{TOOL}>" in model_message:
-        return _tool_error(f"malformed call: no </{TOOL}>", calls=0)
+      for tag in (TOOL, TOOL_CALL):
+        if f"<{tag}>" in model_message:
+          return _tool_error(f"malformed call: no </{tag}>", calls=0)
       return StepResult(done=True)
+    if call.group(1) == TOOL_CALL:
+      try:
+        value = calculate(parse_tool_call(call.group(2)))
+      except CalculatorError as error:
+        return _tool_error(str(error))
+      return StepResult(_tool(value), tool_calls=1)
     if call.group(1) != TOOL:
       return _tool_error(f"unknown tool {call.group(1)!r}; use <{TOOL}>")
     try:

@@ -39,6 +39,9 @@ Factory = Callable[[], Environment]
 SampleTurn = Callable[
     [list[list[int]], int], tuple[np.ndarray, np.ndarray, np.ndarray]
 ]
+# An environment's tools: JSON schemas of functions, as transformers'
+# apply_chat_template(tools=...) takes them; None: no tools.
+Tools = Optional[list[dict[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,10 @@ class Renderer:
   on lines of their own. With ``chat`` the tokenizer's chat template renders
   the conversation as transformers does, turn by turn: the environment's
   tokens are the template's text between the model's turn (as sampled) and
-  the next assistant turn.
+  the next assistant turn. An environment's ``tools`` (JSON schemas) are
+  the template's ``tools=`` argument, which a template with tool support
+  renders (its tool format and the schemas, usually in the system turn)
+  and one without ignores.
 
   Attributes:
     tokenizer: a ``transformers`` tokenizer.
@@ -92,9 +98,14 @@ class Renderer:
   chat: bool = False
   system_prompt: Optional[str] = None
 
-  def _template(self, messages: list[Message], generation: bool) -> str:
+  def _template(
+      self, messages: list[Message], generation: bool, tools: Tools
+  ) -> str:
     return self.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=generation,
     )
 
   def opening(self, messages: list[Message]) -> list[Message]:
@@ -103,12 +114,15 @@ class Renderer:
       return [{"role": "system", "content": self.system_prompt}, *messages]
     return list(messages)
 
-  def prompt_ids(self, messages: list[Message]) -> list[int]:
-    """The opening messages' tokens, the assistant's turn opened."""
+  def prompt_ids(
+      self, messages: list[Message], tools: Tools = None
+  ) -> list[int]:
+    """The opening messages' tokens, the assistant's turn opened (with the
+    chat template's rendering of ``tools``)."""
     if not self.chat:
       text = "\n".join(m["content"] for m in messages)
       return self.tokenizer(text)["input_ids"]
-    text = self._template(messages, generation=True)
+    text = self._template(messages, generation=True, tools=tools)
     return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
   def environment_ids(
@@ -117,6 +131,7 @@ class Renderer:
       turn_text: str,
       stopped: bool,
       messages: list[Message],
+      tools: Tools = None,
   ) -> list[int]:
     """The tokens of the environment's ``messages`` after the model's turn.
 
@@ -125,6 +140,7 @@ class Renderer:
       turn_text: the model's turn, decoded without its stop token.
       stopped: the turn's tokens end with the sampler's stop token.
       messages: the environment's messages.
+      tools: the environment's tools, as the episode's prompt rendered them.
 
     Returns:
       The token ids shown between the turn and the model's next turn.
@@ -137,8 +153,8 @@ class Renderer:
       text = "\n" + "\n".join(m["content"] for m in messages) + "\n"
       return self.tokenizer(text, add_special_tokens=False)["input_ids"]
     turn = [*conversation, {"role": "assistant", "content": turn_text}]
-    before = self._template(turn, generation=False)
-    after = self._template([*turn, *messages], generation=True)
+    before = self._template(turn, generation=False, tools=tools)
+    after = self._template([*turn, *messages], generation=True, tools=tools)
     end = before.rfind(turn_text) + len(turn_text)
     if not after.startswith(before) or end < len(turn_text):
       raise ValueError(
@@ -164,6 +180,7 @@ class Episode:
     environment: the episode's environment (``None`` once it failed).
     conversation: the chat messages so far.
     prompt_ids: the opening messages' tokens.
+    tools: the environment's tools, rendered by the chat template.
     turns: the model's tokens of each turn.
     logprobs: the sampler's log-probabilities of each turn's tokens.
     contexts: the environment's tokens after each turn but the last.
@@ -181,6 +198,7 @@ class Episode:
   environment: Optional[Environment]
   conversation: list[Message]
   prompt_ids: list[int]
+  tools: Tools = None
   turns: list[list[int]] = dataclasses.field(default_factory=list)
   logprobs: list[list[float]] = dataclasses.field(default_factory=list)
   contexts: list[list[int]] = dataclasses.field(default_factory=list)
@@ -253,12 +271,19 @@ def call_bounded(function: Callable[[], Any], timeout_s: Optional[float]):
 
 
 def _opening(factory: Factory, example: Mapping[str, Any]):
-  """A new environment and its opening messages (checked) on a copy of
+  """A new environment, its opening messages (checked) on a copy of
   ``example``, so that a call abandoned past its time limit cannot change
-  the example the episode's group shares."""
+  the example the episode's group shares, and its tools (copied)."""
   environment = factory()
   messages = environment.reset(dict(example))
-  return environment, _checked_messages(messages, "reset")
+  tools = getattr(environment, "tools", None)
+  if tools is not None:
+    if not isinstance(tools, (list, tuple)) or not all(
+        isinstance(tool, dict) for tool in tools
+    ):
+      raise TypeError(f"tools is {type(tools).__name__}, not a list of dicts")
+    tools = [dict(tool) for tool in tools] or None
+  return environment, _checked_messages(messages, "reset"), tools
 
 
 def start(
@@ -271,7 +296,7 @@ def start(
   to start within ``timeout_s`` seconds) gives a failed episode of the
   bare prompt (no turns)."""
   try:
-    environment, messages = call_bounded(
+    environment, messages, tools = call_bounded(
         lambda: _opening(factory, example), timeout_s
     )
   except Exception as error:  # noqa: BLE001 -- user code: a failed episode.
@@ -281,7 +306,9 @@ def start(
     episode.timeouts = int(isinstance(error, TimeoutError))
     return episode
   messages = renderer.opening(messages)
-  return Episode(environment, messages, renderer.prompt_ids(messages))
+  return Episode(
+      environment, messages, renderer.prompt_ids(messages, tools), tools
+  )
 
 
 def _checked_messages(messages: Any, method: str) -> list[Message]:
@@ -378,7 +405,7 @@ def play_turn(
     return
   try:
     context = renderer.environment_ids(
-        episode.conversation, text, stopped, result.messages
+        episode.conversation, text, stopped, result.messages, episode.tools
     )
   except Exception:  # noqa: BLE001 -- a template that cannot render it.
     episode.failures += 1
