@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from logra_jax.checkpoint import integrity
+from logra_jax.checkpoint import loops
 from logra_jax.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from logra_jax.checkpoint.items import (
     ARRAY_ITEMS,
@@ -47,6 +48,7 @@ _SAVE_FAILURES = (
     "background save thread",
     "Save Finalize thread",
     "_SignalingThread.run() raised",
+    "Failed to write metadata",
 )
 
 
@@ -166,10 +168,17 @@ class Checkpointer:
     handlers.update(
         loop=ocp.JsonCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
     )
-    with _quiet_absl("read only"):  # read_only is what was asked for
-      self._manager = ocp.CheckpointManager(
-          self.directory, options=options, item_handlers=handlers
-      )
+    # Orbax's loops must outlive the operations of a failed save or restore
+    # (loops.py); held until close().
+    loops.hold()
+    try:
+      with _quiet_absl("read only"):  # read_only is what was asked for
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+    except BaseException:
+      loops.release()
+      raise
     self._closed = False
     self._clock = clock
     self._last_save = clock()
@@ -205,6 +214,7 @@ class Checkpointer:
           self._manager.close()
       finally:
         logging.getLogger("absl").removeFilter(_drop_save_failures)
+        loops.release()
 
   def wait(self) -> None:
     """Blocks until a pending asynchronous save is finished on disk.
