@@ -158,13 +158,20 @@ class RewardConfig:
       keywords; the columns are the example's fields (``answer``, ``entry``,
       a data file's columns).
     weight: its weight in the total reward (negative: a penalty).
+    batch_timeout_s: the most seconds the function may spend scoring one
+      rollout batch; once they have passed, the samples it has not scored
+      get 0 (counted as timeouts), the step goes on and a warning names the
+      reward and this deadline. Each sample also has its own deadline of
+      10 s.
   """
 
   function: str = "task"
   weight: float = 1.0
+  batch_timeout_s: float = 60.0
 
   def __post_init__(self):
     check_range("rewards.weight", self.weight)
+    check_range("rewards.batch_timeout_s", self.batch_timeout_s, gt=0)
     if self.function != "task" and ":" not in self.function:
       raise ValueError(
           f"rewards.function={self.function!r} must be 'task', "

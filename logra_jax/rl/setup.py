@@ -82,9 +82,12 @@ def run_rewards(
   specs = config.rewards or [RewardConfig()]
   rewards = [
       (
-          task_verifier(task)
-          if spec.function == "task"
-          else rewards_lib.load_reward_function(spec.function),
+          rewards_lib.TimedReward(
+              task_verifier(task)
+              if spec.function == "task"
+              else rewards_lib.load_reward_function(spec.function),
+              spec.batch_timeout_s,
+          ),
           spec.weight,
       )
       for spec in specs

@@ -6,7 +6,10 @@ import time
 
 import pytest
 
+from logra_jax import configs
+from logra_jax.cli import main as cli_main
 from logra_jax.rl import rewards
+from logra_jax.rl import setup
 
 SLACK_S = 5.0  # a loaded machine's scheduling, not the rewards' time
 
@@ -39,14 +42,57 @@ def test_a_reward_slower_than_its_batch_deadline_stops_with_a_warning():
   assert time.monotonic() - start < 1.0 + SLACK_S
   scored = int(report.per_function["_slow"].sum())
   assert 0 < scored < n and report.timeouts["_slow"] == n - scored
-  assert report.late["_slow"] >= 1.0
+  assert report.late["_slow"].seconds >= 1.0
+  assert report.late["_slow"].deadline_s == 1.0
   lines = []
   rewards.RewardFailureWarnings(lines.append)(report)
   assert lines[0].startswith(
-      f"warning: reward _slow took {report.late['_slow']:.1f} s on a batch "
-      f"of {n} samples and was stopped at its batch deadline; {n - scored} "
-      "sample(s) scored 0 as timeouts"
+      f"warning: reward _slow took {report.late['_slow'].seconds:.1f} s on a "
+      f"batch of {n} samples and was stopped at its batch deadline of 1 s "
+      f"(rewards.batch_timeout_s); {n - scored} sample(s) scored 0 as timeouts"
   )
+
+
+def test_a_timed_reward_keeps_its_own_batch_deadline():
+  n = 20
+  timed = rewards.TimedReward(_slow, batch_timeout_s=0.5)
+  start = time.monotonic()
+  report = rewards.evaluate_rewards(
+      [(timed, 1.0), (rewards.exact_match, 1.0)],
+      ["q"] * n,
+      ["a"] * n,
+      {"answer": ["a"] * n},
+      timeout_s=5.0,
+      batch_timeout_s=600.0,  # the default of the others, not the timed one's
+  )
+  assert time.monotonic() - start < 0.5 + SLACK_S
+  assert list(report.late) == ["_slow"]
+  assert report.late["_slow"].deadline_s == 0.5
+  assert report.per_function["exact_match"].tolist() == [1.0] * n
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_batch_deadline_must_be_a_positive_finite_number(seconds):
+  with pytest.raises(ValueError, match=r"^rewards\.batch_timeout_s must be"):
+    configs.RewardConfig(batch_timeout_s=seconds)
+  with pytest.raises(ValueError, match=r"^rewards\.batch_timeout_s must be"):
+    rewards.TimedReward(_slow, batch_timeout_s=seconds)
+
+
+def test_a_runs_rewards_carry_their_configured_batch_deadlines():
+  config = configs.TrainConfig(
+      rewards=[
+          configs.RewardConfig(batch_timeout_s=3.5),
+          configs.RewardConfig(
+              function="logra_jax.rl.rewards:exact_match", weight=0.5
+          ),
+      ]
+  )
+  task = setup.load_task(config)
+  (verifier, _), (exact, weight) = setup.run_rewards(config, task)
+  assert verifier.batch_timeout_s == 3.5
+  assert exact.fn is rewards.exact_match and weight == 0.5
+  assert exact.batch_timeout_s == configs.RewardConfig().batch_timeout_s
 
 
 def test_a_reward_within_its_batch_deadline_is_not_late():
@@ -55,3 +101,18 @@ def test_a_reward_within_its_batch_deadline_is_not_late():
   )
   assert report.late == {} and report.timeouts == {"exact_match": 0}
   assert report.rewards.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("seconds", ["0", "nan", ".inf"])
+def test_a_bad_batch_deadline_is_refused_before_the_run_folder(
+    seconds, tmp_path, capsys
+):
+  out = tmp_path / "out"
+  reward = f"rewards=[{{function: task, batch_timeout_s: {seconds}}}]"
+  args = ["train", "--preset=smoke", f"--out={out}", "--set", reward]
+  assert cli_main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      "logra train: error: rewards.batch_timeout_s must be"
+  ), err
+  assert not out.exists()

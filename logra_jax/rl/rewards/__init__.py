@@ -15,8 +15,10 @@ imports one by ``module:function`` or ``path/to/file.py:function``, and
 :func:`check_reward_functions` tries each on a few reference answers before a run compiles.
 
 :func:`evaluate_rewards` runs them sample by sample off the main thread with a per-sample
-deadline: a sample whose reward raises, returns a non-number or runs past ``timeout_s`` gets 0
-and is counted, and the run goes on. :class:`RewardFailureWarnings` turns a
+deadline and a per-batch one (:class:`TimedReward` carries a function's own, a run's
+``rewards.batch_timeout_s``): a sample whose reward raises, returns a non-number, runs past
+``timeout_s`` or is not reached within the batch deadline gets 0 and is counted, and the run
+goes on. :class:`RewardFailureWarnings` turns a
 reward that fails on most of a batch (e.g. unparseable reference answers) into a
 rate-limited console warning.
 """
@@ -31,6 +33,7 @@ from logra_jax.rl.rewards.builtin import ScoreAnswer
 from logra_jax.rl.rewards.guarded import evaluate_rewards
 from logra_jax.rl.rewards.guarded import RewardFailureWarnings
 from logra_jax.rl.rewards.guarded import RewardReport
+from logra_jax.rl.rewards.guarded import TimedReward
 from logra_jax.rl.rewards.loading import check_reward_functions
 from logra_jax.rl.rewards.loading import load_reward_function
 
@@ -47,4 +50,5 @@ __all__ = [
     "evaluate_rewards",
     "RewardReport",
     "RewardFailureWarnings",
+    "TimedReward",
 ]

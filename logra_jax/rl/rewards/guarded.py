@@ -21,11 +21,58 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from logra_jax.checks import check_range
 from logra_jax.rl.rewards.builtin import FLOAT32_MAX
 from logra_jax.rl.rewards.builtin import check_weights
 from logra_jax.rl.rewards.builtin import finite_in_float32
 from logra_jax.rl.rewards.builtin import reward_names
 from logra_jax.rl.rewards.builtin import RewardFn
+
+# A function's per-batch deadline unless it carries its own (TimedReward).
+BATCH_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedReward:
+  """A reward function with its own per-batch deadline.
+
+  Called like ``fn`` and named like it; :func:`evaluate_rewards` stops it
+  once ``batch_timeout_s`` seconds of a batch have passed (the samples not
+  reached score 0 as timeouts) and :class:`RewardFailureWarnings` names the
+  deadline. A run wraps each of its rewards in one, with
+  ``rewards.batch_timeout_s``.
+
+  Attributes:
+    fn: the reward function.
+    batch_timeout_s: seconds the function may spend on one batch.
+
+  Example:
+    >>> from logra_jax.rl.rewards import exact_match
+    >>> timed = TimedReward(exact_match, batch_timeout_s=5.0)
+    >>> timed.__name__, timed(["q"], ["12"], answer=["12"])
+    ('exact_match', [1.0])
+  """
+
+  fn: RewardFn
+  batch_timeout_s: float = BATCH_TIMEOUT_S
+
+  def __post_init__(self):
+    check_range("rewards.batch_timeout_s", self.batch_timeout_s, gt=0)
+
+  @property
+  def __name__(self) -> str:
+    return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+  def __call__(self, prompts, completions, **columns) -> Any:
+    return self.fn(prompts=prompts, completions=completions, **columns)
+
+
+class Late(NamedTuple):
+  """A function that ran out of its batch deadline: the seconds it took and
+  the deadline."""
+
+  seconds: float
+  deadline_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +87,9 @@ class RewardReport:
     timeouts: name -> number of samples past the deadline.
     first_errors: name -> description of the first failure or timeout (only names with
       any), to make a misconfigured reward visible.
-    late: name -> seconds the function took on a batch it did not finish
-      within the batch deadline (only names that ran out of it).
+    late: name -> :class:`Late` (seconds taken, deadline) of a function that
+      did not finish the batch within its deadline (only names that ran out
+      of it).
   """
 
   rewards: np.ndarray
@@ -49,7 +97,7 @@ class RewardReport:
   failures: dict[str, int]
   timeouts: dict[str, int]
   first_errors: dict[str, str]
-  late: dict[str, float] = dataclasses.field(default_factory=dict)
+  late: dict[str, Late] = dataclasses.field(default_factory=dict)
 
   @property
   def failure_fraction(self) -> dict[str, float]:
@@ -195,7 +243,7 @@ def evaluate_rewards(
     columns: Mapping[str, Sequence[Any]] | None = None,
     *,
     timeout_s: float = 10.0,
-    batch_timeout_s: float = 60.0,
+    batch_timeout_s: float = BATCH_TIMEOUT_S,
 ) -> RewardReport:
   """Weighted rewards of a batch, robust to reward functions that raise or hang.
 
@@ -205,7 +253,8 @@ def evaluate_rewards(
   hung call cannot be interrupted: its daemon thread is abandoned and exits once the call
   returns. A function still scoring after ``batch_timeout_s`` stops there: the samples it
   did not reach are timeouts and its time is in ``late`` (a slow reward bounds the step,
-  and is warned about, instead of stalling every batch).
+  and is warned about, instead of stalling every batch); a :class:`TimedReward` has a
+  deadline of its own.
 
   Args:
     fns: ``(reward_fn, weight)`` pairs; metrics use each function's
@@ -214,7 +263,8 @@ def evaluate_rewards(
     completions: ``N`` completions.
     columns: column name -> ``N`` values (``answer``, ``entry``, ...), passed as keywords.
     timeout_s: per-sample deadline for each function, in seconds.
-    batch_timeout_s: per-batch deadline for each function, in seconds.
+    batch_timeout_s: per-batch deadline for each function that is not a
+      :class:`TimedReward`, in seconds.
 
   Returns:
     A :class:`RewardReport`.
@@ -254,16 +304,19 @@ def evaluate_rewards(
   for name, (fn, weight) in zip(reward_names([fn for fn, _ in fns]), fns):
     # Each function gets its own copies: one that edits a column (e.g.
     # entry["answer"]) must not change what the others and later batches see.
+    deadline = (
+        fn.batch_timeout_s if isinstance(fn, TimedReward) else batch_timeout_s
+    )
     scores, failed, timed_out, error, seconds = _guarded_scores(
         fn,
         list(prompts),
         list(completions),
         copy.deepcopy(columns),
         timeout_s,
-        batch_timeout_s,
+        deadline,
     )
     if seconds is not None:
-      late[name] = seconds
+      late[name] = Late(seconds, deadline)
     per_function[name], failures[name], timeouts[name] = (
         scores,
         failed,
@@ -353,14 +406,15 @@ class RewardFailureWarnings:
     """Logs the functions of ``report`` that failed on too much of the batch."""
     self._batches += 1
     n = len(report.rewards)
-    for name, seconds in report.late.items():
+    for name, (seconds, deadline) in report.late.items():
       held = self._held_back(f"{name} (late)")
       if held is not None:
         since = f"; {held} more such batch(es) since the last" if held else ""
         self._log(
             f"warning: reward {name} took {seconds:.1f} s on a batch of {n} "
-            f"samples and was stopped at its batch deadline; "
-            f"{report.timeouts[name]} sample(s) scored 0 as timeouts{since}."
+            f"samples and was stopped at its batch deadline of {deadline:g} s "
+            f"(rewards.batch_timeout_s); {report.timeouts[name]} sample(s) "
+            f"scored 0 as timeouts{since}."
         )
     for name, fraction in report.failure_fraction.items():
       if fraction <= self._threshold:
