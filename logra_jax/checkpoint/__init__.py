@@ -29,7 +29,9 @@ its policy (:func:`export_policy`). Its parts:
   checks that name a damaged array or item;
 - :mod:`~logra_jax.checkpoint.export`: the policy as a Hugging Face folder;
 - :mod:`~logra_jax.checkpoint.folders`: a run's lock and the folders
-  ``--overwrite`` may replace.
+  ``--overwrite`` may replace;
+- :mod:`~logra_jax.checkpoint.loops`: event loops that let a failed save's
+  or restore's other operations finish before they close.
 
 Example:
   >>> from logra_jax import checkpoint, configs
