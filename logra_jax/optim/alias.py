@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional
 
 import optax
@@ -10,6 +12,27 @@ from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import kl_control
 from logra_jax.optim import low_rank_space
 from logra_jax.optim.dimension_numbers import SpecTree
+
+
+def _check_hyperparameters(**values: Any) -> None:
+  """Raises a one-line ValueError naming the first of :func:`logra`'s
+  scalar hyperparameters out of range: ``b1``, ``b2`` in ``[0, 1)``,
+  ``eps``, ``weight_decay`` finite and ``>= 0``, ``learning_rate`` finite
+  (a schedule, or an array, is left to optax)."""
+  for name, value in values.items():
+    if not isinstance(value, numbers.Real):
+      continue
+    if name in ("b1", "b2"):
+      bad = not 0 <= value < 1
+      wanted = "in [0, 1)"
+    elif name == "learning_rate":
+      bad = not math.isfinite(value)
+      wanted = "a finite number"
+    else:
+      bad = not (math.isfinite(value) and value >= 0)
+      wanted = "a finite number >= 0"
+    if bad:
+      raise ValueError(f"logra: {name} must be {wanted}, got {value}")
 
 
 def logra(
@@ -83,6 +106,11 @@ def logra(
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
 
+  Raises:
+    ValueError: ``b1`` or ``b2`` outside ``[0, 1)``, a non-finite
+      ``learning_rate``, a negative or non-finite ``eps`` or
+      ``weight_decay`` (one line naming it).
+
   Example:
     >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
     >>> params = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
@@ -99,6 +127,13 @@ def logra(
     Zhao et al., `GaLore <https://arxiv.org/abs/2403.03507>`_, 2024;
     Robert et al., `LDAdam <https://arxiv.org/abs/2410.16103>`_, 2024.
   """
+  _check_hyperparameters(
+      learning_rate=learning_rate,
+      b1=b1,
+      b2=b2,
+      eps=eps,
+      weight_decay=weight_decay,
+  )
   kl = (
       []
       if target_kl is None
