@@ -51,7 +51,9 @@ def decoder_config(config: TrainConfig, tokenizer: Any) -> models.DecoderConfig:
         dtype=config.policy.dtype,
     )
   return warm_start.tiny_decoder_config(
-      config.policy, tokenizer, warm_start.CONTEXT_TOKENS
+      config.policy,
+      tokenizer,
+      warm_start.context_tokens(config.task.environment),
   )
 
 

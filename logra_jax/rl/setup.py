@@ -140,6 +140,7 @@ def policy_folder(
       config.policy,
       train_examples[: config.policy.warm_start_examples],
       seed=config.task.seed,
+      environment=config.task.environment,
       log=log,
   )
   # Several processes: the first trains (or finds) the cached policy while

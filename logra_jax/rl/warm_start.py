@@ -4,6 +4,8 @@ RL needs a policy that is sometimes right. For the tiny default, a small
 decoder (our own model class) is trained on the task's worked answers
 (``"12+7-3=16"``) with a character tokenizer, saved with ``save_pretrained``
 next to its ``tokenizer.json`` and reused by later runs with the same settings.
+With the ``calculator`` environment it is trained on tool-using episodes
+instead (:func:`tool_demonstrations`), so that it has seen the tool's format.
 
 A cache entry is built in a temporary folder beside it and renamed into place
 once complete, so an interrupted run leaves nothing that looks usable; an entry
@@ -22,7 +24,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from flax import nnx
 import jax
@@ -31,6 +33,7 @@ import numpy as np
 import optax
 import safetensors
 
+from logra_jax import envs
 from logra_jax import models
 from logra_jax.configs import PolicyConfig
 from logra_jax.data.batching import encode_sft
@@ -41,6 +44,23 @@ _FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 # The context length of a warm-started policy (prompt and completion).
 CONTEXT_TOKENS = 64
+# The context length of one that plays episodes: the prompt, the model's
+# turns and the environment's messages (a calculator episode on 5-digit
+# terms is about 80 characters).
+EPISODE_CONTEXT_TOKENS = 128
+# The environment whose episodes the warm start can demonstrate.
+DEMONSTRATED = "calculator"
+
+
+def context_tokens(environment: str) -> int:
+  """The context length of the tiny policy of a run with ``environment``
+  (``task.environment``; empty: none).
+
+  Example:
+    >>> context_tokens(""), context_tokens("calculator")
+    (64, 128)
+  """
+  return EPISODE_CONTEXT_TOKENS if environment else CONTEXT_TOKENS
 
 
 def tiny_decoder_config(
@@ -65,24 +85,103 @@ def tiny_decoder_config(
 
 
 def cache_folder(
-    policy: PolicyConfig, examples: Sequence[dict], seed: int
+    policy: PolicyConfig,
+    examples: Sequence[dict],
+    seed: int,
+    environment: str = "",
 ) -> pathlib.Path:
   """The cache folder of a warm start: a hash of everything it depends on
   (not of the policy fields that only shape training: attention, remat and
-  the reference's dtype)."""
+  the reference's dtype); the environment and the context length only
+  where there is an environment, so that a run without one keeps its
+  folder."""
   fields = dataclasses.asdict(policy)
   for name in ("cache_dir", "attention", "remat", "reference_dtype"):
     fields.pop(name)
-  blob = json.dumps(
-      {
-          "policy": fields,
-          "seed": seed,
-          "data": [e["prompt"] + e["answer"] for e in examples],
-      },
-      sort_keys=True,
-  )
+  key = {
+      "policy": fields,
+      "seed": seed,
+      "data": [e["prompt"] + e["answer"] for e in examples],
+  }
+  if environment:
+    key["max_length"] = context_tokens(environment)
+  if environment == DEMONSTRATED:
+    key["demonstrations"] = DEMONSTRATED
+  blob = json.dumps(key, sort_keys=True)
   digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
   return pathlib.Path(os.path.expanduser(policy.cache_dir)) / digest
+
+
+def tool_demonstrations(
+    examples: Sequence[dict], tokenizer, max_length: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Supervised rows of calculator episodes on the tiny task's examples.
+
+  Each example's prompt is an expression and ``=`` (``"1663-5242="``): the
+  demonstrated episode calls the tool on it (``<calc>1663-5242</calc>``),
+  reads the calculator's answer and writes the answer then the stop token.
+  The episode is played against the calculator itself (:func:`envs.
+  run_episodes` with the turns scripted), so its tokens are exactly what
+  an RL episode holds: the loss mask is 1 on the model's turns and 0 on the
+  prompt, the environment's tokens and the padding.
+
+  Args:
+    examples: the tiny task's examples (``prompt``, ``answer``).
+    tokenizer: the policy's (character) tokenizer.
+    max_length: the policy's context; a longer episode is an error.
+
+  Returns:
+    ``(tokens_NxT, loss_mask_NxT)``, int32, right-padded.
+
+  Example:
+    >>> from logra_jax.data.tokenizer import char_tokenizer
+    >>> tokenizer = char_tokenizer()
+    >>> tokens, mask = tool_demonstrations(
+    ...     [{"prompt": "2*3=", "answer": "6"}], tokenizer, 64)
+    >>> tokenizer.decode(tokens[0][mask[0] == 1])
+    '<calc>2*3</calc>6<eos>'
+    >>> tokenizer.decode(tokens[0][mask[0] == 0], skip_special_tokens=True)
+    '2*3=\\n<result>6</result>\\n'
+  """
+  scripts = [
+      [f"<calc>{e['prompt'].removesuffix('=')}</calc>", e["answer"]]
+      for e in examples
+  ]
+  eos = tokenizer.eos_token_id
+  width = max(len(t) for script in scripts for t in script) + 1
+
+  def sample_turn(histories, turn):
+    tokens_NxT = np.zeros((len(histories), width), np.int32)
+    lengths_N = np.zeros(len(histories), np.int32)
+    for i, script in enumerate(scripts):
+      ids = tokenizer(script[min(turn, 1)], add_special_tokens=False)
+      row = ids["input_ids"] + ([eos] if turn else [])
+      tokens_NxT[i, : len(row)], lengths_N[i] = row, len(row)
+    return tokens_NxT, np.zeros(tokens_NxT.shape, np.float32), lengths_N
+
+  played = envs.run_episodes(
+      envs.EpisodeConfig(envs.Calculator, max_turns=2),
+      examples,
+      envs.Renderer(tokenizer),
+      sample_turn,
+      stop_ids=[eos],
+      context=max_length,
+  )
+  rows = [e.prompt_ids + envs.episode_sequence(e)[0] for e in played]
+  longest = max(map(len, rows))
+  if longest > max_length:
+    raise ValueError(
+        f"a calculator episode of {longest} tokens exceeds the context "
+        f"{max_length}"
+    )
+  tokens_NxT = np.full((len(rows), longest), tokenizer.pad_token_id, np.int32)
+  mask_NxT = np.zeros((len(rows), longest), np.int32)
+  for r, (episode, row) in enumerate(zip(played, rows)):
+    tokens_NxT[r, : len(row)] = row
+    mask_NxT[r, len(episode.prompt_ids) : len(row)] = envs.episode_sequence(
+        episode
+    )[1]
+  return tokens_NxT, mask_NxT
 
 
 def entry_problem(folder: pathlib.Path) -> str | None:
@@ -149,7 +248,8 @@ def warm_start(
     policy: PolicyConfig,
     examples: Sequence[dict],
     seed: int = 0,
-    max_length: int = CONTEXT_TOKENS,
+    max_length: Optional[int] = None,
+    environment: str = "",
     log=print,
 ) -> pathlib.Path:
   """Trains (or reuses) the tiny policy on worked answers; returns its folder.
@@ -158,7 +258,12 @@ def warm_start(
     policy: sizes and supervised-training settings.
     examples: training examples with ``prompt`` and ``answer``.
     seed: initialization and batching seed.
-    max_length: context length of the decoder.
+    max_length: context length of the decoder; ``None``: that of
+      :func:`context_tokens`.
+    environment: the run's ``task.environment``: the context length, and
+      with ``"calculator"`` the warm start
+      learns from tool-using episodes (:func:`tool_demonstrations`) instead
+      of worked answers.
     log: where progress lines go.
 
   Returns:
@@ -166,7 +271,7 @@ def warm_start(
     ``tokenizer.json``: a valid cached one (an invalid one is rebuilt,
     saying why), else one trained now and published atomically.
   """
-  folder = cache_folder(policy, examples, seed)
+  folder = cache_folder(policy, examples, seed, environment)
   if folder.exists():
     problem = entry_problem(folder)
     if problem is None:
@@ -175,13 +280,21 @@ def warm_start(
     log(f"warm start: rebuilding the invalid {folder} ({problem})")
     _set_aside(folder)
   tokenizer = char_tokenizer()
+  max_length = max_length or context_tokens(environment)
   config = tiny_decoder_config(policy, tokenizer, max_length)
   model = models.init_model(config, rngs=seed)
   graphdef, params = models.split_model(model)
-  texts = [(e["prompt"], e["answer"]) for e in examples]
-  batch = encode_sft(tokenizer, [p for p, _ in texts], [a for _, a in texts])
-  tokens_NxT = jnp.asarray(batch.tokens_BxT)
-  loss_mask_NxT = jnp.asarray(batch.loss_mask_BxT, jnp.float32)
+  if environment == DEMONSTRATED:
+    tokens, loss_mask = tool_demonstrations(examples, tokenizer, max_length)
+  else:
+    batch = encode_sft(
+        tokenizer,
+        [e["prompt"] for e in examples],
+        [e["answer"] for e in examples],
+    )
+    tokens, loss_mask = batch.tokens_BxT, batch.loss_mask_BxT
+  tokens_NxT = jnp.asarray(tokens)
+  loss_mask_NxT = jnp.asarray(loss_mask, jnp.float32)
   warmup = max(1, policy.warm_start_steps // 10)
   tx = optax.adamw(
       optax.warmup_cosine_decay_schedule(
@@ -216,7 +329,7 @@ def warm_start(
   rng = np.random.default_rng(seed)
   loss = float("nan")
   for step in range(policy.warm_start_steps):
-    index = rng.integers(0, len(texts), policy.warm_start_batch)
+    index = rng.integers(0, len(examples), policy.warm_start_batch)
     params, opt_state, loss = sft_step(params, opt_state, jnp.asarray(index))
     if (step + 1) % max(1, policy.warm_start_steps // 4) == 0:
       log(
