@@ -158,6 +158,7 @@ def _memory(args: argparse.Namespace) -> int:
       rollout_seqs=args.rollout_seqs,
       rollout_tokens=args.rollout_tokens,
       rollout_copy=args.rollout_copy,
+      rollout_turn_tokens=args.rollout_turn_tokens,
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
       project_embeddings=args.project_embeddings,
@@ -327,6 +328,14 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
       type=_int_in(0, 2**22),
       default=0,
       help="tokens per rollout sequence",
+  )
+  plan.add_argument(
+      "--rollout-turn-tokens",
+      type=_int_in(0, 2**22),
+      default=0,
+      help="multi-turn episodes: tokens of one model turn "
+      "(rollout.max_new_tokens), --rollout-tokens being the prompt and "
+      "rollout.max_episode_tokens; default 0: single-turn rollouts",
   )
   plan.add_argument(
       "--rollout-copy",

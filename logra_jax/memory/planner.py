@@ -99,20 +99,21 @@ def shared_rollout_bytes(
     device_mesh: jax.sharding.Mesh,
     seqs: int,
     tokens: int,
+    prompt: Optional[int] = None,
 ) -> int:
   """Per-device bytes of a colocated engine that samples with the learner's
   own arrays (``rollout.max_staleness=0``): the sampling program's
   temporaries (the KV cache among them) and outputs, compiled on abstract
   inputs from the learner's weights and optimizer state as they are laid
-  out, with a prompt of ``tokens // 4`` and ``tokens - tokens // 4`` new
-  tokens per sequence. The weights themselves are the learner's (counted
-  once, in ``params``)."""
+  out, with a prompt of ``prompt`` (default ``tokens // 4``) and the rest of
+  ``tokens`` new tokens per sequence. The weights themselves are the
+  learner's (counted once, in ``params``)."""
   sampler = models.Sampler(
       nnx.eval_shape(lambda: models.init_model(config, rngs=0)),
       max_length=tokens,
       mesh=device_mesh,
   )
-  prompt = max(tokens // 4, 1)
+  prompt = max(tokens // 4, 1) if prompt is None else prompt
   settings = models.SamplingParams(max_new_tokens=tokens - prompt)
   data = parallel.logical_to_mesh(("batch", None), device_mesh)
   replicated = parallel.logical_to_mesh((), device_mesh)
@@ -306,7 +307,7 @@ def _check_arguments(
     optimizer: str,
     remat: str,
     sizes: dict[str, int],
-    rollout: tuple[int, int],
+    rollout: tuple[int, int, int],
     reference_dtype: Optional[str],
 ) -> None:
   """Raises a ValueError naming the first argument out of its range."""
@@ -320,7 +321,14 @@ def _check_arguments(
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   if min(rollout) < 0:
-    raise ValueError("rollout_seqs and rollout_tokens must be >= 0")
+    raise ValueError(
+        "rollout_seqs, rollout_tokens and rollout_turn_tokens must be >= 0"
+    )
+  if rollout[2] and rollout[2] >= rollout[1]:
+    raise ValueError(
+        f"rollout_turn_tokens must be below rollout_tokens={rollout[1]} (a "
+        f"turn follows a prompt), got {rollout[2]}"
+    )
   if reference_dtype not in (None, "bfloat16", "float32"):
     raise ValueError(
         f"reference_dtype must be 'bfloat16' or 'float32', got "
@@ -372,6 +380,33 @@ def _description(
   )
 
 
+def _rollout_bytes(
+    layout: _Layout,
+    config: models.DecoderConfig,
+    mesh: parallel.MeshConfig,
+    device_mesh: jax.sharding.Mesh,
+    rollout: tuple[int, int, int],
+    copy: bool,
+) -> int:
+  """The rollout reservation of :func:`plan_memory` (its arguments
+  ``rollout_seqs``, ``rollout_tokens``, ``rollout_turn_tokens`` and
+  ``rollout_copy``)."""
+  seqs, tokens, turn = rollout
+  if not seqs:
+    return 0
+  if copy:
+    return rollout_reservation(config, mesh, seqs, tokens)
+  single = shared_rollout_bytes(layout, config, device_mesh, seqs, tokens)
+  if not turn:
+    return single
+  # The last turn of an episode, after the longest history.
+  history = tokens - turn
+  return max(
+      single,
+      shared_rollout_bytes(layout, config, device_mesh, seqs, tokens, history),
+  )
+
+
 def plan_memory(
     model: str | models.DecoderConfig,
     mesh: parallel.MeshConfig = parallel.MeshConfig(),
@@ -389,6 +424,7 @@ def plan_memory(
     reference_dtype: Optional[str] = None,
     base_dtype: str = "float32",
     rollout_copy: bool = False,
+    rollout_turn_tokens: int = 0,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -413,6 +449,13 @@ def plan_memory(
       (``rollout.max_staleness > 0``): :func:`rollout_reservation`.
       Otherwise (the default engine) it samples with the learner's arrays:
       :func:`shared_rollout_bytes`.
+    rollout_turn_tokens: multi-turn episodes: the tokens of one model turn
+      (``rollout.max_new_tokens``), ``rollout_tokens`` being the prompt and
+      the episode's tokens (``rollout.max_episode_tokens``). A later turn's
+      sampling program prefills the episode's history, up to
+      ``rollout_tokens - rollout_turn_tokens`` tokens, so the shared
+      engine's reservation is the larger of that program's and the
+      single-turn one's; 0: single-turn rollouts.
     device_memory_gib: the device memory to check the total against.
     gradient_mode: LoGRA's gradients: ``"sketch"`` (sketch-direct, the
       default: ``grads`` counts the float32 sketches ``[L, r, short]``, which
@@ -448,7 +491,7 @@ def plan_memory(
       optimizer,
       remat,
       {"rank": rank, "seq_len": seq_len, "micro_batch": micro_batch},
-      (rollout_seqs, rollout_tokens),
+      (rollout_seqs, rollout_tokens, rollout_turn_tokens),
       reference_dtype,
   )
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
@@ -478,20 +521,22 @@ def plan_memory(
   grads = _gradient_bytes(layout, opt_config)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
   reference = _reference_bytes(layout, reference_dtype)
-  if not rollout_seqs:
-    rollout = 0
-  elif rollout_copy:
-    rollout = rollout_reservation(config, mesh, rollout_seqs, rollout_tokens)
-  else:
-    rollout = shared_rollout_bytes(
-        layout, config, device_mesh, rollout_seqs, rollout_tokens
-    )
+  rollout = _rollout_bytes(
+      layout,
+      config,
+      mesh,
+      device_mesh,
+      (rollout_seqs, rollout_tokens, rollout_turn_tokens),
+      rollout_copy,
+  )
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.params))
   workload = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
   if rollout_seqs:
     workload += f", rollout {rollout_seqs}x{rollout_tokens} tokens" + (
         " (own copy)" if rollout_copy else " (shared weights)"
     )
+    if rollout_turn_tokens:
+      workload += f", turns of {rollout_turn_tokens} tokens"
   return MemoryReport(
       params=_sharded_bytes(layout.weights, layout.weights_sharding),
       grads=grads,
