@@ -417,7 +417,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
 
   Raises:
     FileNotFoundError: no folder `path`, or no tokenizer files in it.
-    ValueError: `path` is a file.
+    ValueError: `path` is a file, or its tokenizer files cannot be loaded
+      (naming the folder and the files).
 
   Example:
     >>> tok = load_tokenizer("/path/to/Qwen2.5-0.5B")  # doctest: +SKIP
@@ -429,4 +430,14 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     raise FileNotFoundError(
         f"There is no tokenizer.json or tokenizer_config.json in {path}."
     )
-  return transformers.AutoTokenizer.from_pretrained(path)
+  try:
+    return transformers.AutoTokenizer.from_pretrained(path)
+  except Exception as error:  # transformers and tokenizers raise many kinds.
+    files = ", ".join(sorted(p.name for p in path.glob("tokenizer*")))
+    if not (path / "tokenizer.json").is_file():
+      files += "; no tokenizer.json"
+    detail = (str(error).strip().splitlines() or [""])[0]
+    raise ValueError(
+        f"the tokenizer in {path} cannot be loaded from its files ({files}): "
+        f"{type(error).__name__}: {detail}"
+    ) from error
