@@ -3,7 +3,7 @@ without the tool.
 
 The task: the tiny task's sums and differences of 3 terms of up to 5 digits
 (``task.max_digits=5``), which the tiny decoder cannot add reliably. Arms
-(1 seed each, from the tiny preset; ``--steps`` GRPO steps of 32 prompts x
+(``--seeds`` seeds each, 1 by default, from the tiny preset; ``--steps`` GRPO steps of 32 prompts x
 8 episodes, fewer than the preset's 260 so that a run takes about 10
 minutes on 2 cores):
 
@@ -28,7 +28,7 @@ to ``experiments/results/calculator/`` (``--results``). Finished runs are
 reused.
 
 Run: python experiments/calculator.py [--quick] [--steps 30] [--smollm2]
-     [--arms calculator no-tool] [--out runs/calculator]
+     [--arms calculator no-tool] [--seeds 1] [--out runs/calculator]
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ SMOLLM2 = [
 ]
 
 
-def overrides(args, arm: str) -> list[str]:
+def overrides(args, arm: str, seed: int) -> list[str]:
   """The config overrides of one arm's run."""
   size = QUICK if args.quick else [f"steps={args.steps}"]
-  return TASK + TRAIN + ARMS[arm] + size
+  return TASK + TRAIN + ARMS[arm] + size + [f"seed={seed}"]
 
 
 def measures(run: dict, episodes: int) -> dict:
@@ -115,21 +115,21 @@ def smollm2_run(args) -> dict:
   )
   result = study.train(args, config, pathlib.Path(args.out) / "smollm2-run")
   episodes = config.rollout.prompts_per_step * config.rollout.num_generations
-  return {"arm": "smollm2 calculator", **measures(result, episodes)}
+  return {"arm": "smollm2 calculator", "seed": 0, **measures(result, episodes)}
 
 
 def table(rows: list[dict], record: dict, args) -> str:
   """The markdown report."""
   lines = [
-      "| arm | steps | held-out accuracy before -> after "
+      "| arm | seed | steps | held-out accuracy before -> after "
       "| tool calls / episode, first -> last step "
       "| failed calls / episode, first -> last step "
       "| train reward, first -> last step | step (s) | rollout (s) |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(
-        f"| {r['arm']} | {r['steps']} "
+        f"| {r['arm']} | {r['seed']} | {r['steps']} "
         f"| {r['eval_accuracy_before']:.3f} -> {r['eval_accuracy_after']:.3f} "
         f"| {r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} "
         f"| {r['failures_first']:.2f} -> {r['failures_last']:.2f} "
@@ -138,7 +138,7 @@ def table(rows: list[dict], record: dict, args) -> str:
     )
   return "\n".join(
       [
-          "The tiny task with 3 terms of up to 5 digits; 1 seed per arm; "
+          "The tiny task with 3 terms of up to 5 digits; "
           f"{'quick: smoke preset, ' if args.quick else ''}step and rollout "
           "times are medians after the first step (the shared 2-core "
           "machine).",
@@ -151,7 +151,10 @@ def table(rows: list[dict], record: dict, args) -> str:
 
 
 def main() -> None:
-  parser = study.parser(__doc__.splitlines()[0], "calculator")
+  parser = study.parser(
+      __doc__.splitlines()[0], "calculator", "seeds per arm (1)"
+  )
+  parser.set_defaults(seeds=1)
   parser.add_argument(
       "--steps", type=int, default=30, help="GRPO steps per run (30)"
   )
@@ -166,18 +169,20 @@ def main() -> None:
   if args.steps < 1:
     study.fail(f"--steps must be >= 1, got {args.steps}")
   configs = {
-      arm: study.run_config(args, overrides(args, arm)) for arm in args.arms
+      (arm, seed): study.run_config(args, overrides(args, arm, seed))
+      for arm in args.arms
+      for seed in range(args.seeds)
   }
   results = study.results_folder(args, "calculator")
   record = study.provenance_record(args)
   rows = []
-  for arm, config in configs.items():
-    folder = pathlib.Path(args.out) / ("quick" if args.quick else "full") / arm
-    run = study.train(args, config, folder)
+  for (arm, seed), config in configs.items():
+    runs = pathlib.Path(args.out) / ("quick" if args.quick else "full")
+    run = study.train(args, config, runs / f"{arm}-seed{seed}")
     episodes = config.rollout.prompts_per_step * config.rollout.num_generations
-    rows.append({"arm": arm, **measures(run, episodes)})
+    rows.append({"arm": arm, "seed": seed, **measures(run, episodes)})
     print(
-        f"{arm}: held-out accuracy {rows[-1]['eval_accuracy_before']:.3f} -> "
+        f"{arm} seed {seed}: held-out accuracy {rows[-1]['eval_accuracy_before']:.3f} -> "
         f"{rows[-1]['eval_accuracy_after']:.3f}",
         flush=True,
     )

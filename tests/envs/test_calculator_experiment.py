@@ -54,10 +54,10 @@ def test_quick_calculator_study_writes_its_report(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   with open(results / "calculator.csv", newline="") as f:
     (row,) = list(csv.DictReader(f))
-  assert row["arm"] == "calculator" and row["steps"] == "1"
+  assert (row["arm"], row["seed"], row["steps"]) == ("calculator", "0", "1")
   assert all(math.isfinite(float(row[c])) for c in COLUMNS)
   record = json.loads((results / "provenance.json").read_text())
   assert (row["commit"], row["fingerprint"]) == (record["commit"], "quick-test")
   report = (results / "calculator.md").read_text()
-  assert "| calculator | 1 |" in report
+  assert "| calculator | 0 | 1 |" in report
   assert f"Command: `{record['command']}`" in report
