@@ -286,6 +286,7 @@ def forward_hidden(
     positions_BxT: jax.Array | None = None,
     attention_mask_BxT: jax.Array | None = None,
     cache: KVCache | None = None,
+    prefill: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward pass up to the final RMSNorm.
 
@@ -299,6 +300,9 @@ def forward_hidden(
     attention_mask_BxT: 1 for real tokens, 0 for padding; default all ones.
     cache: optional `KVCache`; the new keys/values are written at
       `cache.index` (the caller keeps `index + T <= S`).
+    prefill: `cache` holds no token yet (a sampler's first call): attention
+      reads the new keys only, `T x T` scores instead of `T x (S + T)` (the
+      empty slots are all masked), and the new keys/values are written.
 
   Returns:
     `(hidden_BxTxD, new_cache)`; `new_cache` is None when `cache` is None.
@@ -315,7 +319,10 @@ def forward_hidden(
       rope_inv_freq(c)
   )
   cos_BxTxr, sin_BxTxr = jnp.cos(freqs_BxTxr), jnp.sin(freqs_BxTxr)
-  mask_BxTxS = _attention_mask(attention_mask_BxT, cache)
+  if prefill and cache is None:
+    raise ValueError("prefill=True writes into a cache: give one")
+  attended = None if prefill else cache  # the cache the new tokens read
+  mask_BxTxS = _attention_mask(attention_mask_BxT, attended)
 
   x_BxTxD = constrain(
       take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
@@ -352,7 +359,7 @@ def forward_hidden(
     return x_BxTxD, new_kv
 
   body = _remat(body, c.remat)
-  past = (cache.k, cache.v) if cache is not None else (None, None)
+  past = (attended.k, attended.v) if attended is not None else (None, None)
   x_BxTxD, new_kv = jax.lax.scan(body, x_BxTxD, (weights["layers"], *past))
   if packed:
     x_BxTxD = _gather_rows(x_BxTxD, unpack_BxT)
@@ -462,8 +469,10 @@ class Decoder(nnx.Module):
       positions: jax.Array | None = None,
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
+      prefill: bool = False,
   ):
-    """Final-norm hidden states `[B, T, D]` and the updated cache (or None)."""
+    """Final-norm hidden states `[B, T, D]` and the updated cache (or None);
+    ``prefill``: the cache is empty (see :func:`forward_hidden`)."""
     return forward_hidden(
         self.config,
         self.weights(),
@@ -471,6 +480,7 @@ class Decoder(nnx.Module):
         positions_BxT=positions,
         attention_mask_BxT=attention_mask,
         cache=cache,
+        prefill=prefill,
     )
 
   def unembedding(self) -> jax.Array:

@@ -405,7 +405,10 @@ class Sampler:
 
     cache = init_cache(self.config, B, P + N - 1)
     hidden_BxPxD, cache = model.hidden_states(
-        prompt_ids_BxP, attention_mask=prompt_mask_BxP, cache=cache
+        prompt_ids_BxP,
+        attention_mask=prompt_mask_BxP,
+        cache=cache,
+        prefill=True,
     )
     logits_BxV = project_logits(hidden_BxPxD[:, -1:], w_DxV)[:, 0]
 

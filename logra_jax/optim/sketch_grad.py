@@ -179,8 +179,9 @@ def value_and_sketch_grad(
     constrain: optional ``constrain(x, logical_axes)`` (such as
       :func:`logra_jax.parallel.constrain`) applied to the thin factors and
       coordinates (``[*layers, long, k]`` and the like) with the logical name
-      ``"batch"`` on their large axis, so that under a mesh they are split
-      over the data axes instead of replicated on every device.
+      ``"sketch_long"`` on their large axis, so that under a mesh they are
+      split over the data axes (where those divide it) instead of replicated
+      on every device.
 
   Returns:
     ``fn(params, opt_state, *args) -> (value, grads, projectors)``, where

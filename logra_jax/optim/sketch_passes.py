@@ -104,7 +104,7 @@ class Passes:
 
   def _split_large_axis(self, x, axis: int):
     axes = [None] * x.ndim
-    axes[axis] = "batch"
+    axes[axis] = "sketch_long"
     return self.constrain(x, tuple(axes))
 
   def long(self, q_BxLxK: list):

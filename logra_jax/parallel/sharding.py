@@ -47,6 +47,7 @@ PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "mlp": "tp",
     "vocab": ("fsdp", "tp"),
     "batch": ("dp", "fsdp"),
+    "sketch_long": ("dp", "fsdp"),
     "vocab_batch": "dp",
     "cache_kv_heads": "tp",
 }
@@ -54,10 +55,14 @@ PARTITION_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
 # Used for a dimension that its PARTITION_RULES axes do not divide (e.g.
 # GPT-2's 50257 tokens over fsdp=8); the dimension is then split as here:
 # the vocabulary over tp only; the KV cache's key/value heads (a grouped-query
-# model's few, e.g. 2 over tp=4) not at all, each tp device holding them all.
+# model's few, e.g. 2 over tp=4) not at all, each tp device holding them all;
+# a sketch's thin factor or coordinates along a weight's long side (the
+# sketch-direct gradient's [*layers, long, k] arrays, e.g. a projected
+# vocabulary of 100 over fsdp=8) not at all.
 FALLBACK_RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "vocab": "tp",
     "cache_kv_heads": None,
+    "sketch_long": None,
 }
 
 

@@ -1,5 +1,7 @@
 """Decoder parity with PyTorch `transformers`, cache, masks, pure functions."""
 
+import dataclasses
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -103,6 +105,48 @@ def test_left_padded_cached_decode_matches_unpadded(checkpoints, loaded):
   for row, prompt in enumerate(prompts):
     alone = checkpoints[name].logits([list(prompt) + [int(nxt[row, 0])]])
     np.testing.assert_allclose(logits[row, -1], alone[0, -1], atol=ATOL)
+
+
+def test_a_prefill_into_an_empty_cache_is_the_forward_pass_without_one():
+  """``prefill=True`` reads only the new keys (no score over the empty
+  slots): the hidden states of the forward pass without a cache, the same
+  keys and values written as a prefill over the whole cache writes, and the
+  next token decodes alike."""
+  config = models.DecoderConfig.tiny(vocab_size=VOCAB)
+  model = models.init_model(config, rngs=0)
+  ids, mask = models.pad_prompts([_ids(1, 6, 1)[0], _ids(1, 3, 2)[0]], 8)
+  ids, mask = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool)
+  empty = models.init_cache(config, batch_size=2, max_length=12)
+  run = nnx.jit(
+      lambda m, cache, prefill: m.hidden_states(
+          ids, attention_mask=mask, cache=cache, prefill=prefill
+      ),
+      static_argnums=2,
+  )
+  plain, _ = run(model, None, False)
+  short, filled = run(model, empty, True)
+  long, reference = run(model, empty, False)
+  # Hidden states are RMS-normed (magnitude ~1 per element).
+  n = decoder_reduction_length(config, 12)
+  tol = 2 * float_tolerance(jnp.float32, n) * np.sqrt(config.hidden_size)
+  valid = np.asarray(mask)
+  for got in (short, long):
+    np.testing.assert_allclose(
+        np.asarray(got)[valid], np.asarray(plain)[valid], atol=tol, rtol=0
+    )
+  np.testing.assert_array_equal(filled.mask, reference.mask)
+  assert int(filled.index) == int(reference.index) == 8
+  slots = lambda kv: np.asarray(kv).transpose(1, 3, 0, 2, 4)[filled.mask]
+  for got, want in ((filled.k, reference.k), (filled.v, reference.v)):
+    np.testing.assert_allclose(slots(got), slots(want), atol=tol, rtol=0)
+  nxt = jnp.asarray([[5], [9]], jnp.int32)
+  after = [
+      _step(model, nxt, jnp.ones((2, 1), jnp.int32), c)[0]
+      for c in (filled, reference)
+  ]
+  np.testing.assert_allclose(after[0], after[1], atol=ATOL, rtol=0)
+  with pytest.raises(ValueError, match="prefill=True writes into a cache"):
+    model.hidden_states(ids, attention_mask=mask, prefill=True)
 
 
 def test_config_from_hf_fields(checkpoints):
@@ -326,8 +370,6 @@ def test_query_chunked_attention_is_exact():
   """Chunking queries (T > attention_chunk) changes nothing but memory: the
   logits and gradients equal the single-block attention's, with padding and
   a length that is not a multiple of the chunk."""
-  import dataclasses
-
   config = models.DecoderConfig.tiny(vocab_size=VOCAB)
   chunked = dataclasses.replace(config, attention_chunk=8)
   batch, length = 2, 37

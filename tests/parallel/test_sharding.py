@@ -138,6 +138,7 @@ def test_sharded_logra_step_equals_unsharded(unsharded, mesh):
     )
 
 
+@pytest.mark.slow
 def test_sharded_step_with_projected_embeddings_equals_unsharded():
   # The vocabulary-split table and LM head, projected too: their sketches
   # come from `take` and the vocabulary-parallel logits.
@@ -330,6 +331,13 @@ def test_logical_to_mesh_falls_back_only_where_rules_do_not_divide():
   assert parallel.logical_to_mesh(("vocab", "other"), mesh).spec == P(
       ("fsdp", "tp"), None
   )
+  # A sketch's long side (a projected vocabulary of 98 over fsdp=4):
+  # split where the data axes divide it, else whole on every device.
+  sketch = lambda size: parallel.logical_to_mesh(
+      ("sketch_long", None), mesh, shape=(size, 8)
+  ).spec
+  assert sketch(96) == P("fsdp", None)
+  assert sketch(98) == P(None, None)
 
 
 def test_vocabulary_tables_split_along_the_vocabulary():
