@@ -83,6 +83,7 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
     )
 
 
+@pytest.mark.slow
 def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
   config = models.DecoderConfig.tiny(vocab_size=512)
   default, projected = (
@@ -107,6 +108,21 @@ def test_projected_embeddings_drop_their_dense_moments_and_gradients(reports):
     memory.plan_memory(config, optimizer="adam", project_embeddings=True)
 
 
+def test_projected_vocabulary_that_the_mesh_does_not_divide_is_planned():
+  """A vocabulary of 100 projected over fsdp=8: the sketch-direct gradient's
+  [100, k] coordinates stay whole on every device (they were once pinned to
+  the data axes, which do not divide 100, and the plan raised)."""
+  report = memory.plan_memory(
+      models.DecoderConfig.tiny(vocab_size=100),
+      mesh=FSDP8,
+      rank=4,
+      seq_len=16,
+      project_embeddings=True,
+  )
+  assert report.total > 0 and "embeddings projected" in report.description
+
+
+@pytest.mark.slow
 def test_sketch_gradients_plan_no_more_than_dense_ones():
   """The issue's config: qwen2.5-0.5b, fsdp=8, seq 2048, rank 64, the tied
   [151936, 896] table projected. A float32 transposed copy of the table kept
@@ -143,6 +159,20 @@ def test_rollout_reservation_is_in_the_total():
   assert report.rollout == memory.rollout_reservation(TINY, FSDP8, 8, 128)
   assert report.rollout > 0 and report.total > report.rollout
   assert report.fits is False and "NO, over by" in report.summary()
+
+
+def test_a_shared_engine_scores_the_prompt_against_itself_only():
+  """The sampler's prefill writes into an empty cache: its scores are
+  prompt x prompt, not prompt x (cache + prompt). 64 sequences of 2048
+  tokens (prompts of 512) once reserved 2.7 GiB, mostly copies of the
+  [64, 4 heads, 512, 2559] float32 scores; now less than one of them."""
+  tiny = models.DecoderConfig.tiny()
+  report = memory.plan_memory(
+      tiny, seq_len=32, rollout_seqs=64, rollout_tokens=2048
+  )
+  prompt, cache = 2048 // 4, 2048 - 1
+  scores = 64 * tiny.num_heads * prompt * (cache + prompt) * 4
+  assert 0 < report.rollout < scores
 
 
 def test_a_shared_engine_reserves_its_cache_not_the_weights():
@@ -194,6 +224,7 @@ def test_rollout_weights_are_whole_on_each_data_parallel_replica():
   assert 2 * num_params / 8 <= weights("fsdp=8") < 2 * num_params / 4
 
 
+@pytest.mark.slow
 def test_less_remat_needs_more_temporaries():
   full, none = (
       memory.plan_memory(
