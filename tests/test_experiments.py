@@ -92,6 +92,7 @@ def _assert_provenance(results, rows):
 
 # Each study's --quick mode on a few of its arms and tasks (every arm is a
 # config the optimizer tests cover; here the reports are what is checked).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, arms, tasks",
     [
@@ -134,6 +135,7 @@ def test_quick_study_writes_its_reports(
     assert "| train step + predictor" in table
 
 
+@pytest.mark.slow
 def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   """The recipes study's --quick mode: the default and one recipe, one
   seed each, with their held-out accuracy and step time ratio."""
@@ -160,6 +162,7 @@ def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   assert (results / "recipes.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   """The parity study's --quick mode: a 2-rate sweep (1 seed), 2 seeds at
   the chosen rate, a KL-matched seed; rows written one file per run; CSVs,
@@ -334,6 +337,7 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
     parity.run_row(ctx("a"), key)
 
 
+@pytest.mark.slow
 def test_async_study_quick(tmp_path):
   done = _study("async_rollouts", tmp_path=tmp_path)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -505,6 +509,7 @@ def test_bad_input_found_by_the_trainer_gives_the_folder_back(
   assert (results / "study.json").read_text() == '{"seeds": 3}\n'
 
 
+@pytest.mark.slow
 def test_quick_gpu_bench_writes_its_tables(tmp_path):
   """The accelerator benchmark's programs at tiny shapes, on this machine:
   every figure finite (MFU, peak memory and the bandwidth bound need a

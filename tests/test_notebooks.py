@@ -13,6 +13,7 @@ NOTEBOOKS = sorted(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path):
   cells = json.loads(path.read_text())["cells"]

@@ -127,6 +127,7 @@ def smollm2(tmp_path_factory):
   return gguf_file, out
 
 
+@pytest.mark.slow
 def test_converted_smollm2_logits_and_greedy_completions_equal_transformers(
     smollm2,
 ):

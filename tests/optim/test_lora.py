@@ -267,6 +267,7 @@ def test_bad_lora_configs_are_refused_naming_the_field():
   assert configs.OptimizerConfig(name="lora", base_dtype="bfloat16")
 
 
+@pytest.mark.slow
 def test_sharded_adapters_follow_their_weight_and_the_planner_counts_them():
   """On fsdp=4, tp=2 the down projection splits like the weight's input
   axis, the up projection like its output axis; the planner compiles the

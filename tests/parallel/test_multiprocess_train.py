@@ -5,11 +5,13 @@ devices, resume across process counts, and clear errors on bad launches."""
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import safetensors.numpy
 
 from logra_jax.cli import main as cli_main
@@ -29,7 +31,10 @@ def _launch(args, processes=2, only=None, extra=None, env=None):
   all; returns the Popen objects."""
   port = _port()
   base = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
-  base.pop("XLA_FLAGS", None)  # each process has its own 4 devices
+  # Each process has its own 4 devices; the suite's other XLA flags stay.
+  base["XLA_FLAGS"] = re.sub(
+      r"--xla_force_host_platform_device_count=\d+", "", base["XLA_FLAGS"]
+  )
   base.update(env or {})
   return [
       subprocess.Popen(
@@ -70,6 +75,7 @@ def _exported(run: pathlib.Path, out: pathlib.Path) -> dict[str, np.ndarray]:
   return safetensors.numpy.load_file(out / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_resume_across_layouts(tmp_path):
   """2 processes x 4 devices run 2 steps; one process x 8 devices resumes
   them to step 3: metrics and weights equal those of one process x 8

@@ -14,6 +14,7 @@ from logra_jax import parallel
 from logra_jax.cli import main as cli_main
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh", ["dp=8", "fsdp=8", "fsdp=4,tp=2", "dp=2,fsdp=2,tp=2"]
 )

@@ -98,6 +98,7 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
   return weights, opt_state, sender
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,base_dtype",
     [("range", "float32"), ("random", "bfloat16"), ("svd", "bfloat16")],
