@@ -148,9 +148,11 @@ class DecoderConfig:
         "head_dim",
     ):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
+      # Sizes reach jitted code as int32 (JAX's default integer).
+      if not isinstance(value, int) or not 1 <= value < 2**31:
         raise ValueError(
-            f"DecoderConfig.{name} must be a positive int, got " f"{value!r}."
+            f"DecoderConfig.{name} must be a positive int below 2**31, got "
+            f"{value!r}."
         )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
