@@ -9,8 +9,10 @@ import textwrap
 import time
 
 # Python, JAX and the package start in a few seconds; what is measured
-# after READY is the guard's own time, with slack for a loaded machine.
-PROMPT_S = 5.0
+# after READY is the guard's own time plus the interpreter's exit, with slack
+# for a loaded machine (7.6 s was seen against a grace of 1 s beside 3 busy
+# processes): far below the 600 s the stuck calls would take.
+PROMPT_S = 15.0
 
 
 def _start(code: str) -> subprocess.Popen:
