@@ -17,6 +17,7 @@ from typing import Callable
 
 from logra_jax.envs.base import Environment
 from logra_jax.envs.calculator import calculator
+from logra_jax.envs.episodes import call_bounded
 from logra_jax.envs.verifiers_source import load_verifiers
 from logra_jax.envs.verifiers_source import PREFIX as VERIFIERS
 from logra_jax.envs.verifiers_source import VerifiersTaskset
@@ -72,25 +73,31 @@ def check_spec(spec: str) -> None:
     )
 
 
-def load_environment(spec: str) -> Factory | VerifiersTaskset:
+def load_environment(
+    spec: str, *, timeout_s: float = 30.0
+) -> Factory | VerifiersTaskset:
   """The environment factory ``spec`` names, tried once (or the
   ``verifiers.v1`` taskset a ``verifiers:`` spec names, loaded).
 
   The factory is called once here and what it returns must have callable
   ``reset`` and ``step``, so that a bad environment fails before a run
-  compiles anything.
+  compiles anything. The module's import and that call each have
+  ``timeout_s`` seconds (:func:`~logra_jax.envs.episodes.call_bounded`): one
+  that hangs is refused, not waited for.
 
   Args:
     spec: a name of :data:`SHIPPED`, ``"package.module:factory"``,
       ``"path/to/file.py:factory"`` (relative to the working directory) or
       ``"verifiers:<module or file.py>"``.
+    timeout_s: the time limit of the import and of the factory's call.
 
   Returns:
     The factory, or the :class:`VerifiersTaskset`.
 
   Raises:
-    ValueError: an unknown name, a module that does not import, no such
-      attribute, a factory that is not callable, raises, or returns
+    ValueError: an unknown name, a module that does not import (or not
+      within ``timeout_s``), no such attribute, a factory that is not
+      callable, raises, does not return within ``timeout_s``, or returns
       something without ``reset`` and ``step``; one line naming ``spec``.
     FileNotFoundError: a ``.py`` file that does not exist.
 
@@ -105,7 +112,14 @@ def load_environment(spec: str) -> Factory | VerifiersTaskset:
     factory = SHIPPED[spec]
   else:
     where, _, name = spec.rpartition(":")
-    factory = getattr(_import(spec, where), name, None)
+    try:
+      module = call_bounded(lambda: _import(spec, where), timeout_s)
+    except TimeoutError:
+      raise ValueError(
+          f"task.environment={spec!r}: importing {where} did not finish "
+          f"within {timeout_s:g} s"
+      ) from None
+    factory = getattr(module, name, None)
     if factory is None:
       raise ValueError(
           f"task.environment={spec!r}: {where} has no attribute {name!r}"
@@ -116,7 +130,12 @@ def load_environment(spec: str) -> Factory | VerifiersTaskset:
         "callable; it must be a factory returning an environment"
     )
   try:
-    environment = factory()
+    environment = call_bounded(factory, timeout_s)
+  except TimeoutError:
+    raise ValueError(
+        f"task.environment={spec!r}: the factory did not return within "
+        f"{timeout_s:g} s"
+    ) from None
   except Exception as e:  # noqa: BLE001 -- user code, reported in one line.
     raise ValueError(
         f"task.environment={spec!r}: the factory raised "

@@ -12,6 +12,8 @@ from logra_jax import envs
 SMOKE = configs.get_preset("smoke")
 
 GOOD = """
+import threading
+
 from logra_jax import envs
 
 class Echo:
@@ -31,6 +33,9 @@ def no_step():
 
 def raises():
   raise RuntimeError("no server")
+
+def hangs():
+  threading.Event().wait()
 """
 
 
@@ -39,6 +44,9 @@ def module_file(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "my_env.py").write_text(textwrap.dedent(GOOD))
   (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+  (tmp_path / "stuck.py").write_text(
+      "import threading\nthreading.Event().wait()\n"
+  )
   return tmp_path / "my_env.py"
 
 
@@ -72,6 +80,21 @@ def test_a_bad_environment_is_one_line_naming_it(
     envs.load_environment(spec)
   assert f"task.environment={spec!r}" in str(caught.value)
   assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("stuck.py:echo", "importing stuck.py did not finish within 0.2 s"),
+        ("my_env.py:hangs", "the factory did not return within 0.2 s"),
+    ],
+)
+def test_an_environment_that_hangs_before_the_run_is_refused(
+    module_file, spec, message
+):
+  with pytest.raises(ValueError, match=message) as caught:
+    envs.load_environment(spec, timeout_s=0.2)
+  assert f"task.environment={spec!r}" in str(caught.value)
 
 
 @pytest.mark.parametrize(
