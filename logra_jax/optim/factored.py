@@ -47,6 +47,10 @@ from logra_jax.optim.types import ProjectState
 BASE_DTYPES = ("float32", "bfloat16")
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# A merge works on blocks of rows of at most this many float32 bytes (its
+# low-rank term, merged values and random bits), so that merging a
+# vocabulary-sized table does not hold table-sized float32 temporaries.
+MERGE_BLOCK_BYTES = 64 * 2**20
 
 
 @functools.partial(
@@ -233,7 +237,9 @@ def _low_rank_term(
   return term if plan.left else term.T
 
 
-def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def stochastic_round(
+    x: jax.Array, dtype: Any, key: jax.Array, offset: Any = 0
+) -> jax.Array:
   r"""Rounds float32 ``x`` to ``dtype`` (float32 or bfloat16), stochastically.
 
   To bfloat16: ``x`` lies between two neighbours ``lo <= x < hi``; it
@@ -241,7 +247,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   :math:`\mathbb{E}[\mathrm{round}(x)] = x`. Implemented on the bits: 16
   random bits are added to the 16 that bfloat16 drops, and the carry decides.
   Values that bfloat16 holds exactly are returned unchanged; NaN stays NaN.
-  To float32: ``x`` itself.
+  To float32: ``x`` itself. ``offset``: the flat position of ``x``'s first
+  element in a larger array being rounded in blocks of rows (the bits are
+  those of that array's elements, see :func:`uniform_bits`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -261,7 +269,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
         f"{np.dtype(dtype)}"
     )
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = uniform_bits(key, x.shape) >> 16
+  noise = uniform_bits(key, x.shape, offset) >> 16
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
   y = jax.lax.bitcast_convert_type(rounded, jnp.float32)
   return jnp.where(jnp.isnan(x), x, y).astype(jnp.bfloat16)
@@ -274,14 +282,19 @@ def mix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def uniform_bits(
+    key: jax.Array, shape: tuple[int, ...], offset: Any = 0
+) -> jax.Array:
   """uint32 random bits of ``shape``: a keyed hash of each element's flat
-  position (counter-based, like Philox), elementwise, so that XLA computes
-  each device's shard of a sharded weight locally, with no generator state
-  or replicated temporaries (``jax.random.bits`` on a ``[V, D]`` table held
-  several table-sized uint32 buffers per device)."""
+  position plus ``offset`` (counter-based, like Philox), elementwise, so that
+  XLA computes each device's shard of a sharded weight locally, with no
+  generator state or replicated temporaries (``jax.random.bits`` on a
+  ``[V, D]`` table held several table-sized uint32 buffers per device), and
+  rows ``r0:`` of an ``[m, n]`` array get the whole array's bits with
+  ``offset = r0 * n``."""
   k0, k1 = (jnp.asarray(w, jnp.uint32) for w in jax.random.key_data(key))
-  return mix32(mix32(flat_index(shape) ^ k0) + k1)
+  index = flat_index(shape) + jnp.asarray(offset).astype(jnp.uint32)
+  return mix32(mix32(index ^ k0) + k1)
 
 
 def flat_index(shape: tuple[int, ...]) -> jax.Array:
@@ -310,21 +323,60 @@ def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
 
 
+def merge_rows(m: int, n: int) -> int:
+  """Rows of an ``[m, n]`` matrix merged at a time: all ``m`` when its
+  float32 copy fits in :data:`MERGE_BLOCK_BYTES`, else the largest divisor of
+  ``m`` that does (each row in exactly one block).
+
+  Example:
+    >>> merge_rows(8, 4), merge_rows(152064, 3584)
+    (8, 4224)
+  """
+  most = max(MERGE_BLOCK_BYTES // (4 * n), 1)
+  return m if m <= most else next(d for d in range(most, 0, -1) if m % d == 0)
+
+
+def _low_rank_rows(
+    plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array, r0: Any, rows: int
+) -> jax.Array:
+  """Rows ``r0 : r0 + rows`` of :func:`_low_rank_term`."""
+  if rows == plan.m:
+    return _low_rank_term(plan, p_LxR, a_RxS)
+  if plan.left:
+    p_rows = jax.lax.dynamic_slice_in_dim(p_LxR, r0, rows, axis=0)
+    return jnp.dot(p_rows, a_RxS, precision=_HIGHEST)
+  a_cols = jax.lax.dynamic_slice_in_dim(a_RxS, r0, rows, axis=1)
+  return jnp.dot(p_LxR, a_cols, precision=_HIGHEST).T
+
+
 def _merge_leaf(
     w: FactoredWeight, p_BxLxR: jax.Array, seed: int, step: jax.Array
 ) -> FactoredWeight:
-  """One leaf's window merged, one matrix at a time (in place)."""
+  """One leaf's window merged, one matrix and block of
+  :func:`merge_rows` rows at a time (in place)."""
   plan = w.plan
   dtype = jnp.result_type(w.base)
   key = rounding_key(seed, step, plan.path)
+  rows = merge_rows(plan.m, plan.n)
 
   def one(i, b_BxMxN):
     scale = 1.0 if w.scale is None else w.scale[i]
-    merged = scale * b_BxMxN[i].astype(jnp.float32) + _low_rank_term(
-        plan, p_BxLxR[i], w.coords[i]
-    )
-    rounded = stochastic_round(merged, dtype, jax.random.fold_in(key, i))
-    return b_BxMxN.at[i].set(rounded.astype(dtype))
+
+    def block(j, b_BxMxN):
+      r0 = j * rows
+      b_rows = jax.lax.dynamic_slice_in_dim(b_BxMxN[i], r0, rows, axis=0)
+      merged = scale * b_rows.astype(jnp.float32) + _low_rank_rows(
+          plan, p_BxLxR[i], w.coords[i], r0, rows
+      )
+      offset = jnp.asarray(r0, jnp.uint32) * np.uint32(plan.n)
+      rounded = stochastic_round(
+          merged, dtype, jax.random.fold_in(key, i), offset
+      )
+      return jax.lax.dynamic_update_slice(
+          b_BxMxN, rounded.astype(dtype)[None], (i, r0, 0)
+      )
+
+    return jax.lax.fori_loop(0, plan.m // rows, block, b_BxMxN)
 
   b_BxMxN = jax.lax.fori_loop(
       0, plan.batch, one, w.base.reshape(plan.batch, plan.m, plan.n)

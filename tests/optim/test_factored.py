@@ -240,6 +240,38 @@ def test_merge_bfloat16_within_one_ulp():
     assert np.any(other[name].base != merged[name].base), name
 
 
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_a_merge_in_blocks_of_rows_is_the_whole_matrix_merge(
+    base_dtype, monkeypatch
+):
+  """A matrix whose float32 copy exceeds factored.MERGE_BLOCK_BYTES merges
+  in blocks of rows (bounding its temporaries), tall (projected rows) and
+  wide (projected columns) alike: each block gets the whole matrix's rows of
+  P A, to rounding (the block's dot may sum in another order), and its
+  random bits, so a bfloat16 base has the same bits but where that rounding
+  moved a value across a rounding boundary (a wrong offset would draw other
+  bits for every element: about half would differ)."""
+  weights, projectors = _window(base_dtype)
+  merge = lambda: jax.jit(lambda w, p: factored.merge(w, p, seed=0, step=4))(
+      weights, projectors
+  )
+  whole = merge()
+  monkeypatch.setattr(factored, "MERGE_BLOCK_BYTES", 4 * 20 * 2)
+  # "w" [16, 8]: blocks of 4 rows; "v" [6, 20]: blocks of 2.
+  assert factored.merge_rows(16, 8) == 4 and factored.merge_rows(6, 20) == 2
+  blocks = merge()
+  before = factored.effective_weights(weights, projectors, jnp.float32)
+  atol = _merge_atol(weights, before)
+  for name in ("w", "v"):
+    got = np.asarray(blocks[name].base.astype(jnp.float32))
+    want = np.asarray(whole[name].base.astype(jnp.float32))
+    if base_dtype == "float32":
+      np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+      continue
+    assert np.all(np.abs(got - want) <= _bf16_ulp(want) + atol), name
+    assert np.mean(got != want) < 0.1, name
+
+
 def test_merge_rounds_each_matrix_with_its_own_bits():
   """Equal layers of a stacked weight round with different bits (the key
   is folded with the matrix index), each within one bf16 ulp."""
