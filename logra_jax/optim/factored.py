@@ -330,7 +330,7 @@ def merge_rows(m: int, n: int) -> int:
 
   Example:
     >>> merge_rows(8, 4), merge_rows(152064, 3584)
-    (8, 4224)
+    (8, 4608)
   """
   most = max(MERGE_BLOCK_BYTES // (4 * n), 1)
   return m if m <= most else next(d for d in range(most, 0, -1) if m % d == 0)

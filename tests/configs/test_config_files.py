@@ -147,7 +147,7 @@ def test_presets_are_the_package_yaml_files():
         (
             "rewards=[{function: task, wt: 2}]",
             "unknown config key rewards.wt; "
-            "valid keys there: ['function', 'weight']",
+            "valid keys there: ['batch_timeout_s', 'function', 'weight']",
         ),
         (
             "logging.colour=1",

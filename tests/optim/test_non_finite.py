@@ -35,8 +35,9 @@ def test_a_non_finite_update_is_returned_as_zeros(learning_rate):
 def test_a_non_finite_applied_update_leaves_params_unchanged(learning_rate):
   # Under LoGRA the learner applies the update inside the guard (apply_fn):
   # the applied result is what is checked.
+  # A schedule that goes non-finite (logra() refuses a non-finite float).
   tx = non_finite.skip_non_finite(
-      logra.logra(learning_rate, rank=2, refresh_every=1)
+      logra.logra(lambda count: learning_rate, rank=2, refresh_every=1)
   )
   state = tx.init(PARAMS)
   apply = lambda u: optax.apply_updates(PARAMS, u)

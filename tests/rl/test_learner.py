@@ -238,8 +238,9 @@ def test_a_nan_learning_rate_leaves_the_weights_unchanged(rollout_batch):
   policy, batch, _ = rollout_batch
   batch = batch.replace(advantages_B=jnp.linspace(-1.0, 1.0, batch.batch_size))
   optimizer = dataclasses.replace(SMOKE.optimizer)
-  # Past the config's validation, as a hand-built chain would be.
-  object.__setattr__(optimizer, "learning_rate", float("nan"))
+  # Past the config's validation, as a hand-built chain would be, and as
+  # an array (which logra() leaves to optax; a float NaN it refuses).
+  object.__setattr__(optimizer, "learning_rate", jnp.asarray(float("nan")))
   tx = policy_state.make_optimizer(optimizer, policy.params)
   step = learner.make_train_step(policy.graphdef, tx, SMOKE)
   params, state, metrics = step(
