@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "logra_jax"
 
 LAYERS = (
     "checks",
+    "deadlines",
     "staging",
     "lowrank",
     "data",
@@ -41,6 +42,7 @@ LAYERS = (
 # Parts that import fewer parts than their place in LAYERS allows.
 ONLY = {
     "checks": set(),
+    "deadlines": set(),
     "staging": set(),
     "lowrank": set(),
     "data": set(),

@@ -23,11 +23,11 @@ the tokens up to it.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from logra_jax.deadlines import call_bounded
 from logra_jax.envs.base import Environment
 from logra_jax.envs.base import Message
 from logra_jax.envs.base import StepResult
@@ -222,54 +222,6 @@ class Episode:
     return sum(map(len, self.turns)) + sum(map(len, self.contexts))
 
 
-def call_bounded(function: Callable[[], Any], timeout_s: Optional[float]):
-  """``function()``, given at most ``timeout_s`` seconds.
-
-  The call runs in a worker thread joined with the time limit. Python cannot
-  stop a thread: a call past its limit is abandoned, its (daemon) thread
-  left to finish or hang without keeping the process alive, and whatever it
-  returns or raises later lands in a cell no one reads.
-
-  Args:
-    function: the call, without arguments.
-    timeout_s: its time limit; ``None``: called in this thread, unbounded.
-
-  Returns:
-    What ``function`` returns.
-
-  Raises:
-    TimeoutError: the call still runs after ``timeout_s`` seconds.
-    Exception: what ``function`` raised, within the limit.
-
-  Example:
-    >>> call_bounded(lambda: 6 * 7, timeout_s=1.0)
-    42
-    >>> import threading
-    >>> call_bounded(threading.Event().wait, timeout_s=0.01)
-    Traceback (most recent call last):
-    ...
-    TimeoutError: an environment call still runs after 0.01 s
-  """
-  if timeout_s is None:
-    return function()
-  cell = {}
-
-  def work():
-    try:
-      cell["value"] = function()
-    except BaseException as error:  # noqa: BLE001 -- re-raised below.
-      cell["error"] = error
-
-  worker = threading.Thread(target=work, name="environment-call", daemon=True)
-  worker.start()
-  worker.join(timeout_s)
-  if worker.is_alive():
-    raise TimeoutError(f"an environment call still runs after {timeout_s} s")
-  if "error" in cell:
-    raise cell["error"]
-  return cell["value"]
-
-
 def _opening(factory: Factory, example: Mapping[str, Any]):
   """A new environment, its opening messages (checked) on a copy of
   ``example``, so that a call abandoned past its time limit cannot change
@@ -297,7 +249,7 @@ def start(
   bare prompt (no turns)."""
   try:
     environment, messages, tools = call_bounded(
-        lambda: _opening(factory, example), timeout_s
+        lambda: _opening(factory, example), timeout_s, "environment call"
     )
   except Exception as error:  # noqa: BLE001 -- user code: a failed episode.
     messages = [{"role": "user", "content": str(example["prompt"])}]
@@ -368,7 +320,9 @@ def _step(
   dropped: an abandoned call cannot reach the episode)."""
   environment = episode.environment
   try:
-    return call_bounded(lambda: _checked_step(environment, text), timeout_s)
+    return call_bounded(
+        lambda: _checked_step(environment, text), timeout_s, "environment call"
+    )
   except Exception as error:  # noqa: BLE001 -- user code: a failed episode.
     episode.environment = None
     episode.timeouts += int(isinstance(error, TimeoutError))

@@ -15,9 +15,9 @@ import importlib.util
 import os
 from typing import Callable
 
+from logra_jax.deadlines import call_bounded
 from logra_jax.envs.base import Environment
 from logra_jax.envs.calculator import calculator
-from logra_jax.envs.episodes import call_bounded
 from logra_jax.envs.verifiers_source import load_verifiers
 from logra_jax.envs.verifiers_source import PREFIX as VERIFIERS
 from logra_jax.envs.verifiers_source import VerifiersTaskset
@@ -82,7 +82,7 @@ def load_environment(
   The factory is called once here and what it returns must have callable
   ``reset`` and ``step``, so that a bad environment fails before a run
   compiles anything. The module's import and that call each have
-  ``timeout_s`` seconds (:func:`~logra_jax.envs.episodes.call_bounded`): one
+  ``timeout_s`` seconds (:func:`~logra_jax.deadlines.call_bounded`): one
   that hangs is refused, not waited for.
 
   Args:

@@ -11,37 +11,17 @@ import importlib
 import importlib.util
 import inspect
 import os
-import queue
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from logra_jax.deadlines import call_bounded
 from logra_jax.rl.rewards.builtin import FLOAT32_MAX
 from logra_jax.rl.rewards.builtin import check_weights
 from logra_jax.rl.rewards.builtin import finite_in_float32
 from logra_jax.rl.rewards.builtin import reward_names
 from logra_jax.rl.rewards.builtin import RewardFn
-
-
-def _within(fn: Callable[[], Any], timeout_s: float, name: str) -> Any:
-  """``fn()`` run in a daemon thread: ``(True, result)``, ``(False,
-  exception)``, or None when it has not returned within ``timeout_s`` (the
-  thread is abandoned; it cannot be interrupted)."""
-  results: queue.SimpleQueue = queue.SimpleQueue()
-
-  def call():
-    try:
-      results.put((True, fn()))
-    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the caller's.
-      results.put((False, e))
-
-  threading.Thread(target=call, name=name, daemon=True).start()
-  try:
-    return results.get(timeout=timeout_s)
-  except queue.Empty:
-    return None
 
 
 def load_reward_function(spec: str, *, timeout_s: float = 30.0) -> RewardFn:
@@ -84,18 +64,17 @@ def load_reward_function(spec: str, *, timeout_s: float = 30.0) -> RewardFn:
     loader = lambda: _exec_module(module_spec)  # noqa: E731
   else:
     loader = lambda: importlib.import_module(where)  # noqa: E731
-  imported = _within(loader, timeout_s, f"reward-import-{name}")
-  if imported is None:
+  try:
+    module = call_bounded(loader, timeout_s, f"reward-import-{name}")
+  except TimeoutError:
     raise ValueError(
         f"reward {spec!r}: {where} did not finish importing within "
         f"{timeout_s:g} s"
-    )
-  ok, module = imported
-  if not ok:
+    ) from None
+  except (Exception, SystemExit) as e:  # noqa: BLE001 -- user code's import.
     raise ValueError(
-        f"reward {spec!r}: {where} does not import: "
-        f"{type(module).__name__}: {module}"
-    ) from module
+        f"reward {spec!r}: {where} does not import: {type(e).__name__}: {e}"
+    ) from e
   fn = getattr(module, name, None)
   if fn is None:
     raise ValueError(f"reward {spec!r}: {where} has no attribute {name!r}")
@@ -147,24 +126,24 @@ def check_reward_functions(
   completions = [str(e["answer"]) for e in examples]
   columns = {k: [e[k] for e in examples] for k in examples[0] if k != "prompt"}
   for name, (fn, _) in zip(reward_names([fn for fn, _ in fns]), fns):
-    called = _within(
-        lambda fn=fn: fn(prompts=prompts, completions=completions, **columns),
-        timeout_s,
-        f"reward-check-{name}",
-    )
-    if called is None:
+    try:
+      out = call_bounded(
+          lambda fn=fn: fn(prompts=prompts, completions=completions, **columns),
+          timeout_s,
+          f"reward-check-{name}",
+      )
+    except TimeoutError:
       raise ValueError(
           f"reward {name} returned nothing within {timeout_s} s on "
           f"{len(prompts)} reference answers"
-      )
-    ok, out = called
-    if not ok:
-      signature = _signature(fn)
+      ) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- user code.
       raise ValueError(
-          f"reward {name}{signature} failed on the task's reference answers: "
-          f"{type(out).__name__}: {out}; a reward takes (prompts, completions, "
-          f"**columns) as keywords, the columns being {sorted(columns)}"
-      ) from out
+          f"reward {name}{_signature(fn)} failed on the task's reference "
+          f"answers: {type(e).__name__}: {e}; a reward takes (prompts, "
+          f"completions, **columns) as keywords, the columns being "
+          f"{sorted(columns)}"
+      ) from e
     if isinstance(out, (str, bytes)) or not isinstance(
         out, (Sequence, np.ndarray)
     ):
