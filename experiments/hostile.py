@@ -746,6 +746,36 @@ def memory_config_with_a_huge_vocabulary(lab: Lab) -> Result:
   return _memory_bad(lab, "vocab_size", f"--model={path}")
 
 
+def _mount_small_disk(folder: pathlib.Path, size: str) -> bool:
+  """Mounts a RAM disk of ``size`` on ``folder`` (False where not allowed)."""
+  command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs"]
+  return subprocess.run([*command, str(folder)]).returncode == 0
+
+
+@case(4)
+def full_disk_during_a_run(lab: Lab) -> Result:
+  """The run folder on a 900 KiB disk that fills after two checkpoints:
+  one line naming the full disk, exit 1; with the disk grown, the run
+  resumes from its last completed checkpoint."""
+  disk = lab.folder("full-disk")
+  if not _mount_small_disk(disk, "900k"):
+    return Result("skipped", Done(None, "", "", 0), "mount is not allowed")
+  run = disk / "run"
+  args = [*SMOKE, f"--out={run}", "--set=steps=30", "--set=checkpoint.keep=5"]
+  try:
+    done = lab.cli(*args, "--set=checkpoint.every_steps=2")
+    result = ends(done, "recovered", 1, "No space left on device")
+    if result.outcome == "recovered" and len(done.err.strip().splitlines()) > 1:
+      result = Result("still open", done, "more than one line")
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    resumed = lab.cli(*args, "--resume")
+    if result.outcome == "recovered" and (resumed.rc != 0 or _hygiene(resumed)):
+      result = Result("still open", resumed, "the resume failed")
+  finally:
+    subprocess.run(["umount", str(disk)])
+  return result
+
+
 @case(4)
 def memory_device_memory_of_inf(lab: Lab) -> Result:
   return _memory_bad(lab, "--device-memory-gib", "--device-memory-gib=inf")
@@ -835,7 +865,7 @@ def lora_targets_naming_nothing(lab: Lab) -> Result:
   return _train_bad(
       lab,
       "lora-targets",
-      "LoRA targets ['nope']",
+      "optimizer.lora_targets=['nope']",
       "--set=optimizer.name=lora",
       "--set=optimizer.lora_targets=[nope]",
   )
@@ -911,6 +941,22 @@ def study_on_bad_input_keeps_no_results_folder(lab: Lab) -> Result:
   ]
   done = lab.command([*args, "--set=optimizer.learning_rate=-1"])
   return bad_input(done, "learning_rate", folder / "results")
+
+
+@case(5)
+def kl_control_study_with_a_nan_target(lab: Lab) -> Result:
+  folder = lab.folder("kl-nan")
+  done = lab.command(
+      [
+          sys.executable,
+          str(study.RESULTS.parent / "kl_control.py"),
+          "--quick",
+          "--target-kl=nan",
+          f"--out={folder / 'runs'}",
+          f"--results={folder / 'results'}",
+      ]
+  )
+  return bad_input(done, "--target-kl", folder / "results")
 
 
 # 6. Accepted silently.

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -457,6 +459,31 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print(f"logra {args.command}: interrupted", file=sys.stderr)
     return 130
+  except OSError as error:
+    if error.errno not in _DISK_FULL:
+      raise
+    _exit_on_full_disk(args.command, error)
+  return 1  # Not reached: _exit_on_full_disk ends the process.
+
+
+# A write failed for want of space (or quota).
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _exit_on_full_disk(command: str, error: OSError) -> None:
+  """Ends the process after one line naming the full disk. The run has
+  unwound (its checkpoints closed, its lock released), but libraries'
+  exit hooks and writer threads would retry their failed writes and bury
+  that line under tracebacks, so they are skipped (``os._exit``)."""
+  print(
+      f"logra {command}: error: the disk is full ({error}); free space, "
+      "then run again (with --resume to go on from the last completed "
+      "checkpoint)",
+      file=sys.stderr,
+  )
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """`logra` on bad input: one line on stderr, exit status 2, nothing written;
-the exit status of a run stopped by a signal."""
+a full disk in one line, exit status 1; the exit status of a run stopped by
+a signal."""
+
+import subprocess
+import sys
 
 import pytest
 
@@ -169,6 +173,36 @@ def test_a_dead_rollout_engine_is_one_line_and_a_failed_run(
   monkeypatch.setattr(trainer, "train", train)
   assert cli_main(["train", "--preset", "smoke", "--no-progress"]) == 1
   assert "exited with code -9" in _one_line_error(capsys, "train")
+
+
+# A run whose disk fills: its trainer raises ENOSPC while a library's exit
+# hook (as tensorboardX's and orbax's do) would retry a failed write.
+_FULL_DISK_RUN = """
+import atexit, errno, sys
+from logra_jax import cli
+from logra_jax.rl import trainer
+
+def train(*args, **kwargs):
+  raise OSError(errno.ENOSPC, "No space left on device")
+
+trainer.train = train
+atexit.register(lambda: print("Traceback: a write retried at exit", file=sys.stderr))
+sys.exit(cli.main(["train", "--preset", "smoke", "--no-progress", "--out", sys.argv[1]]))
+"""
+
+
+def test_a_full_disk_is_one_line_and_a_failed_run(tmp_path):
+  done = subprocess.run(
+      [sys.executable, "-c", _FULL_DISK_RUN, str(tmp_path / "run")],
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert done.returncode == 1, done.stderr
+  assert done.stderr.startswith(
+      "logra train: error: the disk is full"
+  ), done.stderr
+  assert done.stderr.count("\n") == 1, done.stderr
 
 
 @pytest.mark.parametrize(

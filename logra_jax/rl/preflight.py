@@ -90,10 +90,18 @@ def check_optimizer_plan(config: TrainConfig, params: Any) -> None:
           f"optimizer.rank <= {max(largest.m, largest.n)}"
       )
   tx = policy_state.make_optimizer(optimizer, params)
-  jax.eval_shape(
-      lambda p: policy_state.init_train_state(optimizer, tx, p, config.seed),
-      params,
-  )
+  try:
+    jax.eval_shape(
+        lambda p: policy_state.init_train_state(optimizer, tx, p, config.seed),
+        params,
+    )
+  except ValueError as error:
+    if optimizer.name != "lora":
+      raise
+    raise ValueError(
+        f"optimizer.lora_targets={list(optimizer.lora_targets)} with "
+        f"optimizer.rank={optimizer.rank}: {error}"
+    ) from None
 
 
 def check_cache_dir(config: TrainConfig) -> None:

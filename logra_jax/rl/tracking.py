@@ -2,9 +2,12 @@
 (TensorBoard, Weights & Biases), tables of sampled completions and counts of
 XLA compilations.
 
-Each tracker is its own library's writer (``tensorboardX.SummaryWriter``,
-``wandb.init``/``log``); :func:`check_trackers` refuses a tracker whose
-library is missing before a run starts. A sample table shows the first
+TensorBoard events are written by ``tensorboardX``'s event-file writer in
+the caller's thread, one flushed event per step (a failed write, a full
+disk, raises at once; ``SummaryWriter``'s writer thread would die and leave
+the run blocked on its full queue); W&B is ``wandb.init``/``log``.
+:func:`check_trackers` refuses a tracker whose library is missing before a
+run starts. A sample table shows the first
 completion of a few prompts of a batch with its reward, on the console
 (rendered by ``rich``) and as JSON lines in ``samples.jsonl``.
 """
@@ -16,6 +19,7 @@ import io
 import json
 import pathlib
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,7 +28,9 @@ import jax
 import numpy as np
 import rich.console
 import rich.table
-import tensorboardX
+from tensorboardX import event_file_writer
+from tensorboardX import summary as tensorboard_summary
+from tensorboardX.proto import event_pb2
 
 from logra_jax.rl import scoring
 
@@ -99,6 +105,38 @@ def check_trackers(names: Sequence[str]) -> None:
       )
 
 
+class TensorboardEvents:
+  """One TensorBoard event file under ``folder``, written synchronously.
+
+  Example:
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...   events = TensorboardEvents(pathlib.Path(out) / "tensorboard")
+    ...   events.log({"reward/total": 0.5}, step=1)
+    ...   events.close()
+  """
+
+  def __init__(self, folder: pathlib.Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    self._writer = event_file_writer.EventsWriter(str(folder / "events"))
+
+  def log(self, metrics: Mapping[str, float], step: int) -> None:
+    """Appends one event holding ``metrics`` as scalars and flushes it."""
+    values = [
+        value
+        for name, number in metrics.items()
+        for value in tensorboard_summary.scalar(name, float(number)).value
+    ]
+    event = event_pb2.Event(wall_time=time.time(), step=step)
+    event.summary.value.extend(values)
+    self._writer.write_event(event)
+    self._writer.flush()
+
+  def close(self) -> None:
+    """Closes the file."""
+    self._writer.close()
+
+
 class Trackers:
   """The run's trackers, each given every step's metrics.
 
@@ -128,7 +166,7 @@ class Trackers:
     check_trackers(names)
     self._tensorboard = self._wandb = None
     if "tensorboard" in names:
-      self._tensorboard = tensorboardX.SummaryWriter(str(out / "tensorboard"))
+      self._tensorboard = TensorboardEvents(out / "tensorboard")
     if "wandb" in names:
       import wandb
 
@@ -146,8 +184,7 @@ class Trackers:
   def log(self, metrics: Mapping[str, float], step: int) -> None:
     """Records one step's metrics."""
     if self._tensorboard is not None:
-      for name, value in metrics.items():
-        self._tensorboard.add_scalar(name, value, step)
+      self._tensorboard.log(metrics, step)
     if self._wandb is not None:
       self._wandb.log(dict(metrics), step=step)
 

@@ -5,6 +5,8 @@ survive a resume without repeated steps."""
 import json
 import re
 import struct
+import subprocess
+import sys
 
 import pytest
 from tensorboardX.proto import event_pb2
@@ -106,6 +108,38 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
         (event.step, v.tag, v.simple_value) for v in event.summary.value
     ]
   assert scalars == [(1, "reward/total", 0.25), (2, "reward/total", 0.75)]
+
+
+# Logs steps into a file-size limit of 4 KiB (writes past it fail with
+# EFBIG, as they would with ENOSPC on a full disk).
+_LOG_PAST_A_SIZE_LIMIT = """
+import pathlib, resource, signal, sys
+from logra_jax.rl import tracking
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+with tracking.Trackers(["tensorboard"], pathlib.Path(sys.argv[1]), {}) as t:
+  for step in range(1, 1001):
+    try:
+      t.log({f"metric/{i}": 0.5 for i in range(20)}, step=step)
+    except OSError as error:
+      print(f"step {step}: {error.strerror}")
+      break
+"""
+
+
+def test_a_failed_tensorboard_write_raises_at_its_step(tmp_path):
+  """The failing step raises (no writer thread dies silently, leaving
+  the run blocked on a full queue)."""
+  done = subprocess.run(
+      [sys.executable, "-c", _LOG_PAST_A_SIZE_LIMIT, str(tmp_path)],
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert re.fullmatch(r"step \d+: File too large\n", done.stdout), done
+  failed_at = int(done.stdout.split()[1][:-1])
+  assert 1 < failed_at < 1000
 
 
 def test_wandb_offline_run_records_the_metrics(tmp_path, monkeypatch):
