@@ -19,9 +19,12 @@ default engine): its reservation is the sampling program's temporaries and
 outputs, the KV cache among them (``memory.shared_rollout_bytes``). It
 depends on the model, the optimizer's layout and the rollout shape, not on
 the train step's seq or micro-batch, so it is compiled once per model,
-rank and rollout shape and added to each train step's plan (``logra
-memory`` with the row's command computes both in one plan and gives the
-same total). Beside it, the asynchronous engine's own bfloat16 copy of the
+rank and rollout shape. The zero-copy engine samples between train steps
+(``rollout.max_staleness=0`` has no rollout thread), so the system's peak
+is the resident state (weights, optimizer state) plus the larger of the two
+phases: the step's batch, gradients, temporaries and outputs, or the
+engine's reservation (``logra memory`` with the row's command computes the
+same total in one plan). Beside it, the asynchronous engine's own bfloat16 copy of the
 weights plus its KV cache (``memory.rollout_reservation``, ``logra memory
 --rollout-copy``). Each row gives the exact ``logra memory`` command that
 reproduces it. Writes ``question_a.md`` / ``question_b.md`` (with a
@@ -88,7 +91,14 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
       base_dtype="bfloat16",
   )
   rollouts.setdefault(key, report.rollout)
-  train = report.total - report.rollout
+  step = report.batch + report.grads + report.temporaries + report.outputs
+  resident = report.total - (
+      max(step, report.rollout)
+      if report.rollout_between_steps
+      else step + report.rollout
+  )
+  train = resident + step
+  system = resident + max(step, rollouts[key])
   copy = memory.rollout_reservation(
       memory.load_model_config(model), parallel.MeshConfig(), *rollout
   )
@@ -106,8 +116,9 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
       "temporaries": report.temporaries,
       "train_total": train,
       "rollout_zero_copy": rollouts[key],
-      "system_total": train + rollouts[key],
-      "fits": train + rollouts[key] <= limit,
+      "step_phase": step,
+      "system_total": system,
+      "fits": system <= limit,
       "rollout_own_copy": copy,
       "system_own_copy_total": train + copy,
       "own_copy_fits": train + copy <= limit,
@@ -146,9 +157,11 @@ def markdown(rows: list[dict]) -> str:
   lines = [
       "GiB per device, one device (fsdp=1); LoGRA, sketch-direct gradients, "
       "embeddings projected, bfloat16 base, block remat. System = train "
-      "step + colocated zero-copy engine (the default: it samples with the "
-      "learner's arrays; reservation = the sampling program's temporaries "
-      "and outputs, KV cache included). Own copy = the asynchronous "
+      "step's resident state (weights, optimizer state) + the larger of "
+      "the step's phase (batch, gradients, temporaries, outputs) and the "
+      "colocated zero-copy engine's reservation (the default engine samples "
+      "with the learner's arrays between steps; reservation = the sampling "
+      "program's temporaries and outputs, KV cache included). Own copy = the asynchronous "
       "engine's bfloat16 weights + KV cache, for comparison.",
       "",
       "| question | model | device GiB | rank | seq | micro-batch | rollout "

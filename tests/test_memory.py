@@ -175,6 +175,30 @@ def test_a_shared_engine_scores_the_prompt_against_itself_only():
   assert 0 < report.rollout < scores
 
 
+def test_a_shared_engine_and_the_step_take_turns_an_own_copy_adds_up():
+  """The zero-copy engine samples between train steps (no rollout worker
+  thread at rollout.max_staleness=0), so the plan's total is the resident
+  state plus the larger phase; an engine with its own copy samples beside
+  the step, and everything adds up."""
+  shared = memory.plan_memory(
+      TINY, seq_len=32, rollout_seqs=64, rollout_tokens=512
+  )
+  step = shared.batch + shared.grads + shared.temporaries + shared.outputs
+  assert shared.rollout_between_steps and shared.rollout > step
+  assert shared.total == (
+      shared.params + shared.optimizer_state + shared.reference + shared.rollout
+  )
+  assert "total (peak phase)" in shared.summary()
+  own = memory.plan_memory(
+      TINY, seq_len=32, rollout_seqs=64, rollout_tokens=512, rollout_copy=True
+  )
+  assert not own.rollout_between_steps
+  own_step = own.batch + own.grads + own.temporaries + own.outputs
+  assert own.total == (
+      own.params + own.optimizer_state + own.reference + own.rollout + own_step
+  )
+
+
 def test_a_shared_engine_reserves_its_cache_not_the_weights():
   """The default colocated engine samples with the learner's arrays: its
   reservation is the sampling program's temporaries and outputs, which hold

@@ -407,6 +407,24 @@ def _rollout_bytes(
   )
 
 
+def _total(
+    stats: Any,
+    batch: int,
+    outputs: int,
+    reference: int,
+    rollout: int,
+    between: bool,
+) -> int:
+  """The plan's peak bytes (:class:`MemoryReport`): the parts added up, or
+  with a rollout ``between`` steps the resident state plus the larger of
+  the step's phase (its batch, temporaries and outputs) and the rollout's."""
+  step = stats.temp_size_in_bytes + outputs
+  if not between:
+    return stats.argument_size_in_bytes + step + reference + rollout
+  resident = stats.argument_size_in_bytes - batch
+  return resident + reference + max(batch + step, rollout)
+
+
 def plan_memory(
     model: str | models.DecoderConfig,
     mesh: parallel.MeshConfig = parallel.MeshConfig(),
@@ -529,6 +547,8 @@ def plan_memory(
       (rollout_seqs, rollout_tokens, rollout_turn_tokens),
       rollout_copy,
   )
+  between = bool(rollout_seqs) and not rollout_copy
+  batch_bytes = _sharded_bytes(batch, batch_sharding)
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.params))
   workload = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
   if rollout_seqs:
@@ -541,16 +561,12 @@ def plan_memory(
       params=_sharded_bytes(layout.weights, layout.weights_sharding),
       grads=grads,
       optimizer_state=_sharded_bytes(layout.state, layout.state_sharding),
-      batch=_sharded_bytes(batch, batch_sharding),
+      batch=batch_bytes,
       temporaries=stats.temp_size_in_bytes - grads,
       outputs=outputs,
       reference=reference,
       rollout=rollout,
-      total=stats.argument_size_in_bytes
-      + outputs
-      + stats.temp_size_in_bytes
-      + reference
-      + rollout,
+      total=_total(stats, batch_bytes, outputs, reference, rollout, between),
       device_memory=(
           None if device_memory_gib is None else int(device_memory_gib * GIB)
       ),
@@ -563,4 +579,5 @@ def plan_memory(
           reference_dtype,
           workload,
       ),
+      rollout_between_steps=between,
   )

@@ -16,8 +16,20 @@ class MemoryReport:
   ``grads`` the gradient it materializes (full, or the sketches in
   sketch-direct mode); ``temporaries`` everything
   else XLA allocates during the step (activations, workspace);
-  ``reference`` the frozen reference policy's weights of a KL penalty, so
-  that ``total = params + optimizer_state + batch + grads + temporaries +
+  ``reference`` the frozen reference policy's weights of a KL penalty;
+  ``rollout`` a colocated rollout engine's reservation. With
+  ``rollout_between_steps`` (the zero-copy engine: it samples with the
+  learner's arrays between train steps, ``rollout.max_staleness=0``) the
+  sampling program and the train step are never live together, so
+
+  .. math::
+    total = params + optimizer\_state + reference
+            + \max(batch + grads + temporaries + outputs,\ rollout),
+
+  the larger of the two phases over the resident state (the batch is the
+  rollout's output, counted in ``rollout`` while it samples). Otherwise (an
+  engine with its own copy sampling beside the step, or none) the parts add
+  up: ``total = params + optimizer_state + batch + grads + temporaries +
   outputs not aliased to inputs + reference + rollout``.
 
   Example:
@@ -42,6 +54,7 @@ class MemoryReport:
   device_memory: Optional[int]
   num_params: int
   description: str
+  rollout_between_steps: bool = False
 
   @property
   def fits(self) -> Optional[bool]:
@@ -65,6 +78,7 @@ class MemoryReport:
         "fits": self.fits,
         "batch": self.batch,
         "outputs": self.outputs,
+        "rollout_between_steps": self.rollout_between_steps,
         "device_memory": self.device_memory,
         "num_params": self.num_params,
         "description": self.description,
@@ -81,10 +95,18 @@ class MemoryReport:
         ("outputs (not aliased)", self.outputs),
         ("reference policy", self.reference),
         ("rollout reservation", self.rollout),
-        ("total", self.total),
+        (
+            "total (peak phase)" if self.rollout_between_steps else "total",
+            self.total,
+        ),
     ]
     lines = [self.description, "per device:"]
     lines += [f"  {name:<22} {value / GIB:9.2f} GiB" for name, value in rows]
+    if self.rollout_between_steps:
+      lines.append(
+          "  (the rollout samples between train steps: the total holds the "
+          "larger of the two phases)"
+      )
     if self.device_memory is not None:
       margin = (self.device_memory - self.total) / GIB
       lines.append(
