@@ -10,7 +10,7 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-  """Per-device bytes of one train step (and an optional rollout reservation).
+  r"""Per-device bytes of one train step (and an optional rollout reservation).
 
   ``params`` and ``optimizer_state`` are the step's resident inputs;
   ``grads`` the gradient it materializes (full, or the sketches in
