@@ -201,7 +201,7 @@ def plan_rows(args: argparse.Namespace) -> list[dict]:
           project_embeddings=embeddings,
           base_dtype=base,
       )
-      train_total = report.total - report.rollout
+      train_total = report.train_total
       limit = args.device_memory_gib * GIB
       rows.append(
           {

@@ -91,14 +91,8 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
       base_dtype="bfloat16",
   )
   rollouts.setdefault(key, report.rollout)
-  step = report.batch + report.grads + report.temporaries + report.outputs
-  resident = report.total - (
-      max(step, report.rollout)
-      if report.rollout_between_steps
-      else step + report.rollout
-  )
-  train = resident + step
-  system = resident + max(step, rollouts[key])
+  step, train = report.step_phase, report.train_total
+  system = train - step + max(step, rollouts[key])
   copy = memory.rollout_reservation(
       memory.load_model_config(model), parallel.MeshConfig(), *rollout
   )

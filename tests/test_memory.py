@@ -197,6 +197,7 @@ def test_a_shared_engine_and_the_step_take_turns_an_own_copy_adds_up():
   assert own.total == (
       own.params + own.optimizer_state + own.reference + own.rollout + own_step
   )
+  assert shared.train_total == own.train_total == own.total - own.rollout
 
 
 def test_a_shared_engine_reserves_its_cache_not_the_weights():

@@ -65,6 +65,24 @@ class MemoryReport:
         else (self.total <= self.device_memory)
     )
 
+  @property
+  def step_phase(self) -> int:
+    """Bytes live only while the train step runs: its batch, gradients,
+    temporaries and outputs."""
+    return self.batch + self.grads + self.temporaries + self.outputs
+
+  @property
+  def train_total(self) -> int:
+    """The train step's own peak, without the rollout reservation: the
+    resident state (weights, optimizer state, reference) plus
+    :attr:`step_phase`."""
+    rollout_phase = (
+        max(self.step_phase, self.rollout)
+        if self.rollout_between_steps
+        else self.step_phase + self.rollout
+    )
+    return self.total - rollout_phase + self.step_phase
+
   def to_dict(self) -> dict[str, Any]:
     """The report as a JSON-serializable dict (bytes per device)."""
     return {
