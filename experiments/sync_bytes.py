@@ -4,7 +4,8 @@ broadcast vs a sparse delta of the changed bfloat16 values.
 For each model and rank, builds the learner's factored policy on abstract
 shapes (`policy_state.abstract_policy_state`: nothing is allocated) and sums the
 arrays a `logra_jax.sync.SyncMessage` carries: per step the window
-coordinates A (float32 `[batch, rank, short]` per projected matrix), the
+coordinates A (`[batch, rank, short]` per projected matrix, float32, or
+bfloat16 with ``optimizer.coords_dtype=bfloat16``), the
 scales c and the dense leaves (float32); at a refresh also the new
 projectors (float32 `[batch, long, rank]`, shown per refresh and amortized
 over `--refresh-every` steps). Against: a full
@@ -62,7 +63,11 @@ SPARSE_BYTES_PER_VALUE = 4 + 2  # int32 index + bfloat16 value
 
 
 def model_policy_state(
-    model: str, rank: int, project_embeddings: bool, optimizer: str = "logra"
+    model: str,
+    rank: int,
+    project_embeddings: bool,
+    optimizer: str = "logra",
+    coords_dtype: str = "float32",
 ) -> tuple[dict, int]:
   """The shapes of the learner's :func:`sync.policy_state` for ``model``
   (float32 weights, default settings of ``optimizer``, "logra" or "lora")
@@ -77,6 +82,7 @@ def model_policy_state(
       name=optimizer,
       rank=rank,
       project_embeddings=project_embeddings and optimizer == "logra",
+      coords_dtype=coords_dtype,
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   return policy_state.abstract_policy_state(opt_config, params), count
@@ -92,10 +98,16 @@ def checksum_temp_bytes(state: dict) -> int:
 
 
 def message_bytes(
-    model: str, rank: int, project_embeddings: bool, optimizer: str = "logra"
+    model: str,
+    rank: int,
+    project_embeddings: bool,
+    optimizer: str = "logra",
+    coords_dtype: str = "float32",
 ) -> dict[str, int]:
   """Bytes a sync message carries, by kind of array, and the parameters."""
-  state, count = model_policy_state(model, rank, project_embeddings, optimizer)
+  state, count = model_policy_state(
+      model, rank, project_embeddings, optimizer, coords_dtype
+  )
   named = sync.named_arrays(state)
   out = {
       kind: 0
@@ -143,27 +155,39 @@ def measured(run: pathlib.Path) -> dict[str, float]:
 
 
 def is_default(
-    optimizer: str, rank: int, project_embeddings: bool, refresh_every: int
+    optimizer: str,
+    rank: int,
+    project_embeddings: bool,
+    refresh_every: int,
+    coords_dtype: str,
 ) -> bool:
   """Whether a row is the default configuration (``OptimizerConfig()``)."""
   default = configs.OptimizerConfig()
-  return (optimizer, rank, project_embeddings, refresh_every) == (
+  return (optimizer, rank, project_embeddings, refresh_every, coords_dtype) == (
       default.name,
       default.rank,
       default.project_embeddings,
       default.refresh_every,
+      default.coords_dtype,
   )
 
 
 def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
-  """Bytes per step of LoGRA's message (embeddings dense and projected) and
-  of LoRA's at each rank, with the full bfloat16 broadcast and sparse
-  deltas beside them."""
+  """Bytes per step of LoGRA's message (embeddings dense, projected, and
+  projected with bfloat16 coordinates) and of LoRA's at each rank, with the
+  full bfloat16 broadcast and sparse deltas beside them."""
   rows = []
-  arms = [("logra", False), ("logra", True), ("lora", False)]
-  for optimizer, project_embeddings in arms:
+  arms = [
+      ("logra", False, "float32"),
+      ("logra", True, "float32"),
+      ("logra", True, "bfloat16"),
+      ("lora", False, "float32"),
+  ]
+  for optimizer, project_embeddings, coords_dtype in arms:
     for rank in ranks:
-      b = message_bytes(model, rank, project_embeddings, optimizer)
+      b = message_bytes(
+          model, rank, project_embeddings, optimizer, coords_dtype
+      )
       if optimizer == "lora":  # adapters every step, merged by the engine
         step, projector = b[sync.ADAPTER] + b[sync.DENSE], 0
         embeddings = "LoRA adapters"
@@ -171,13 +195,20 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
         step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
         projector = b[sync.PROJECTOR]
         embeddings = "projected" if project_embeddings else "dense"
+        if coords_dtype != "float32":
+          embeddings += f", {coords_dtype} A"
       rows.append(
           {
               "model": model,
               "embeddings": embeddings,
               "rank": rank,
+              "coords_dtype": coords_dtype,
               "default": is_default(
-                  optimizer, rank, project_embeddings, refresh_every
+                  optimizer,
+                  rank,
+                  project_embeddings,
+                  refresh_every,
+                  coords_dtype,
               ),
               "step_bytes": step,
               "projector_bytes": projector,

@@ -189,7 +189,11 @@ def init_train_state(
   if not factored_policy(config):
     return params, opt_state
   weights = factored_lib.factor(
-      params, opt_state, config.base_dtype, decay=config.weight_decay > 0
+      params,
+      opt_state,
+      config.base_dtype,
+      decay=config.weight_decay > 0,
+      coords_dtype=config.coords_dtype,
   )
   return weights, opt_state
 

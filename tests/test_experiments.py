@@ -560,3 +560,19 @@ def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
   table = system_memory.markdown([skipped])
   assert "| b | qwen3-style-27b | 131.32 | 32 | 4096 | 4 | 64x1024 |" in table
   assert table.splitlines()[-1].endswith("`" + skipped["command"] + "` |")
+
+
+def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
+  """At Qwen2.5-0.5B shapes (abstract: nothing is allocated), the rows of
+  bfloat16 coordinates carry A in 2 bytes a value and every other kind of
+  array as before; the default row is the default configuration's."""
+  sync_bytes = importlib.import_module("sync_bytes")
+  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True)
+  bf16 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True, "logra", "bfloat16")
+  assert f32["coords"] > 0 and bf16["coords"] * 2 == f32["coords"]
+  assert {k: v for k, v in bf16.items() if k != "coords"} == {
+      k: v for k, v in f32.items() if k != "coords"
+  }
+  rows = sync_bytes.model_rows("qwen2.5-0.5b", [8, 32], 50)
+  assert [r["embeddings"] for r in rows].count("projected, bfloat16 A") == 2
+  assert [r["rank"] for r in rows if r["default"]] == [32]

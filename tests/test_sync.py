@@ -13,6 +13,7 @@ import pytest
 
 import logra_jax as logra
 from logra_jax.optim import factored
+from logra_jax.optim import sketch_grad
 from logra_jax import sync
 from logra_jax.lowrank import matmul
 from logra_jax import policy_state
@@ -33,7 +34,9 @@ def _params():
   }  # dense
 
 
-def _learner(kind, base_dtype, weight_decay, donate=False):
+def _learner(
+    kind, base_dtype, weight_decay, donate=False, coords_dtype="float32"
+):
   """A factored LoGRA loop (docs/sketch.md's) on a small tree: ``(weights,
   state, step)``; ``donate``: the step donates its inputs, as the
   trainer's does."""
@@ -48,7 +51,11 @@ def _learner(kind, base_dtype, weight_decay, donate=False):
   )
   state = tx.init(params)
   weights = factored.factor(
-      params, state, base_dtype=base_dtype, decay=weight_decay > 0
+      params,
+      state,
+      base_dtype=base_dtype,
+      decay=weight_decay > 0,
+      coords_dtype=coords_dtype,
   )
 
   def loss(p, x):
@@ -62,8 +69,9 @@ def _learner(kind, base_dtype, weight_decay, donate=False):
     _, sketches, projectors = logra.value_and_sketch_grad(loss)(
         weights, state, x
     )
+    count = sketch_grad.project_state(state).count
     updates, state = tx.update(sketches, state, weights, projectors=projectors)
-    return factored.apply_updates(weights, updates), state
+    return factored.apply_updates(weights, updates, seed=7, step=count), state
 
   return weights, state, step
 
@@ -86,17 +94,22 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize(
-    "kind,base_dtype,weight_decay",
+    "kind,base_dtype,weight_decay,coords_dtype",
     [
-        ("range", "float32", 0.0),
-        ("random", "bfloat16", 0.1),
-        ("svd", "bfloat16", 0.0),
+        ("range", "float32", 0.0, "float32"),
+        ("random", "bfloat16", 0.1, "float32"),
+        ("svd", "bfloat16", 0.0, "float32"),
+        ("range", "bfloat16", 0.1, "bfloat16"),
     ],
 )
 def test_receiver_is_bit_identical_over_many_windows(
-    kind, base_dtype, weight_decay
+    kind, base_dtype, weight_decay, coords_dtype
 ):
-  weights, state, step = _learner(kind, base_dtype, weight_decay, donate=True)
+  """300 steps, 12 windows; with bfloat16 coordinates the messages carry
+  the rounded step factors the learner itself holds."""
+  weights, state, step = _learner(
+      kind, base_dtype, weight_decay, donate=True, coords_dtype=coords_dtype
+  )
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
   receiver = sync.PolicyReceiver(
       policy_state.synced_state(weights, state), seed=7, kind=kind
@@ -116,6 +129,7 @@ def test_receiver_is_bit_identical_over_many_windows(
   assert merges == STEPS // REFRESH and receiver.version == STEPS
   assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
   assert _same_bits(receiver.effective_weights(), dense(weights, state))
+  assert receiver.state["weights"]["w"].coords.dtype == coords_dtype
 
 
 def test_a_step_message_carries_only_the_window():
@@ -143,6 +157,21 @@ def test_a_step_message_carries_only_the_window():
   assert {kinds[n] for n in second.arrays} == {"coords", "dense"}
   # coords [1, 2, 6] and [1, 2, 8] float32, dense bias [20] float32
   assert second.nbytes == 4 * (12 + 16 + 20)
+
+
+def test_bfloat16_coordinates_halve_a_step_message():
+  """The coordinates travel as the learner keeps them: 2 bytes each."""
+  weights, state, step = _learner(
+      "range", "bfloat16", 0.0, coords_dtype="bfloat16"
+  )
+  sender = sync.PolicySender(weights, state, seed=7)
+  sender.message(weights, state, full=True)
+  for i in range(2):
+    weights, state = step(weights, state, _batch(i))
+    message = sender.message(weights, state)
+  # coords [1, 2, 6] and [1, 2, 8] bfloat16, dense bias [20] float32
+  assert message.merge_step == -1
+  assert message.nbytes == 2 * (12 + 16) + 4 * 20
 
 
 def test_several_updates_per_message_stay_exact():

@@ -24,6 +24,7 @@ from logra_jax.envs.loading import check_spec as check_environment
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import REMAT
 from logra_jax.optim.factored import BASE_DTYPES
+from logra_jax.optim.factored import COORDS_DTYPES
 from logra_jax.optim.kl_control import KL_MODES
 from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
 from logra_jax.optim.projectors import KINDS
@@ -305,6 +306,13 @@ class OptimizerConfig:
       stochastic rounding at each refresh, and no float32 copy of the
       weight exists). Dense leaves keep the policy's dtype. Under lora: the
       dtype of the frozen weights the adapters sit on.
+    coords_dtype: dtype of the coordinates ``A`` of the factored policy
+      (logra with sketch-direct gradients): ``"float32"`` (default) or
+      ``"bfloat16"``, every step's new ``A`` stochastically rounded with
+      bits that are a pure function of (seed, step, leaf), so that a sync
+      message carries the coordinates in half the bytes and the learner
+      holds exactly what it sends (:func:`logra_jax.optim.factored.
+      apply_updates`).
     lora_alpha: the adapters' scale numerator, ``s = lora_alpha / rank``
       (lora; a fixed alpha keeps the best learning rate about the same
       across ranks).
@@ -329,6 +337,7 @@ class OptimizerConfig:
   gradient_mode: str = "sketch"
   project_embeddings: bool = False
   base_dtype: str = "float32"
+  coords_dtype: str = "float32"
   lora_alpha: float = 32.0
   lora_targets: list[str] = dataclasses.field(
       default_factory=lambda: list(LORA_TARGETS)
@@ -371,6 +380,16 @@ class OptimizerConfig:
           "of optimizer.name='lora' or the factored policy of "
           "optimizer.name='logra' with optimizer.gradient_mode='sketch'; "
           f"got name={self.name!r}, gradient_mode={self.gradient_mode!r}"
+      )
+    check_choice("optimizer.coords_dtype", self.coords_dtype, COORDS_DTYPES)
+    if self.coords_dtype != "float32" and not (
+        self.name == "logra" and self.gradient_mode == "sketch"
+    ):
+      raise ValueError(
+          f"optimizer.coords_dtype={self.coords_dtype!r} needs the factored "
+          "policy of optimizer.name='logra' with "
+          f"optimizer.gradient_mode='sketch'; got name={self.name!r}, "
+          f"gradient_mode={self.gradient_mode!r}"
       )
 
 

@@ -4,7 +4,9 @@ Within a projector window every update of a projected weight is ``P N_t``
 with ``P`` fixed, so the weight need not be materialized at every step. A
 projected leaf is held as a :class:`FactoredWeight`: its base ``B`` (the
 parameter's shape, in the base dtype), the window's coordinates ``A``
-(``[batch, rank, short]``, float32, the sum of its step factors) and, with
+(``[batch, rank, short]``, the sum of its step factors, float32 or, with
+``coords_dtype="bfloat16"``, stochastically rounded to bfloat16 after every
+step) and, with
 weight decay, one scale ``c`` per matrix. A step
 :math:`D_t = a_t W + P \Delta_t` (a :class:`FactoredDelta`: ``a_t`` is the
 step's decoupled weight decay, zero without it) is applied as
@@ -45,6 +47,7 @@ from logra_jax.optim.types import FactoredDelta
 from logra_jax.optim.types import ProjectState
 
 BASE_DTYPES = ("float32", "bfloat16")
+COORDS_DTYPES = ("float32", "bfloat16")
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # A merge works on blocks of rows of at most this many float32 bytes (its
@@ -65,8 +68,9 @@ class FactoredWeight:
   Attributes:
     base: ``B``, the parameter's shape in the base dtype; None in the
       trainable part (:func:`without_base`).
-    coords: ``A``, ``[batch, rank, short]`` float32: the sum of this
-      window's step factors in the basis of its projector ``P``.
+    coords: ``A``, ``[batch, rank, short]`` in :data:`COORDS_DTYPES`: the
+      sum of this window's step factors in the basis of its projector
+      ``P``.
     scale: ``c``, ``[batch]`` float32, one per matrix (the window's product
       of weight-decay factors); None when the optimizer has no weight decay
       (then ``c = 1``).
@@ -103,6 +107,7 @@ def factor(
     opt_state: optax.OptState,
     base_dtype: str = "float32",
     decay: bool = False,
+    coords_dtype: str = "float32",
 ) -> Any:
   """The factored form of ``params``: each projected leaf as
   :class:`FactoredWeight` ``(B = param in base_dtype, A = 0, c = 1)``.
@@ -114,12 +119,16 @@ def factor(
     base_dtype: ``"float32"`` or ``"bfloat16"`` (:data:`BASE_DTYPES`).
     decay: keep a per-matrix scale ``c`` (needed when the optimizer has
       weight decay).
+    coords_dtype: dtype of the coordinates ``A`` (:data:`COORDS_DTYPES`):
+      with ``"bfloat16"`` every step's new ``A`` is stochastically rounded
+      (:func:`apply_updates`), so that a sync message carries half the
+      bytes and the learner holds exactly what it sends.
 
   Returns:
     A tree like ``params`` with :class:`FactoredWeight` at projected leaves.
 
   Raises:
-    ValueError: for another base dtype, params that do not match the state,
+    ValueError: for another base or coordinates dtype, params that do not match the state,
       or a projected leaf not laid out ``[*layers, in, out]`` (naming it).
 
   Example:
@@ -133,6 +142,10 @@ def factor(
   if base_dtype not in BASE_DTYPES:
     raise ValueError(
         f"base_dtype must be one of {BASE_DTYPES}, got " f"{base_dtype!r}"
+    )
+  if coords_dtype not in COORDS_DTYPES:
+    raise ValueError(
+        f"coords_dtype must be one of {COORDS_DTYPES}, got {coords_dtype!r}"
     )
   spec = _project_state(opt_state).spec
   flat = projection.flatten_like(spec, params, "params")
@@ -150,7 +163,7 @@ def factor(
     leaves.append(
         FactoredWeight(
             base=jnp.asarray(p).astype(base_dtype),
-            coords=jnp.zeros(plan.sketch_shape, jnp.float32),
+            coords=jnp.zeros(plan.sketch_shape, coords_dtype),
             scale=jnp.ones((plan.batch,), jnp.float32) if decay else None,
             plan=plan,
         )
@@ -191,17 +204,46 @@ def with_base(trainable: Any, params: Any) -> Any:
   )
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(
+    params: Any,
+    updates: Any,
+    *,
+    seed: Optional[int] = None,
+    step: Optional[jax.Array] = None,
+) -> Any:
   r"""``optax.apply_updates`` for factored params.
 
   At a :class:`FactoredWeight` the update must be a :class:`FactoredDelta`
   ``(Delta, a)``: :math:`A \leftarrow (1 + a) A + \Delta`,
   :math:`c \leftarrow (1 + a) c`; the base is not touched (it may be None,
   see :func:`without_base`). Other leaves: ``p + u`` in ``p``'s dtype.
+  Bfloat16 coordinates are computed in float32 and rounded stochastically,
+  :math:`A \leftarrow \mathrm{round}((1 + a) A + \Delta)`, with
+  :func:`coords_key` ``(seed, step, path)``: unbiased, and a pure function
+  of the run, so a receiver of the rounded ``A`` holds the learner's bits.
+
+  Args:
+    params: factored params (or their trainable part).
+    updates: the optimizer's updates, a tree like ``params``.
+    seed: the run's seed (needed with bfloat16 coordinates).
+    step: the step being applied, traced int (needed with bfloat16
+      coordinates).
 
   Raises:
     TypeError: naming the leaf, for a dense update of a factored weight or
       a decayed update of a weight kept without a scale.
+    ValueError: bfloat16 coordinates without ``seed`` and ``step``.
+
+  Example:
+    >>> import jax.numpy as jnp, logra_jax as logra
+    >>> params = {"w": jnp.ones((16, 8))}
+    >>> tx = logra.logra(1e-2, rank=2, factored=True)
+    >>> state = tx.init(params)
+    >>> weights = factor(params, state, coords_dtype="bfloat16")
+    >>> updates, state = tx.update({"w": jnp.ones((16, 8))}, state, weights)
+    >>> new = apply_updates(weights, updates, seed=0, step=0)
+    >>> new["w"].coords.dtype
+    dtype(bfloat16)
   """
 
   def leaf(p, u):
@@ -215,7 +257,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
           f"FactoredDelta update, got {type(u).__name__}"
       )
     if u.decay is None:
-      return dataclasses.replace(p, coords=p.coords + u.coords)
+      return dataclasses.replace(p, coords=_rounded(p, p.coords + u.coords))
     if p.scale is None:
       raise TypeError(
           f"factored parameter {p.plan.path!r} was made without a scale "
@@ -223,7 +265,22 @@ def apply_updates(params: Any, updates: Any) -> Any:
       )
     keep = 1.0 + u.decay
     return dataclasses.replace(
-        p, coords=keep * p.coords + u.coords, scale=keep * p.scale
+        p,
+        coords=_rounded(p, keep * p.coords + u.coords),
+        scale=keep * p.scale,
+    )
+
+  def _rounded(p, coords):
+    if p.coords.dtype == coords.dtype:
+      return coords
+    if seed is None or step is None:
+      raise ValueError(
+          f"factored parameter {p.plan.path!r} keeps {p.coords.dtype} "
+          "coordinates: apply_updates needs the run's seed and the step to "
+          "round them"
+      )
+    return stochastic_round(
+        coords, p.coords.dtype, coords_key(seed, step, p.plan.path)
     )
 
   return jax.tree.map(leaf, params, updates, is_leaf=is_factored)
@@ -233,7 +290,7 @@ def _low_rank_term(
     plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array
 ) -> jax.Array:
   """``P A`` of one matrix as ``[m, n]`` float32 (transposed when wide)."""
-  term = jnp.dot(p_LxR, a_RxS, precision=_HIGHEST)
+  term = jnp.dot(p_LxR, a_RxS.astype(jnp.float32), precision=_HIGHEST)
   return term if plan.left else term.T
 
 
@@ -323,6 +380,13 @@ def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
 
 
+def coords_key(seed: int, step: jax.Array, path: str) -> jax.Array:
+  """The key of a leaf's coordinates rounded at ``step`` (bfloat16
+  coordinates, :func:`apply_updates`), apart from its merge's
+  :func:`rounding_key`."""
+  return rounding_key(seed, step, path + "#coords")
+
+
 def merge_rows(m: int, n: int) -> int:
   """Rows of an ``[m, n]`` matrix merged at a time: all ``m`` when its
   float32 copy fits in :data:`MERGE_BLOCK_BYTES`, else the largest divisor of
@@ -340,6 +404,7 @@ def _low_rank_rows(
     plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array, r0: Any, rows: int
 ) -> jax.Array:
   """Rows ``r0 : r0 + rows`` of :func:`_low_rank_term`."""
+  a_RxS = a_RxS.astype(jnp.float32)
   if rows == plan.m:
     return _low_rank_term(plan, p_LxR, a_RxS)
   if plan.left:

@@ -306,13 +306,16 @@ class _TrainStep:
     view = lambda w: sketch_grad.factored_view(w, projectors.projectors)
     extra = {"projectors": projectors, **self.kl_extra(params, batch, view)}
     trainable = factored_lib.without_base(params)
+    step = sketch_grad.project_state(opt_state).count
     (new_trainable, update_norm), opt_state = self.tx.update(
         totals.grads,
         opt_state,
         params,
         loss=totals.loss,
         apply_fn=lambda u: (
-            factored_lib.apply_updates(trainable, u),
+            factored_lib.apply_updates(
+                trainable, u, seed=self.config.seed, step=step
+            ),
             factored_lib.update_norm(u, params, projectors.projectors),
         ),
         **extra,

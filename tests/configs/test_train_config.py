@@ -135,6 +135,15 @@ def test_boundary_values_are_accepted():
             "of ('transfer', 'keep', 'reset'), got 'bogus'",
         ),
         (
+            "optimizer.coords_dtype=float16",
+            "optimizer.coords_dtype must be one of ('float32', 'bfloat16'), "
+            "got 'float16'",
+        ),
+        (
+            "optimizer.name=adam optimizer.coords_dtype=bfloat16",
+            "optimizer.coords_dtype='bfloat16' needs the factored policy",
+        ),
+        (
             "policy.num_heads=3",
             "policy.num_heads=3 must divide " "policy.hidden_size=32",
         ),
@@ -151,5 +160,5 @@ def test_boundary_values_are_accepted():
 )
 def test_choices_and_head_counts_are_checked_at_once(override, expected):
   with pytest.raises(ValueError) as info:
-    configs.apply_overrides(SMOKE, [override])
+    configs.apply_overrides(SMOKE, override.split())
   assert str(info.value).startswith(expected)

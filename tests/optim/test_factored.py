@@ -409,6 +409,55 @@ def test_stochastic_merges_are_unbiased():
   np.testing.assert_array_equal(nearest, params["w"])
 
 
+def test_bfloat16_coordinates_accumulate_unbiased_steps():
+  """1000 steps of 1/16 ulp each: bfloat16 coordinates rounded
+  stochastically add up in the mean (round to nearest would keep none of
+  them), hold exactly the float32 sum of the old coordinates and the step
+  rounded with :func:`factored.coords_key`, and repeat bit for bit."""
+  steps, m = 1000, 64
+  params = {"w": jnp.ones((m, m), jnp.float32)}
+  tx = logra.logra(LR, 16, factored=True)  # A: [1, 16, 64]
+  weights = factored.factor(params, tx.init(params), coords_dtype="bfloat16")
+  plan = weights["w"].plan
+  assert weights["w"].coords.dtype == jnp.bfloat16
+  start, ulp = 1.0, 2.0**-7  # A starts at 1 (ulp 2^-7 in [1, 2))
+  weights["w"] = dataclasses.replace(
+      weights["w"], coords=jnp.full(plan.sketch_shape, start, jnp.bfloat16)
+  )
+  delta = logra.FactoredDelta(
+      jnp.full(plan.sketch_shape, ulp / 16, jnp.float32), None, plan
+  )
+
+  def run(w):
+    step = lambda t, w: factored.apply_updates(
+        {"w": w}, {"w": delta}, seed=3, step=t
+    )["w"]
+    return jax.lax.fori_loop(0, steps, step, w)
+
+  final = jax.jit(run)(weights["w"])
+  a = np.asarray(final.coords.astype(jnp.float32))
+  # Independent Bernoulli rounding errors of variance <= ulp^2 / 4 per step
+  # (ulp 2^-7 up to A = 2, which 1000 / 16 ulps stay below).
+  stderr = np.sqrt(steps * ulp**2 / 4 / a.size)
+  assert abs(a.mean() - (start + steps * ulp / 16)) < 5 * stderr
+  assert 5 * stderr < steps * ulp / 16 / 10
+  again = jax.jit(run)(weights["w"])
+  np.testing.assert_array_equal(
+      np.asarray(again.coords).view(np.uint16),
+      np.asarray(final.coords).view(np.uint16),
+  )
+  one = factored.apply_updates(weights, {"w": delta}, seed=3, step=5)["w"]
+  expected = factored.stochastic_round(
+      weights["w"].coords.astype(jnp.float32) + delta.coords,
+      jnp.bfloat16,
+      factored.coords_key(3, 5, plan.path),
+  )
+  np.testing.assert_array_equal(
+      np.asarray(one.coords).view(np.uint16),
+      np.asarray(expected).view(np.uint16),
+  )
+
+
 def _dense_update(updates, weights, projectors):
   """D = a W + P Delta materialized at factored leaves; dense elsewhere."""
   effective = factored.effective_weights(weights, projectors)
@@ -482,6 +531,11 @@ def test_bad_inputs_are_refused_with_the_leaf_named():
   state = logra.logra(LR, RANK, factored=True).init(params)
   with pytest.raises(ValueError, match="base_dtype"):
     factored.factor(params, state, base_dtype="float16")
+  with pytest.raises(ValueError, match="coords_dtype"):
+    factored.factor(params, state, coords_dtype="float16")
+  rounded = factored.factor(params, state, coords_dtype="bfloat16")
+  with pytest.raises(ValueError, match=r"\['v'\].*bfloat16.*seed"):
+    factored.apply_updates(rounded, _delta(rounded, None))
   weights = factored.factor(params, state)
   # A valid step for 'v', a dense one for 'w'.
   mixed = dict(_delta(weights, None), w=jnp.zeros_like(params["w"]))

@@ -261,22 +261,29 @@ def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
 def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
     config, tmp_path
 ):
-  """A factored run with a bfloat16 base and a merge every other step
-  (stochastic rounding included) resumes bit for bit, and exports its
-  merged weights."""
+  """A factored run with a bfloat16 base and bfloat16 coordinates, a merge
+  every other step (stochastic rounding of both included), resumes bit for
+  bit, and exports its merged weights."""
   bf16 = configs.apply_overrides(
       config,
-      ["optimizer.base_dtype=bfloat16", "optimizer.refresh_every=2", "steps=4"],
+      [
+          "optimizer.base_dtype=bfloat16",
+          "optimizer.coords_dtype=bfloat16",
+          "optimizer.refresh_every=2",
+          "steps=4",
+      ],
   )
   straight_run = tmp_path / "straight"
   trainer.train(bf16, straight_run, progress=False, log=QUIET)
   final = final_state(straight_run, bf16)
-  bases = [
-      w.base
+  factored_leaves = [
+      w
       for w in jax.tree.leaves(final.params, is_leaf=factored.is_factored)
       if factored.is_factored(w)
   ]
-  assert bases and {b.dtype for b in bases} == {jnp.dtype(jnp.bfloat16)}
+  assert factored_leaves and {
+      (w.base.dtype, w.coords.dtype) for w in factored_leaves
+  } == {(jnp.dtype(jnp.bfloat16),) * 2}
   run = copy_run(straight_run, tmp_path)
   shutil.rmtree(run / "checkpoints" / "4")
   (run / "summary.json").unlink()
