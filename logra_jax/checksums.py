@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.optim.factored import flat_index
-from logra_jax.optim.factored import mix32
+from logra_jax.random_bits import flat_index
+from logra_jax.random_bits import mix32
 
 
 def array_name(path: tuple) -> str:

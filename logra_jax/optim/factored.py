@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from logra_jax.optim import projection
+from logra_jax.random_bits import stochastic_round
 from logra_jax.optim import state_queries
 from logra_jax.optim.dimension_numbers import LeafPlan
 from logra_jax.optim.types import FactoredDelta
@@ -294,84 +295,6 @@ def _low_rank_term(
   return term if plan.left else term.T
 
 
-def stochastic_round(
-    x: jax.Array, dtype: Any, key: jax.Array, offset: Any = 0
-) -> jax.Array:
-  r"""Rounds float32 ``x`` to ``dtype`` (float32 or bfloat16), stochastically.
-
-  To bfloat16: ``x`` lies between two neighbours ``lo <= x < hi``; it
-  becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so
-  :math:`\mathbb{E}[\mathrm{round}(x)] = x`. Implemented on the bits: 16
-  random bits are added to the 16 that bfloat16 drops, and the carry decides.
-  Values that bfloat16 holds exactly are returned unchanged; NaN stays NaN.
-  To float32: ``x`` itself. ``offset``: the flat position of ``x``'s first
-  element in a larger array being rounded in blocks of rows (the bits are
-  those of that array's elements, see :func:`uniform_bits`).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> x = jnp.full((10000,), 1.0 + 2.0**-10)   # 1/8 of a bf16 ulp above 1
-    >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0))
-    >>> sorted(set(y.astype(float).tolist()))
-    [1.0, 1.0078125]
-    >>> abs(float(y.astype(jnp.float32).mean()) - (1.0 + 2.0**-10)) < 3e-4
-    True
-  """
-  x = jnp.asarray(x, jnp.float32)
-  if np.dtype(dtype) == np.float32:
-    return x
-  if np.dtype(dtype) != jnp.bfloat16:
-    raise ValueError(
-        f"stochastic_round rounds to float32 or bfloat16, got "
-        f"{np.dtype(dtype)}"
-    )
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = uniform_bits(key, x.shape, offset) >> 16
-  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-  y = jax.lax.bitcast_convert_type(rounded, jnp.float32)
-  return jnp.where(jnp.isnan(x), x, y).astype(jnp.bfloat16)
-
-
-def mix32(h: jax.Array) -> jax.Array:
-  """MurmurHash3's finalizer: a bijection of uint32 that mixes every bit."""
-  h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
-  h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-def uniform_bits(
-    key: jax.Array, shape: tuple[int, ...], offset: Any = 0
-) -> jax.Array:
-  """uint32 random bits of ``shape``: a keyed hash of each element's flat
-  position plus ``offset`` (counter-based, like Philox), elementwise, so that
-  XLA computes each device's shard of a sharded weight locally, with no
-  generator state or replicated temporaries (``jax.random.bits`` on a
-  ``[V, D]`` table held several table-sized uint32 buffers per device), and
-  rows ``r0:`` of an ``[m, n]`` array get the whole array's bits with
-  ``offset = r0 * n``."""
-  k0, k1 = (jnp.asarray(w, jnp.uint32) for w in jax.random.key_data(key))
-  index = flat_index(shape) + jnp.asarray(offset).astype(jnp.uint32)
-  return mix32(mix32(index ^ k0) + k1)
-
-
-def flat_index(shape: tuple[int, ...]) -> jax.Array:
-  """Each element's row-major flat position in ``shape``, as uint32 (mod
-  2**32), built from iotas so that a sharded array's shards compute theirs
-  locally.
-
-  Example:
-    >>> flat_index((2, 3)).tolist()
-    [[0, 1, 2], [3, 4, 5]]
-  """
-  index, stride = jnp.zeros(shape, jnp.uint32), 1
-  for axis in reversed(range(len(shape))):
-    index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
-        stride % 2**32
-    )
-    stride *= shape[axis]
-  return index
-
-
 def rounding_key(seed: int, step: jax.Array, path: str) -> jax.Array:
   """The key of a leaf's merge at ``step``: a pure function of the run seed,
   the step and the leaf's path (threefry, the same on every backend)."""
@@ -401,53 +324,66 @@ def merge_rows(m: int, n: int) -> int:
 
 
 def _low_rank_rows(
-    plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array, r0: Any, rows: int
+    plan: LeafPlan, p_LxR: jax.Array, a_RxS: jax.Array, j: Any, blocks: int
 ) -> jax.Array:
-  """Rows ``r0 : r0 + rows`` of :func:`_low_rank_term`."""
+  """Rows ``j::blocks`` of :func:`_low_rank_term`."""
   a_RxS = a_RxS.astype(jnp.float32)
-  if rows == plan.m:
+  if blocks == 1:
     return _low_rank_term(plan, p_LxR, a_RxS)
+  rows = plan.m // blocks
   if plan.left:
-    p_rows = jax.lax.dynamic_slice_in_dim(p_LxR, r0, rows, axis=0)
+    p_rows = p_LxR.reshape(rows, blocks, -1)
+    p_rows = jax.lax.dynamic_index_in_dim(p_rows, j, axis=1, keepdims=False)
     return jnp.dot(p_rows, a_RxS, precision=_HIGHEST)
-  a_cols = jax.lax.dynamic_slice_in_dim(a_RxS, r0, rows, axis=1)
+  a_cols = a_RxS.reshape(a_RxS.shape[0], rows, blocks)
+  a_cols = jax.lax.dynamic_index_in_dim(a_cols, j, axis=2, keepdims=False)
   return jnp.dot(p_LxR, a_cols, precision=_HIGHEST).T
 
 
 def _merge_leaf(
     w: FactoredWeight, p_BxLxR: jax.Array, seed: int, step: jax.Array
 ) -> FactoredWeight:
-  """One leaf's window merged, one matrix and block of
-  :func:`merge_rows` rows at a time (in place)."""
+  """One leaf's window merged in place, one matrix at a time and, within
+  it, one block of :func:`merge_rows` rows at a time. Block ``j`` holds
+  rows ``j, j + k, j + 2k, ...`` (``k`` blocks): a weight sharded over its
+  rows keeps every block sharded the same way, so each device merges its
+  own rows (a contiguous block of a sharded matrix would be gathered)."""
   plan = w.plan
   dtype = jnp.result_type(w.base)
   key = rounding_key(seed, step, plan.path)
   rows = merge_rows(plan.m, plan.n)
+  blocks = plan.m // rows
 
-  def one(i, b_BxMxN):
+  def one(i, b_BxRxKxN):
     scale = 1.0 if w.scale is None else w.scale[i]
 
-    def block(j, b_BxMxN):
-      r0 = j * rows
-      b_rows = jax.lax.dynamic_slice_in_dim(b_BxMxN[i], r0, rows, axis=0)
+    def block(j, b_BxRxKxN):
+      b_rows = b_BxRxKxN[i, :, j]
       merged = scale * b_rows.astype(jnp.float32) + _low_rank_rows(
-          plan, p_BxLxR[i], w.coords[i], r0, rows
+          plan, p_BxLxR[i], w.coords[i], j, blocks
       )
-      offset = jnp.asarray(r0, jnp.uint32) * np.uint32(plan.n)
+      offset = jnp.asarray(j, jnp.uint32) * np.uint32(plan.n)
       rounded = stochastic_round(
-          merged, dtype, jax.random.fold_in(key, i), offset
+          merged,
+          dtype,
+          jax.random.fold_in(key, i),
+          offset,
+          strides=(blocks * plan.n, 1),
       )
       return jax.lax.dynamic_update_slice(
-          b_BxMxN, rounded.astype(dtype)[None], (i, r0, 0)
+          b_BxRxKxN, rounded.astype(dtype)[None, :, None], (i, 0, j, 0)
       )
 
-    return jax.lax.fori_loop(0, plan.m // rows, block, b_BxMxN)
+    return jax.lax.fori_loop(0, blocks, block, b_BxRxKxN)
 
-  b_BxMxN = jax.lax.fori_loop(
-      0, plan.batch, one, w.base.reshape(plan.batch, plan.m, plan.n)
+  b_BxRxKxN = jax.lax.fori_loop(
+      0,
+      plan.batch,
+      one,
+      w.base.reshape(plan.batch, rows, blocks, plan.n),
   )
   return FactoredWeight(
-      base=b_BxMxN.reshape(plan.shape),
+      base=b_BxRxKxN.reshape(plan.shape),
       coords=jnp.zeros_like(w.coords),
       scale=None if w.scale is None else jnp.ones_like(w.scale),
       plan=plan,

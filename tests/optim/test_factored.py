@@ -11,6 +11,7 @@ import pytest
 
 import logra_jax as logra
 from logra_jax.optim import factored
+from logra_jax import random_bits
 from logra_jax.optim import state_queries
 from logra_jax.optim.sketch_grad import factored_view
 from logra_jax.lowrank import matmul
@@ -272,6 +273,39 @@ def test_a_merge_in_blocks_of_rows_is_the_whole_matrix_merge(
     assert np.mean(got != want) < 0.1, name
 
 
+@pytest.mark.parametrize("tall", [True, False])
+def test_a_merge_of_a_weight_sharded_over_its_rows_stays_on_its_devices(
+    tall, monkeypatch
+):
+  """A [512, 64] bfloat16 base split over 8 devices by rows, merged in 8
+  blocks: each block is strided (rows j, j + 8, ...), so it is split the
+  same way and no device gathers the matrix (a contiguous block of rows
+  lives on one device and a traced slice of it gathered the whole base:
+  temporaries at least its 64 KiB)."""
+  m, n = (512, 64) if tall else (64, 512)
+  params = {"w": jnp.zeros((m, n), jnp.float32)}
+  tx = logra.logra(LR, 4, factored=True)
+  weights = factored.factor(params, tx.init(params), "bfloat16")
+  w = weights["w"]
+  rows = m if tall else n
+  monkeypatch.setattr(factored, "MERGE_BLOCK_BYTES", 4 * m * n // 8)
+  assert factored.merge_rows(w.plan.m, w.plan.n) == w.plan.m // 8
+  mesh = jax.make_mesh((8,), ("x",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  projectors = {"w": jnp.zeros((1, rows, 4), jnp.float32)}
+  merge = jax.jit(
+      lambda w, p: factored.merge(w, p, seed=0, step=0),
+      in_shardings=(
+          {"w": dataclasses.replace(w, base=split, coords=whole)},
+          {"w": whole},
+      ),
+      out_shardings={"w": dataclasses.replace(w, base=split, coords=whole)},
+  )
+  memory = merge.lower(weights, projectors).compile().memory_analysis()
+  assert memory.temp_size_in_bytes < 2 * m * n, memory
+
+
 def test_merge_rounds_each_matrix_with_its_own_bits():
   """Equal layers of a stacked weight round with different bits (the key
   is folded with the matrix index), each within one bf16 ulp."""
@@ -309,7 +343,7 @@ def _between_bf16(seed, size):
 @functools.partial(jax.jit, static_argnums=3)
 def _round_bf16(x, seed, step, path):
   key = factored.rounding_key(seed, step, path)
-  return factored.stochastic_round(x, jnp.bfloat16, key)
+  return random_bits.stochastic_round(x, jnp.bfloat16, key)
 
 
 def test_stochastic_round_is_a_function_of_its_key():
@@ -364,7 +398,7 @@ def test_stochastic_round_keeps_bfloat16_values_and_non_finites():
     assert np.isnan(tail[:2]).all() and list(tail[2:]) == [np.inf, -np.inf]
   x = _between_bf16(5, 16)
   np.testing.assert_array_equal(
-      factored.stochastic_round(
+      random_bits.stochastic_round(
           x, jnp.float32, factored.rounding_key(0, 0, "['w']")
       ),
       x,
@@ -447,7 +481,7 @@ def test_bfloat16_coordinates_accumulate_unbiased_steps():
       np.asarray(final.coords).view(np.uint16),
   )
   one = factored.apply_updates(weights, {"w": delta}, seed=3, step=5)["w"]
-  expected = factored.stochastic_round(
+  expected = random_bits.stochastic_round(
       weights["w"].coords.astype(jnp.float32) + delta.coords,
       jnp.bfloat16,
       factored.coords_key(3, 5, plan.path),
