@@ -39,7 +39,8 @@ every ``eval_every`` steps covers both: the curves in ``parity.png``).
 Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 ``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
 sketch-direct gradients, factored float32 base) and ``logra-emb-bf16-r8``
-(LoGRA with the embeddings projected, a bfloat16 base and rank 8).
+(LoGRA with the embeddings projected, a bfloat16 base, bfloat16
+coordinates and rank 8: the configuration of the smallest sync messages).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -117,6 +118,7 @@ ARMS: dict[str, list[str]] = {
         "optimizer.name=logra",
         "optimizer.project_embeddings=true",
         "optimizer.base_dtype=bfloat16",
+        "optimizer.coords_dtype=bfloat16",
         "optimizer.rank=8",
     ],
 }
