@@ -3,9 +3,9 @@
 The parts of ``logra_jax`` (a subpackage or a top-level module) stand in the
 order of :data:`LAYERS`, bottom up; a part may import only itself and parts
 below it, so no import cycle between parts can exist. A few parts are
-stricter than their place: ``lowrank`` and ``data`` import nothing of the
-package, ``optim/`` only ``lowrank`` (it is usable alone as an optax
-extension), ``models/`` only ``lowrank`` and ``parallel`` (never the
+stricter than their place: ``lowrank``, ``random_bits`` and ``data`` import
+nothing of the package, ``optim/`` only ``lowrank`` and ``random_bits`` (it is
+usable alone as an optax extension), ``models/`` only ``lowrank`` and ``parallel`` (never the
 optimizer). No import hides inside a function, except of the optional
 dependencies in :data:`OPTIONAL`.
 """
@@ -22,6 +22,7 @@ LAYERS = (
     "deadlines",
     "staging",
     "lowrank",
+    "random_bits",
     "data",
     "optim",
     "checksums",
@@ -45,8 +46,9 @@ ONLY = {
     "deadlines": set(),
     "staging": set(),
     "lowrank": set(),
+    "random_bits": set(),
     "data": set(),
-    "optim": {"lowrank"},
+    "optim": {"lowrank", "random_bits"},
     "models": {"lowrank", "parallel"},
 }
 
