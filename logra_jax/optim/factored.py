@@ -6,8 +6,7 @@ projected leaf is held as a :class:`FactoredWeight`: its base ``B`` (the
 parameter's shape, in the base dtype), the window's coordinates ``A``
 (``[batch, rank, short]``, the sum of its step factors, float32 or, with
 ``coords_dtype="bfloat16"``, stochastically rounded to bfloat16 after every
-step) and, with
-weight decay, one scale ``c`` per matrix. A step
+step) and, with weight decay, one scale ``c`` per matrix. A step
 :math:`D_t = a_t W + P \Delta_t` (a :class:`FactoredDelta`: ``a_t`` is the
 step's decoupled weight decay, zero without it) is applied as
 
@@ -41,11 +40,11 @@ import numpy as np
 import optax
 
 from logra_jax.optim import projection
-from logra_jax.random_bits import stochastic_round
 from logra_jax.optim import state_queries
 from logra_jax.optim.dimension_numbers import LeafPlan
 from logra_jax.optim.types import FactoredDelta
 from logra_jax.optim.types import ProjectState
+from logra_jax.random_bits import stochastic_round
 
 BASE_DTYPES = ("float32", "bfloat16")
 COORDS_DTYPES = ("float32", "bfloat16")
@@ -129,8 +128,9 @@ def factor(
     A tree like ``params`` with :class:`FactoredWeight` at projected leaves.
 
   Raises:
-    ValueError: for another base or coordinates dtype, params that do not match the state,
-      or a projected leaf not laid out ``[*layers, in, out]`` (naming it).
+    ValueError: for another base or coordinates dtype, params that do not
+      match the state, or a projected leaf not laid out ``[*layers, in,
+      out]`` (naming it).
 
   Example:
     >>> import jax.numpy as jnp, logra_jax as logra
@@ -258,7 +258,7 @@ def apply_updates(
           f"FactoredDelta update, got {type(u).__name__}"
       )
     if u.decay is None:
-      return dataclasses.replace(p, coords=_rounded(p, p.coords + u.coords))
+      return dataclasses.replace(p, coords=_rounded(p, _f32(p) + u.coords))
     if p.scale is None:
       raise TypeError(
           f"factored parameter {p.plan.path!r} was made without a scale "
@@ -267,12 +267,15 @@ def apply_updates(
     keep = 1.0 + u.decay
     return dataclasses.replace(
         p,
-        coords=_rounded(p, keep * p.coords + u.coords),
+        coords=_rounded(p, keep * _f32(p) + u.coords),
         scale=keep * p.scale,
     )
 
+  def _f32(p):
+    return p.coords.astype(jnp.float32)
+
   def _rounded(p, coords):
-    if p.coords.dtype == coords.dtype:
+    if p.coords.dtype == jnp.float32:
       return coords
     if seed is None or step is None:
       raise ValueError(
@@ -534,14 +537,15 @@ def update_norm(updates: Any, params: Any, projectors: Any) -> jax.Array:
         )
     )
     scale = 1.0 if w.scale is None else w.scale[:, None, None]
-    pt_w = scale * pt_b + w.coords
+    a_BxRxS = w.coords.astype(jnp.float32)
+    pt_w = scale * pt_b + a_BxRxS
     # ||W||^2 = ||c B||^2 + 2 <c P^T B, A> + ||A||^2.
     b_sq = jnp.sum(jnp.square(b_BxMxN.astype(jnp.float32)), axis=(1, 2))
     c_sq = 1.0 if w.scale is None else jnp.square(w.scale)
     w_sq = (
         jnp.sum(c_sq * b_sq)
-        + 2 * jnp.sum(scale * pt_b * w.coords)
-        + jnp.sum(jnp.square(w.coords))
+        + 2 * jnp.sum(scale * pt_b * a_BxRxS)
+        + jnp.sum(jnp.square(a_BxRxS))
     )
     total += jnp.square(u.decay) * w_sq + 2 * u.decay * jnp.sum(pt_w * u.coords)
   return jnp.sqrt(jnp.maximum(total, 0.0))

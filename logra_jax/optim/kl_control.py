@@ -76,6 +76,21 @@ def _densify(update: Any, params: Any) -> Any:
   return treedef.unflatten([leaf(u, p) for u, p in zip(flat_u, flat_p)])
 
 
+def _float32_coords(params: Any) -> Any:
+  """``params`` with the coordinates of factored weights in float32, so that
+  a step's tangent in them is not rounded to bfloat16 coordinates' dtype
+  (the values are the same: bfloat16 is a subset of float32)."""
+  return jax.tree.map(
+      lambda p: (
+          dataclasses.replace(p, coords=p.coords.astype(jnp.float32))
+          if factored_lib.is_factored(p)
+          else p
+      ),
+      params,
+      is_leaf=factored_lib.is_factored,
+  )
+
+
 def _token_variance(logits_CxV: jax.Array, tangent_CxV: jax.Array) -> jax.Array:
   """``Var_{y ~ softmax(logits)}(tangent_y)`` per row, in float32."""
   logits_CxV = logits_CxV.astype(jnp.float32)
@@ -206,6 +221,8 @@ def make_kl_predictor(
     rows = jnp.arange(subsample) * (num_rows // subsample)
     batch = _rows(batch, rows)
     token_mask = None if token_mask is None else _rows(token_mask, rows)
+
+  params = _float32_coords(params)
 
   def token_kl(update):
     tangent = _densify(update, params)

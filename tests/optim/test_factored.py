@@ -142,7 +142,7 @@ def test_factored_decay_equals_dense_decay():
   _assert_trajectories_close(dense, effective, weight_decay=decay)
 
 
-def _window(base_dtype="float32", decay=True):
+def _window(base_dtype="float32", decay=True, coords_dtype="float32"):
   """Factored weights in the middle of a window (A != 0, c != 1) and
   orthonormal projectors, made by hand."""
   params = _params()
@@ -157,7 +157,7 @@ def _window(base_dtype="float32", decay=True):
     projectors[name] = jnp.asarray(q_BxLxR)
     weights[name] = dataclasses.replace(
         w,
-        coords=_normal(20 + seed, w.coords.shape, 0.1),
+        coords=_normal(20 + seed, w.coords.shape, 0.1).astype(coords_dtype),
         scale=jnp.full(w.scale.shape, 0.93, jnp.float32) if decay else None,
     )
   return weights, projectors
@@ -523,10 +523,11 @@ def _delta(weights, decay):
   return jax.tree.map(leaf, weights, is_leaf=factored.is_factored)
 
 
-def test_kl_predictor_on_factored_params_equals_dense():
+@pytest.mark.parametrize("coords_dtype", ["float32", "bfloat16"])
+def test_kl_predictor_on_factored_params_equals_dense(coords_dtype):
   """kappa of a FactoredDelta on c B + P A equals kappa of a W + P Delta
-  on the dense weights."""
-  weights, projectors = _window("float32")
+  on the dense weights; bfloat16 coordinates do not round the step."""
+  weights, projectors = _window("float32", coords_dtype=coords_dtype)
   updates = _delta(weights, -LR * 0.5)
   x_BxTxM = _normal(8, (4, 3, 16))
   logits_f = lambda w, x: _logits(factored_view(w, projectors), x)
@@ -586,10 +587,12 @@ def test_bad_inputs_are_refused_with_the_leaf_named():
     factored.factor(extra, state)
 
 
+@pytest.mark.parametrize("coords_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("decay", [None, -0.1])
-def test_update_norm_is_the_frobenius_norm_of_the_step(decay):
-  """update_norm equals ||a W + P Delta|| (and the dense leaves') in full."""
-  weights, projectors = _window("float32", decay is not None)
+def test_update_norm_is_the_frobenius_norm_of_the_step(decay, coords_dtype):
+  """update_norm equals ||a W + P Delta|| (and the dense leaves') in full,
+  in float32 whatever the coordinates' dtype."""
+  weights, projectors = _window("float32", decay is not None, coords_dtype)
   updates = _delta(weights, decay)
 
   @jax.jit
