@@ -76,6 +76,29 @@ def _densify(update: Any, params: Any) -> Any:
   return treedef.unflatten([leaf(u, p) for u, p in zip(flat_u, flat_p)])
 
 
+def _subsampled(
+    batch: Any, token_mask: Optional[jax.Array], subsample: Optional[int]
+) -> tuple[Any, Optional[jax.Array]]:
+  """``subsample`` evenly spaced rows of the batch and of its token mask
+  (all rows when None), checked against the batch size."""
+  leaves = jax.tree.leaves(batch)
+  if not leaves:
+    raise ValueError("make_kl_predictor needs a batch with at least one array")
+  num_rows = jnp.shape(leaves[0])[0]
+  if subsample is None:
+    return batch, token_mask
+  if not 1 <= subsample <= num_rows:
+    raise ValueError(
+        f"subsample must be in [1, {num_rows}] (the batch "
+        f"size), got {subsample}"
+    )
+  rows = jnp.arange(subsample) * (num_rows // subsample)
+  return (
+      _rows(batch, rows),
+      None if token_mask is None else _rows(token_mask, rows),
+  )
+
+
 def _float32_coords(params: Any) -> Any:
   """``params`` with the coordinates of factored weights in float32, so that
   a step's tangent in them is not rounded to bfloat16 coordinates' dtype
@@ -208,20 +231,7 @@ def make_kl_predictor(
   """
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-  leaves = jax.tree.leaves(batch)
-  if not leaves:
-    raise ValueError("make_kl_predictor needs a batch with at least one array")
-  num_rows = jnp.shape(leaves[0])[0]
-  if subsample is not None:
-    if not 1 <= subsample <= num_rows:
-      raise ValueError(
-          f"subsample must be in [1, {num_rows}] (the batch "
-          f"size), got {subsample}"
-      )
-    rows = jnp.arange(subsample) * (num_rows // subsample)
-    batch = _rows(batch, rows)
-    token_mask = None if token_mask is None else _rows(token_mask, rows)
-
+  batch, token_mask = _subsampled(batch, token_mask, subsample)
   params = _float32_coords(params)
 
   def token_kl(update):
