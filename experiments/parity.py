@@ -73,9 +73,10 @@ than the ~10 CPU-hours planned for the whole study once a second setting
 qualifies. smollm2 is excluded (on CPU one run takes about 30 minutes).
 
 ``--report-only`` writes the reports from the committed rows alone (each
-found by its setting, arm, rate and seed; all must come from one commit and
-fingerprint, which the reports then name), so that a study run at a fixed
-commit is reported by today's tables and plots.
+found by its setting, arm, rate and seed; all must share one numerics
+fingerprint, which the reports then name with the commits that made them),
+so that a study run at fixed numerics is reported by today's tables and
+plots.
 
 Writes ``parity.csv`` (one row per final and KL-matched run: setting, arm,
 learning rate, seed, split sizes, validation and test accuracy before and
@@ -390,17 +391,19 @@ def committed_row(path: pathlib.Path) -> dict[str, Any]:
 
 
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
-  """The provenance of a ``--report-only`` report: the rows' one commit and
-  numerics fingerprint (several exit, status 2: a report mixes no code
-  versions), with this invocation's command, date and machine."""
-  made = sorted({(r["commit"], r["fingerprint"]) for r in rows})
-  if len(made) != 1:
+  """The provenance of a ``--report-only`` report: the rows' one numerics
+  fingerprint (several exit, status 2: a report mixes no numerics) and the
+  commits that made them (a study spans commits that leave the numerics
+  alone), with this invocation's command, date and machine."""
+  fingerprints = sorted({r["fingerprint"] for r in rows})
+  if len(fingerprints) != 1:
     study.fail(
         "--report-only: the rows were made by several code versions "
-        f"(commit, fingerprint): {made}"
+        f"(numerics fingerprints {fingerprints})"
     )
-  record = provenance.collect(provenance.this_command(), made[0][1])
-  record.update(commit=made[0][0], dirty=False)
+  commits = sorted({r["commit"] for r in rows})
+  record = provenance.collect(provenance.this_command(), fingerprints[0])
+  record.update(commit=" ".join(commits), dirty=False)
   return record
 
 
@@ -564,7 +567,7 @@ def parse_args():
       "--report-only",
       action="store_true",
       help="write the reports from the committed rows (found by setting, "
-      "arm, rate and seed; all of one commit and fingerprint), running "
+      "arm, rate and seed; all of one numerics fingerprint), running "
       "nothing",
   )
   parser.add_argument(

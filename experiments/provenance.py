@@ -10,6 +10,13 @@ that moves any loss, reward or KL changes it. It is computed once per
 invocation and cached by code version (commit, the hash of the uncommitted
 changes to ``logra_jax/`` and the JAX backend) in a cache folder.
 
+On CPU the smoke run's code is generated for at most AVX2
+(``--xla_cpu_max_isa=AVX2``), so that the fingerprint names the code, not
+the host: XLA:CPU vectorizes for the host's instruction set, and below AVX2
+the same tree's metrics move in their last bits (measured: AVX and SSE4.2
+give other hashes; AVX2 and AVX-512 hosts the same one). A study's runs
+are not pinned: each row records its host (:func:`machine`).
+
 Example:
   >>> record = collect("python experiments/parity.py --quick", "0" * 16)
   >>> sorted(record)  # doctest: +NORMALIZE_WHITESPACE
@@ -37,6 +44,10 @@ import jax
 
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# The instruction set the fingerprint's smoke run is compiled for on CPU.
+PINNED_ISA = "--xla_cpu_max_isa=AVX2"
+# x86 vector extensions, widest first: the host's widest is recorded.
+VECTOR_ISAS = ("avx512f", "avx2", "avx", "sse4_2")
 # The metrics the numerics fingerprint hashes: what the optimizer, the loss,
 # the sampler and the rewards compute. A fixed list, so that a metric added
 # later (or the times and compile counts, which vary from run to run of the
@@ -117,6 +128,7 @@ def fingerprint(cache: str | os.PathLike) -> str:
   path = pathlib.Path(cache) / f"{code_version()}.json"
   if path.exists():
     return json.loads(path.read_text())["fingerprint"]
+  flags = os.environ.get("XLA_FLAGS", "") + f" {PINNED_ISA}"
   with tempfile.TemporaryDirectory() as folder:
     run = pathlib.Path(folder) / "run"
     done = subprocess.run(
@@ -124,6 +136,7 @@ def fingerprint(cache: str | os.PathLike) -> str:
         + ["--out", str(run), "--no-progress"],
         capture_output=True,
         text=True,
+        env=dict(os.environ, XLA_FLAGS=flags.strip()),
     )
     if done.returncode:
       raise RuntimeError(
@@ -135,11 +148,30 @@ def fingerprint(cache: str | os.PathLike) -> str:
   return value
 
 
+def cpu_isa() -> str:
+  """The host's widest x86 vector extension (of :data:`VECTOR_ISAS`, read
+  from ``/proc/cpuinfo``), or the machine's architecture elsewhere."""
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.machine()
+  flags = set().union(
+      *(
+          line.split(":", 1)[1].split()
+          for line in text.splitlines()
+          if line.startswith("flags")
+      )
+  )
+  return next((isa for isa in VECTOR_ISAS if isa in flags), platform.machine())
+
+
 def machine() -> dict[str, Any]:
-  """Platform, CPU count and the JAX backend's devices."""
+  """Platform, CPU count and vector extension, and the JAX backend's
+  devices."""
   return {
       "platform": platform.platform(),
       "cpu_count": os.cpu_count(),
+      "cpu_isa": cpu_isa(),
       "jax_backend": jax.default_backend(),
       "devices": [d.device_kind for d in jax.devices()],
   }
@@ -185,11 +217,13 @@ def footer(record: dict[str, Any]) -> str:
     True
   """
   m, v = record["machine"], record["versions"]
+  commits = " ".join(c[:12] for c in record["commit"].split())
   return (
-      f"Command: `{record['command']}`; commit {record['commit'][:12]}"
+      f"Command: `{record['command']}`; commit {commits}"
       f"{' (dirty tree)' if record['dirty'] else ''}, numerics fingerprint "
       f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
-      f"{m['cpu_count']} CPUs, {m['jax_backend']} "
+      f"{m['cpu_count']} CPUs ({m.get('cpu_isa', 'unknown')}), "
+      f"{m['jax_backend']} "
       f"({', '.join(sorted(set(m['devices'])))}); "
       + ", ".join(f"{k} {v[k]}" for k in ("python", *PACKAGES))
       + "."

@@ -234,9 +234,15 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   assert again.returncode == 0, again.stderr[-3000:]
   assert _rows(results / "parity.csv") == rows
   assert not list((tmp_path / "nothing").rglob("*.json"))
-  # ... and refuses rows of two code versions.
+  # ... names every commit of rows that share the numerics ...
   changed = row_files[0]
   row = json.loads(changed.read_text())
+  changed.write_text(json.dumps(dict(row, commit="f" * 40)))
+  spanning = report_only()
+  assert spanning.returncode == 0, spanning.stderr[-3000:]
+  commits = json.loads((results / "provenance.json").read_text())["commit"]
+  assert sorted(commits.split()) == sorted({row["commit"], "f" * 40})
+  # ... and refuses rows of two numerics fingerprints.
   changed.write_text(json.dumps(dict(row, fingerprint="0" * 16)))
   mixed = report_only()
   assert mixed.returncode == 2
@@ -247,6 +253,38 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_fingerprint_run_is_compiled_for_a_pinned_cpu_isa(
+    tmp_path, monkeypatch
+):
+  """The smoke run behind the fingerprint gets XLA_FLAGS capping XLA:CPU
+  at AVX2 (the host's own flags kept), so hosts with wider vector units
+  share fingerprints."""
+  seen, run = {}, subprocess.run
+
+  def smoke_run(command, env=None, **kwargs):
+    if "train" not in command:  # git and the like
+      return run(command, env=env, **kwargs)
+    seen.update(env=env)
+    out = pathlib.Path(command[command.index("--out") + 1])
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    return subprocess.CompletedProcess(command, 0, "", "")
+
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+  monkeypatch.setattr(provenance.subprocess, "run", smoke_run)
+  provenance.fingerprint.cache_clear()
+  try:
+    value = provenance.fingerprint(tmp_path / "cache")
+  finally:
+    provenance.fingerprint.cache_clear()
+  assert value == provenance.metrics_hash(['{"step": 1, "loss": 0.5}'])
+  assert seen["env"]["XLA_FLAGS"].split() == [
+      "--xla_dump_to=/nowhere",
+      "--xla_cpu_max_isa=AVX2",
+  ]
+  assert provenance.machine()["cpu_isa"]
 
 
 def test_metrics_hash_keeps_only_the_numerics():
