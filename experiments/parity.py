@@ -38,9 +38,10 @@ every ``eval_every`` steps covers both: the curves in ``parity.png``).
 
 Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 ``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
-sketch-direct gradients, factored float32 base) and ``logra-emb-bf16-r8``
+sketch-direct gradients, factored float32 base) and ``logra-small-sync``
 (LoGRA with the embeddings projected, a bfloat16 base, bfloat16
-coordinates and rank 8: the configuration of the smallest sync messages).
+coordinates, rank 8 and random projectors, which a receiver can regenerate
+from the seed: the configuration of the smallest sync messages).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -115,15 +116,16 @@ ARMS: dict[str, list[str]] = {
     "lora": ["optimizer.name=lora", "optimizer.rank=32"],
     "galore": ["optimizer.name=galore"],
     "logra": ["optimizer.name=logra"],
-    "logra-emb-bf16-r8": [
+    "logra-small-sync": [
         "optimizer.name=logra",
         "optimizer.project_embeddings=true",
         "optimizer.base_dtype=bfloat16",
         "optimizer.coords_dtype=bfloat16",
         "optimizer.rank=8",
+        "optimizer.kind=random",
     ],
 }
-LOGRA_ARMS = ("logra", "logra-emb-bf16-r8")
+LOGRA_ARMS = ("logra", "logra-small-sync")
 BASELINES = ("adam", "lora")
 # Half-decade grids: LoRA's best rate sits above full fine-tuning's; dense
 # Adam's pilot (parity-pilot) peaked at 1e-4 and collapsed from 1e-3 on tiny.
@@ -133,7 +135,7 @@ GRIDS = {
     "lora": (3e-4, 1e-3, 3e-3, 1e-2),
     "galore": DENSE_GRID,
     "logra": DENSE_GRID,
-    "logra-emb-bf16-r8": DENSE_GRID,
+    "logra-small-sync": DENSE_GRID,
 }
 MIN_GRID = 4
 
