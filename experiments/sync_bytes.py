@@ -68,6 +68,7 @@ def model_policy_state(
     project_embeddings: bool,
     optimizer: str = "logra",
     coords_dtype: str = "float32",
+    kind: str = "range",
 ) -> tuple[dict, int]:
   """The shapes of the learner's :func:`sync.policy_state` for ``model``
   (float32 weights, default settings of ``optimizer``, "logra" or "lora")
@@ -83,6 +84,7 @@ def model_policy_state(
       rank=rank,
       project_embeddings=project_embeddings and optimizer == "logra",
       coords_dtype=coords_dtype,
+      kind=kind,
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   return policy_state.abstract_policy_state(opt_config, params), count
@@ -103,10 +105,11 @@ def message_bytes(
     project_embeddings: bool,
     optimizer: str = "logra",
     coords_dtype: str = "float32",
+    kind: str = "range",
 ) -> dict[str, int]:
   """Bytes a sync message carries, by kind of array, and the parameters."""
   state, count = model_policy_state(
-      model, rank, project_embeddings, optimizer, coords_dtype
+      model, rank, project_embeddings, optimizer, coords_dtype, kind
   )
   named = sync.named_arrays(state)
   out = {
@@ -160,55 +163,63 @@ def is_default(
     project_embeddings: bool,
     refresh_every: int,
     coords_dtype: str,
+    kind: str,
 ) -> bool:
   """Whether a row is the default configuration (``OptimizerConfig()``)."""
   default = configs.OptimizerConfig()
-  return (optimizer, rank, project_embeddings, refresh_every, coords_dtype) == (
+  row = (optimizer, rank, project_embeddings, refresh_every, coords_dtype)
+  return row == (
       default.name,
       default.rank,
       default.project_embeddings,
       default.refresh_every,
       default.coords_dtype,
-  )
+  ) and (optimizer != "logra" or kind == default.kind)
 
 
 def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
-  """Bytes per step of LoGRA's message (embeddings dense, projected, and
-  projected with bfloat16 coordinates) and of LoRA's at each rank, with the
-  full bfloat16 broadcast and sparse deltas beside them."""
+  """Bytes per step of LoGRA's message (embeddings dense, projected,
+  projected with bfloat16 coordinates, and so with random projectors, which
+  the receiver regenerates) and of LoRA's at each rank, with the full
+  bfloat16 broadcast and sparse deltas beside them."""
   rows = []
   arms = [
-      ("logra", False, "float32"),
-      ("logra", True, "float32"),
-      ("logra", True, "bfloat16"),
-      ("lora", False, "float32"),
+      ("logra", False, "float32", "range"),
+      ("logra", True, "float32", "range"),
+      ("logra", True, "bfloat16", "range"),
+      ("logra", True, "bfloat16", "random"),
+      ("lora", False, "float32", "range"),
   ]
-  for optimizer, project_embeddings, coords_dtype in arms:
+  for optimizer, project_embeddings, coords_dtype, kind in arms:
     for rank in ranks:
       b = message_bytes(
-          model, rank, project_embeddings, optimizer, coords_dtype
+          model, rank, project_embeddings, optimizer, coords_dtype, kind
       )
       if optimizer == "lora":  # adapters every step, merged by the engine
         step, projector = b[sync.ADAPTER] + b[sync.DENSE], 0
         embeddings = "LoRA adapters"
       else:
         step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
-        projector = b[sync.PROJECTOR]
+        projector = b[sync.PROJECTOR] if sync.projectors_travel(kind) else 0
         embeddings = "projected" if project_embeddings else "dense"
         if coords_dtype != "float32":
           embeddings += f", {coords_dtype} A"
+        if kind != "range":
+          embeddings += f", {kind} P"
       rows.append(
           {
               "model": model,
               "embeddings": embeddings,
               "rank": rank,
               "coords_dtype": coords_dtype,
+              "kind": kind,
               "default": is_default(
                   optimizer,
                   rank,
                   project_embeddings,
                   refresh_every,
                   coords_dtype,
+                  kind,
               ),
               "step_bytes": step,
               "projector_bytes": projector,

@@ -8,7 +8,8 @@ evaluation) and what a rollout engine holds (:func:`synced_state`).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Optional
 
 from flax import nnx
 import jax
@@ -230,13 +231,23 @@ def abstract_policy_state(
   """The shapes and dtypes of :func:`synced_state` of the learner's
   state for dense ``params`` (what a rollout engine of this config holds),
   without computing anything."""
+  return abstract_receiver(config, params)[0]
+
+
+def abstract_receiver(
+    config: OptimizerConfig, params: Any
+) -> tuple[dict[str, Any], Optional[Callable]]:
+  """What a sync receiver of this config needs, from the config and dense
+  ``params`` alone, computing nothing: :func:`abstract_policy_state` and
+  the :func:`projector_source` (None unless ``kind="random"``)."""
   tx = make_optimizer(config, params)
 
   def state(p):
     weights, opt_state = init_train_state(config, tx, p)
-    return synced_state(weights, opt_state)
+    return synced_state(weights, opt_state), opt_state
 
-  return jax.eval_shape(state, params)
+  template, opt_state = jax.eval_shape(state, params)
+  return template, projector_source(opt_state)
 
 
 def dense_weights(
@@ -314,6 +325,22 @@ def synced_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
   else:
     projectors = state_queries.window_projectors(opt_state)
   return {"weights": weights, "projectors": projectors}
+
+
+def projector_source(opt_state: optax.OptState) -> Optional[Callable]:
+  """For ``kind="random"`` projectors: a jitted ``window -> projectors``
+  (``state_queries.random_projectors``) that regenerates any window's
+  projectors from the seed, given to a :class:`~logra_jax.sync.PolicyReceiver`
+  so that refresh messages need not carry them; None for other optimizers
+  and projector kinds. Reads only the state's static spec: an abstract
+  state (``jax.eval_shape`` of ``tx.init``, :func:`abstract_opt_state`)
+  serves."""
+  project = sketch_grad.project_state(opt_state)
+  if project is None or project.spec.config.kind != "random":
+    return None
+  return jax.jit(
+      functools.partial(state_queries.random_projectors, project.spec)
+  )
 
 
 def is_structured(x) -> bool:

@@ -614,3 +614,12 @@ def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
   rows = sync_bytes.model_rows("qwen2.5-0.5b", [8, 32], 50)
   assert [r["embeddings"] for r in rows].count("projected, bfloat16 A") == 2
   assert [r["rank"] for r in rows if r["default"]] == [32]
+  # Random projectors: the same step, no projectors at a refresh.
+  by = lambda label: {r["rank"]: r for r in rows if r["embeddings"] == label}
+  ranged = by("projected, bfloat16 A")
+  regenerated = by("projected, bfloat16 A, random P")
+  for rank in (8, 32):
+    assert ranged[rank]["projector_bytes"] > 0
+    assert regenerated[rank]["projector_bytes"] == 0
+    assert regenerated[rank]["step_bytes"] == ranged[rank]["step_bytes"]
+    assert regenerated[rank]["mean_bytes"] == ranged[rank]["step_bytes"]

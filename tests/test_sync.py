@@ -112,7 +112,10 @@ def test_receiver_is_bit_identical_over_many_windows(
   )
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
   receiver = sync.PolicyReceiver(
-      policy_state.synced_state(weights, state), seed=7, kind=kind
+      policy_state.synced_state(weights, state),
+      seed=7,
+      projectors=policy_state.projector_source(state),
+      kind=kind,
   )
   receiver.apply(
       sync.decode(sync.encode(sender.message(weights, state, full=True)))
@@ -157,6 +160,49 @@ def test_a_step_message_carries_only_the_window():
   assert {kinds[n] for n in second.arrays} == {"coords", "dense"}
   # coords [1, 2, 6] and [1, 2, 8] float32, dense bias [20] float32
   assert second.nbytes == 4 * (12 + 16 + 20)
+
+
+def test_random_projectors_are_regenerated_by_the_receiver():
+  """``kind="random"``: a refresh's message names the new window instead of
+  carrying its projectors, so it is as small as any step's; the receiver
+  regenerates them from the seed (its checksums prove them the learner's
+  bits). A receiver given no projector source refuses such a message and a
+  full one, which carries them, heals it."""
+  weights, state, step = _learner("random", "bfloat16", 0.0)
+  sender = sync.PolicySender(weights, state, seed=7)
+  template = policy_state.synced_state(weights, state)
+  receiver = sync.PolicyReceiver(
+      template, seed=7, projectors=policy_state.projector_source(state)
+  )
+  blind = sync.PolicyReceiver(template, seed=7)
+  full = sender.message(weights, state, full=True)
+  assert any(n.startswith("projector:") for n in full.arrays)
+  for r in (receiver, blind):
+    r.apply(full)
+  sizes, windows = set(), []
+  for i in range(2 * REFRESH + 1):  # merges before the counts 0, 25, 50
+    weights, state = step(weights, state, _batch(i))
+    message = sender.message(weights, state)
+    assert not any(n.startswith("projector:") for n in message.arrays)
+    sizes.add(message.nbytes)
+    if message.merge_step >= 0:
+      windows.append(message.window)
+    receiver.apply(sync.decode(sync.encode(message)))
+    if message.merge_step == REFRESH:
+      _refused(blind, message, "no projector source")
+    elif i < REFRESH:  # window 0's projectors came in the full message
+      blind.apply(message)
+  assert windows == [0, 1, 2] and len(sizes) == 1
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  blind.apply(sender.message(weights, state, full=True))
+  assert _same_bits(blind.state, receiver.state)
+
+
+def test_a_message_of_the_previous_format_is_refused(synced):
+  data = bytearray(sync.encode(synced[2][0]))
+  data[8:12] = (sync.FORMAT_VERSION - 1).to_bytes(4, "little")
+  with pytest.raises(sync.SyncError, match="format 1; this version reads"):
+    sync.decode(bytes(data))
 
 
 def test_bfloat16_coordinates_halve_a_step_message():

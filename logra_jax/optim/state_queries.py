@@ -13,6 +13,7 @@ import optax
 from logra_jax.optim.projection import random_window_projector
 from logra_jax.optim.types import FactoredUpdate
 from logra_jax.optim.types import LowRankFactor
+from logra_jax.optim.types import ProjectionSpec
 from logra_jax.optim.types import ProjectState
 from logra_jax.optim.types import UnprojectState
 
@@ -83,31 +84,53 @@ def window_projectors(opt_state: optax.OptState) -> Any:
   params (None at dense leaves).
 
   The stored ones for ``kind="range"``/``"svd"``; for ``"random"`` the
-  window's regenerated from the seed. Before the first update: the stored
-  zeros (or window 0's random projectors).
+  window's regenerated from the seed (:func:`random_projectors`). Before
+  the first update: the stored zeros (or window 0's random projectors).
 
   Raises:
     ValueError: if the state has no, or more than one, ``scale_by_low_rank``.
   """
-  projects = find_states(opt_state, ProjectState)
-  if len(projects) != 1:
-    raise ValueError(
-        "window_projectors needs exactly one logra.scale_by_low_rank "
-        f"stage in the optimizer state; found {len(projects)}"
-    )
-  state = projects[0]
+  state = _one_project_state(opt_state, "window_projectors")
   config = state.spec.config
   if config.kind != "random":
     return state.projectors
   window = jnp.maximum(state.count - 1, 0) // config.refresh_every
-  return state.spec.treedef.unflatten(
+  return random_projectors(state.spec, window)
+
+
+def random_projectors(spec: ProjectionSpec, window) -> Any:
+  """The ``kind="random"`` projectors of refresh window ``window`` (the
+  update at count ``t`` uses window ``t // refresh_every``), regenerated
+  from the seed, as a tree like the params (None at dense leaves).
+
+  Takes the state's static spec (``ProjectState.spec``, also that of an
+  abstract state from ``jax.eval_shape`` of ``tx.init``): a receiver of sync
+  messages regenerates the learner's projectors bit for bit from its
+  config alone.
+  """
+  return spec.treedef.unflatten(
       [
-          random_window_projector(plan, config, window)
+          random_window_projector(plan, spec.config, window)
           if plan.projected
           else None
-          for plan in state.spec.plans
+          for plan in spec.plans
       ]
   )
+
+
+def _one_project_state(opt_state: optax.OptState, caller: str) -> ProjectState:
+  """The one ``scale_by_low_rank`` state of ``opt_state``.
+
+  Raises:
+    ValueError: none, or more than one.
+  """
+  projects = find_states(opt_state, ProjectState)
+  if len(projects) != 1:
+    raise ValueError(
+        f"{caller} needs exactly one logra.scale_by_low_rank "
+        f"stage in the optimizer state; found {len(projects)}"
+    )
+  return projects[0]
 
 
 def optimizer_state_bytes(state: Any) -> int:

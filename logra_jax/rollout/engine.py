@@ -412,6 +412,9 @@ class RolloutEngine(Engine):
       weights take (None: where XLA places them).
     dtype: the dtype the sampler's weights are in (``rollout.dtype``;
       :func:`sampling_dtype`).
+    projectors: regenerates ``kind="random"`` projectors by window
+      (``policy_state.projector_source``), so that refresh messages need
+      not carry them; None for other kinds.
     **fields: the signature fields the learner's :class:`sync.PolicySender`
       uses (:func:`sync_fields`).
   """
@@ -424,10 +427,13 @@ class RolloutEngine(Engine):
       seed: int,
       shardings: Any = None,
       dtype: Any = jnp.float32,
+      projectors: Optional[Callable[[int], Any]] = None,
       **fields: Any,
   ):
     self.policy = policy
-    self.receiver = sync.PolicyReceiver(template, seed=seed, **fields)
+    self.receiver = sync.PolicyReceiver(
+        template, seed=seed, projectors=projectors, **fields
+    )
     self.signature = self.receiver.signature
     dense = jax.eval_shape(sync.materialize, template)
     own = {x.dtype for x in jax.tree.leaves(dense) if _floating(x)}

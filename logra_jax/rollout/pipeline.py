@@ -112,6 +112,7 @@ def start_engine(
         seed=config.seed,
         shardings=params_sharding,
         dtype=engine_lib.sampling_dtype(config.rollout.dtype),
+        projectors=policy_state.projector_source(opt_state),
         **sync_fields,
     )
   closing.callback(engine.close)

@@ -187,8 +187,8 @@ class _Server:
           attention=config.policy.attention,
           remat=config.policy.remat,
       )
-      # The learner's layout, from the config alone.
-      template = policy_state.abstract_policy_state(
+      # The learner's layout and projector source, from the config alone.
+      template, projectors = policy_state.abstract_receiver(
           config.optimizer, policy.params
       )
       policy.params = None
@@ -197,6 +197,7 @@ class _Server:
           template,
           seed=config.seed,
           dtype=engine_lib.sampling_dtype(config.rollout.dtype),
+          projectors=projectors,
           **engine_lib.sync_fields(config, folder),
       )
       return _OK, _pack({"signature": self.engine.receiver.signature})

@@ -1,48 +1,7 @@
-"""Policy sync: messages that move a copy of the factored policy to the
-learner's, bit for bit.
-
-The learner's policy is factored (:mod:`logra_jax.optim.factored`): each
-projected weight is ``W = c B + P A`` and only ``A`` (``[batch, rank,
-short]``), ``c`` and the dense leaves change within a projector window; ``B``
-changes only when a window is merged, ``B <- round(c B + P A)``, which a
-receiver holding the same ``B``, ``P`` and ``A`` computes itself with the
-same program and the same rounding bits (:func:`factored.merge`). A
-:class:`SyncMessage` therefore carries, per step:
-
-* every leaf's coordinates ``A`` and scale ``c`` (the window's sum of step
-  factors, not the step's own factor: the same size, and a message applies
-  exactly, with no float arithmetic on the receiver);
-* the dense leaves' new values;
-* with LoRA adapters (:mod:`logra_jax.optim.lora`) instead of a factored
-  policy: every adapter's ``D`` and ``U``; the frozen weights travel only in
-  full messages;
-* at a refresh, the step of the merge and the new window's projectors ``P``;
-* a checksum of every array the receiver must end with
-  (:func:`logra_jax.checksums.leaf_checksums`, computed on the device), a
-  sequence number, the policy version and a signature of the layout.
-
-A full message (``full=True``, a *resync*) carries every array, bases
-included. :class:`PolicyReceiver` verifies a message, applies it to a new
-copy and commits it only when every checksum matches: a message that does
-not fit (another model or layout, a sequence number out of order, a missing
-or misshapen array, a checksum mismatch) raises :class:`SyncError` and the
-receiver keeps its weights. :func:`encode` / :func:`decode` turn messages into
-bytes (msgpack arrays behind a checked header, never pickle) for a receiver
-in another process.
-
-Example:
-  >>> import jax, jax.numpy as jnp, logra_jax as logra
-  >>> from logra_jax.optim import factored
-  >>> params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
-  >>> tx = logra.logra(1e-2, rank=2, refresh_every=2, factored=True)
-  >>> state = tx.init(params)
-  >>> weights = factored.factor(params, state)
-  >>> sender = PolicySender(weights, state, seed=0)
-  >>> receiver = PolicyReceiver(policy_state.synced_state(weights, state), seed=0)
-  >>> receiver.apply(decode(encode(sender.message(weights, state, full=True))))
-  >>> receiver.version, sorted(receiver.state)
-  (0, ['projectors', 'weights'])
-"""
+"""The two ends of policy sync: :class:`PolicySender` (the learner's) and
+:class:`PolicyReceiver` (a copy of the policy, moved only to verified
+states), with the layout they share (:func:`named_arrays`,
+:func:`signature`)."""
 
 from __future__ import annotations
 
@@ -50,11 +9,8 @@ import dataclasses
 import functools
 import hashlib
 import json
-import struct
-import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from flax import serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,58 +23,16 @@ from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import state_queries
 from logra_jax.optim.types import ProjectState
-
-FORMAT_VERSION = 1
-_MAGIC = b"LOGRASYN"
-_HEADER = struct.Struct("<8sIQI")  # magic, format, payload length, CRC-32
-
-BASE, COORDS, SCALE, PROJECTOR, DENSE, ADAPTER, FROZEN = (
-    "base",
-    "coords",
-    "scale",
-    "projector",
-    "dense",
-    "adapter",
-    "frozen",
-)
-# The kinds of array every message carries (the others: full messages, and
-# projectors after a merge).
-_EVERY_STEP = (COORDS, SCALE, DENSE, ADAPTER)
-
-
-class SyncError(ValueError):
-  """A sync message that does not fit the receiver; its weights are kept."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncMessage:
-  """One step of the learner's policy (or all of it, ``full``).
-
-  Attributes:
-    sequence: this message's number; a receiver applies ``n + 1`` after
-      ``n`` (a full message resets the sequence to its own).
-    version: the learner's optimizer steps behind these weights.
-    signature: :func:`signature` of the policy layout.
-    full: every array (a resync), else the arrays a step changes.
-    merge_step: the step (rounding key) of the window merge the learner made
-      before this update, or -1 when it made none.
-    arrays: name -> array (see :func:`named_arrays`).
-    checksums: name -> uint32 checksum of every array the receiver must end
-      with.
-  """
-
-  sequence: int
-  version: int
-  signature: str
-  full: bool
-  merge_step: int
-  arrays: dict[str, Any]
-  checksums: dict[str, int]
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of the arrays it carries."""
-    return sum(x.nbytes for x in self.arrays.values())
+from logra_jax.sync.messages import ADAPTER
+from logra_jax.sync.messages import BASE
+from logra_jax.sync.messages import COORDS
+from logra_jax.sync.messages import DENSE
+from logra_jax.sync.messages import EVERY_STEP
+from logra_jax.sync.messages import FROZEN
+from logra_jax.sync.messages import PROJECTOR
+from logra_jax.sync.messages import SCALE
+from logra_jax.sync.messages import SyncError
+from logra_jax.sync.messages import SyncMessage
 
 
 def named_arrays(state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
@@ -213,9 +127,9 @@ class PolicySender:
     per window. Stored ones are read from ``opt_state`` at every call: the
     learner's step may donate the arrays of the state before it."""
     project = sketch_grad.project_state(opt_state)
-    if project is None or project.spec.config.kind != "random":
+    if not _random_kind(project):
       return policy_state.synced_state(weights, opt_state)
-    window = (int(project.count) - 1) // project.spec.config.refresh_every
+    window = max(int(project.count) - 1, 0) // project.spec.config.refresh_every
     if self._window is None or self._window[0] != window:
       self._window = (window, state_queries.window_projectors(opt_state))
     return {"weights": weights, "projectors": self._window[1]}
@@ -249,8 +163,11 @@ class PolicySender:
         or any(m != self._count for m in merges)
     )
     merge_step = merges[-1] if merges else -1
+    regenerated = _random_kind(project)
     sent = lambda kind: (
-        full or kind in _EVERY_STEP or (kind == PROJECTOR and merge_step >= 0)
+        full
+        or kind in EVERY_STEP
+        or (kind == PROJECTOR and merge_step >= 0 and not regenerated)
     )
     self.sequence += 1
     self._count = None if project is None else int(project.count)
@@ -262,9 +179,22 @@ class PolicySender:
         signature=self.signature,
         full=full,
         merge_step=merge_step,
+        window=self._window[0] if regenerated else -1,
         arrays={n: x for n, (kind, x) in named.items() if sent(kind)},
         checksums=_checksums({n: x for n, (_, x) in named.items()}),
     )
+
+
+def projectors_travel(kind: str) -> bool:
+  """Whether a refresh's message carries the new window's projectors: for
+  every projector kind but ``"random"``, whose projectors the receiver
+  regenerates from the seed."""
+  return kind != "random"
+
+
+def _random_kind(project: Optional[ProjectState]) -> bool:
+  """Whether the projectors are regenerated by the receiver."""
+  return project is not None and not projectors_travel(project.spec.config.kind)
 
 
 @functools.partial(jax.jit, static_argnames="seed")
@@ -285,6 +215,10 @@ class PolicyReceiver:
       its initial state, or ``jax.ShapeDtypeStruct``s) giving the tree the
       arrays are placed in.
     seed: the run's seed (the merge's rounding key).
+    projectors: for ``kind="random"`` projectors, window -> the window's
+      projectors (:func:`~logra_jax.policy_state.projector_source`), so
+      that a refresh's message need not carry them; without it such a
+      message is refused (and a full one, which carries them, heals it).
     **fields: as given to the sender (model config, rank, ...).
 
   Attributes:
@@ -294,10 +228,19 @@ class PolicyReceiver:
     sequence, version: of the last message applied (-1 before the first).
   """
 
-  def __init__(self, template: dict[str, Any], *, seed: int, **fields: Any):
+  def __init__(
+      self,
+      template: dict[str, Any],
+      *,
+      seed: int,
+      projectors: Optional[Callable[[int], Any]] = None,
+      **fields: Any,
+  ):
     self.state = template
     self.signature = signature(template, seed=seed, **fields)
     self.seed = seed
+    self._projectors = projectors
+    self._window = -1  # the window of the random projectors held
     self.sequence = -1
     self.version = -1
 
@@ -340,23 +283,13 @@ class PolicyReceiver:
           f"than the version held ({self.version})"
       )
     named = named_arrays(self.state)
-    state = self.state
-    if not message.full and message.merge_step >= 0:
-      state = dict(
-          state,
-          weights=_merge(
-              state["weights"],
-              state["projectors"],
-              jnp.asarray(message.merge_step, jnp.int32),
-              seed=self.seed,
-          ),
-      )
+    state = self._merged(message)
     expected = {
         n
         for n, (kind, _) in named.items()
         if message.full
-        or kind in _EVERY_STEP
-        or (kind == PROJECTOR and message.merge_step >= 0)
+        or kind in EVERY_STEP
+        or (kind == PROJECTOR and message.merge_step >= 0 > message.window)
     }
     missing = sorted(expected - set(message.arrays))
     extra = sorted(set(message.arrays) - expected)
@@ -382,6 +315,38 @@ class PolicyReceiver:
     self.state = state
     self.sequence = message.sequence
     self.version = message.version
+    self._window = message.window
+
+  def _merged(self, message: SyncMessage) -> dict[str, Any]:
+    """The state held, with the message's window merge applied and the
+    new window's random projectors regenerated (when it names one)."""
+    state = self.state
+    if message.full or message.merge_step < 0:
+      return state
+    weights = _merge(
+        state["weights"],
+        state["projectors"],
+        jnp.asarray(message.merge_step, jnp.int32),
+        seed=self.seed,
+    )
+    if message.window in (-1, self._window):  # the projectors held
+      return dict(state, weights=weights)
+    if self._projectors is None:
+      raise SyncError(
+          f"message {message.sequence} leaves window {message.window}'s "
+          "random projectors to the receiver, which was given no "
+          "projector source to regenerate them (a full message carries "
+          "them)"
+      )
+    placed = lambda new, old: (
+        new
+        if getattr(old, "sharding", None) is None
+        else jax.device_put(new, old.sharding)
+    )
+    projectors = jax.tree.map(
+        placed, self._projectors(message.window), state["projectors"]
+    )
+    return {"weights": weights, "projectors": projectors}
 
   def effective_weights(self, dtype: Any = None) -> Any:
     """The dense weights ``c B + P A`` held (:func:`materialize`, jitted)."""
@@ -459,100 +424,3 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
       "weights": treedef.unflatten(weights),
       "projectors": treedef.unflatten(new_projectors),
   }
-
-
-def encode(message: SyncMessage) -> bytes:
-  """``message`` as bytes: a header (magic, format version, payload length,
-  CRC-32 of the payload) and a msgpack payload of the fields and the arrays
-  (``flax.serialization``; no pickle)."""
-  return b"".join(encode_parts(message))
-
-
-def encode_parts(message: SyncMessage) -> tuple[bytes, bytes]:
-  """:func:`encode`'s header and payload, not joined (a transport sends them
-  one after the other instead of copying a large message once more)."""
-  payload = serialization.msgpack_serialize(
-      {
-          "sequence": message.sequence,
-          "version": message.version,
-          "signature": message.signature,
-          "full": message.full,
-          "merge_step": message.merge_step,
-          "arrays": {n: np.asarray(x) for n, x in message.arrays.items()},
-          "checksums": dict(message.checksums),
-      }
-  )
-  return (
-      _HEADER.pack(_MAGIC, FORMAT_VERSION, len(payload), zlib.crc32(payload)),
-      payload,
-  )
-
-
-def decode(data: bytes | bytearray | memoryview) -> SyncMessage:
-  """The :class:`SyncMessage` of :func:`encode`'s bytes.
-
-  Raises:
-    SyncError: not a sync message, another format version, truncated or
-      corrupted bytes, or fields of the wrong type.
-  """
-  if len(data) < _HEADER.size:
-    raise SyncError(
-        f"sync message truncated: {len(data)} bytes, shorter " "than its header"
-    )
-  magic, version, length, crc = _HEADER.unpack_from(data)
-  if magic != _MAGIC:
-    raise SyncError("not a logra-jax sync message (bad magic bytes)")
-  if version != FORMAT_VERSION:
-    raise SyncError(
-        f"sync message format {version}; this version reads "
-        f"format {FORMAT_VERSION}"
-    )
-  payload = memoryview(data)[_HEADER.size :]  # not a copy
-  if len(payload) != length:
-    raise SyncError(
-        f"sync message truncated or padded: payload of "
-        f"{len(payload)} bytes, header says {length}"
-    )
-  if zlib.crc32(payload) != crc:
-    raise SyncError("sync message corrupted: CRC-32 of its payload differs")
-  try:
-    fields = serialization.msgpack_restore(payload)
-  except Exception as e:  # noqa: BLE001 (any msgpack failure)
-    raise SyncError(f"sync message payload unreadable: {e}") from None
-  if not isinstance(fields, dict):
-    raise SyncError("sync message payload is not a map of fields")
-  types = {
-      "sequence": int,
-      "version": int,
-      "signature": str,
-      "full": bool,
-      "merge_step": int,
-      "arrays": dict,
-      "checksums": dict,
-  }
-  for name, kind in types.items():
-    value = fields.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-      raise SyncError(
-          f"sync message field {name!r} is missing or not " f"{kind.__name__}"
-      )
-  if not all(isinstance(x, np.ndarray) for x in fields["arrays"].values()):
-    raise SyncError(
-        "sync message field 'arrays' holds values that are not " "arrays"
-    )
-  if not all(
-      isinstance(v, int) and not isinstance(v, bool)
-      for v in fields["checksums"].values()
-  ):
-    raise SyncError(
-        "sync message field 'checksums' holds values that are " "not integers"
-    )
-  return SyncMessage(
-      sequence=fields["sequence"],
-      version=fields["version"],
-      signature=fields["signature"],
-      full=fields["full"],
-      merge_step=fields["merge_step"],
-      arrays=fields["arrays"],
-      checksums={n: int(v) for n, v in fields["checksums"].items()},
-  )
