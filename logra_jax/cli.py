@@ -166,6 +166,7 @@ def _memory(args: argparse.Namespace) -> int:
       project_embeddings=args.project_embeddings,
       reference_dtype=args.reference_dtype,
       base_dtype=args.base_dtype,
+      coords_dtype=args.coords_dtype,
   )
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
@@ -292,6 +293,13 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       default="float32",
       help="LoGRA, sketch gradients: dtype of the base B of the "
       "factored weights W = c B + P A; LoRA: of the frozen weights",
+  )
+  plan.add_argument(
+      "--coords-dtype",
+      choices=["float32", "bfloat16"],
+      default="float32",
+      help="LoGRA, sketch gradients: dtype of the window coordinates A of "
+      "the factored weights (optimizer.coords_dtype)",
   )
   plan.add_argument(
       "--reference-dtype",

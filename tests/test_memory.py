@@ -77,6 +77,22 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
   # bfloat16 dots; the planner keeps those converts inside the layer loop).
   assert bf16.temporaries < reports["logra"].temporaries + 2 * projected // 8
   assert "bfloat16 base" in bf16.description
+  # bfloat16 coordinates: A takes 2 bytes per value.
+  halved = memory.plan_memory(
+      TINY,
+      mesh=FSDP8,
+      rank=8,
+      seq_len=64,
+      micro_batch=2,
+      base_dtype="bfloat16",
+      coords_dtype="bfloat16",
+  )
+  assert halved.params == bf16.params - coords // 2
+  assert "bfloat16 coordinates" in halved.description
+  with pytest.raises(ValueError, match="optimizer.coords_dtype"):
+    memory.plan_memory(
+        TINY, mesh=FSDP8, optimizer="adam", coords_dtype="bfloat16"
+    )
   with pytest.raises(ValueError, match="optimizer.base_dtype"):
     memory.plan_memory(
         TINY, mesh=FSDP8, optimizer="adam", base_dtype="bfloat16"

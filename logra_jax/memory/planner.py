@@ -375,6 +375,11 @@ def _description(
       )
       + (", embeddings projected" if opt.project_embeddings else "")
       + (f", {opt.base_dtype} base" if opt.base_dtype != "float32" else "")
+      + (
+          f", {opt.coords_dtype} coordinates"
+          if opt.coords_dtype != "float32"
+          else ""
+      )
       + (f", {reference_dtype} reference policy" if reference_dtype else "")
       + workload
   )
@@ -441,6 +446,7 @@ def plan_memory(
     project_embeddings: bool = False,
     reference_dtype: Optional[str] = None,
     base_dtype: str = "float32",
+    coords_dtype: str = "float32",
     rollout_copy: bool = False,
     rollout_turn_tokens: int = 0,
 ) -> MemoryReport:
@@ -492,6 +498,9 @@ def plan_memory(
       weight factored, ``W = c B + P A``: the dtype of ``B`` (``"float32"``
       or ``"bfloat16"``); ``params`` counts ``B``, ``A`` and ``c``. LoRA:
       the dtype of the frozen weights under the adapters.
+    coords_dtype: the dtype of the factored weights' window coordinates
+      ``A`` (``"float32"`` or ``"bfloat16"``: ``optimizer.coords_dtype``,
+      which needs the factored policy).
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is
@@ -522,6 +531,7 @@ def plan_memory(
       gradient_mode=gradient_mode,
       project_embeddings=project_embeddings,
       base_dtype=base_dtype,
+      coords_dtype=coords_dtype,
   )
   config = _plan_config(model, remat, seq_len)
   device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
