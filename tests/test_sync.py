@@ -187,6 +187,9 @@ def test_random_projectors_are_regenerated_by_the_receiver():
     sizes.add(message.nbytes)
     if message.merge_step >= 0:
       windows.append(message.window)
+    if message.merge_step == 2 * REFRESH:  # another window's projectors
+      wrong = dataclasses.replace(message, window=message.window + 1)
+      _refused(receiver, wrong, "checksum mismatch")
     receiver.apply(sync.decode(sync.encode(message)))
     if message.merge_step == REFRESH:
       _refused(blind, message, "no projector source")
@@ -281,6 +284,9 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
   _refused(receiver, ahead, "out of order.*lost")
   other = dataclasses.replace(messages[1], signature="0" * 32)
   _refused(receiver, other, "another policy")
+  for window in (-7, 2**40):
+    nowhere = dataclasses.replace(messages[1], window=window)
+    _refused(receiver, nowhere, f"projector window {window}: not a window")
   name = next(n for n in messages[1].arrays if n.endswith(".coords"))
   tampered = dict(messages[1].arrays)
   tampered[name] = np.asarray(tampered[name]) + 1e-6

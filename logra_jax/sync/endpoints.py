@@ -282,6 +282,11 @@ class PolicyReceiver:
           f"message of policy version {message.version} is older "
           f"than the version held ({self.version})"
       )
+    if not -1 <= message.window < 2**31:
+      raise SyncError(
+          f"message {message.sequence} names projector window "
+          f"{message.window}: not a window (>= 0) nor -1"
+      )
     named = named_arrays(self.state)
     state = self._merged(message)
     expected = {
