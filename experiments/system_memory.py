@@ -92,7 +92,7 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
   )
   rollouts.setdefault(key, report.rollout)
   step, train = report.step_phase, report.train_total
-  system = train - step + max(step, rollouts[key])
+  system = report.with_rollout(rollouts[key]).total
   copy = memory.rollout_reservation(
       memory.load_model_config(model), parallel.MeshConfig(), *rollout
   )

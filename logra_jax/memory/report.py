@@ -76,12 +76,36 @@ class MemoryReport:
     """The train step's own peak, without the rollout reservation: the
     resident state (weights, optimizer state, reference) plus
     :attr:`step_phase`."""
-    rollout_phase = (
-        max(self.step_phase, self.rollout)
-        if self.rollout_between_steps
-        else self.step_phase + self.rollout
+    return (
+        self.total
+        - _phases(self.step_phase, self.rollout, self.rollout_between_steps)
+        + self.step_phase
     )
-    return self.total - rollout_phase + self.step_phase
+
+  def with_rollout(
+      self, rollout: int, between_steps: bool = True
+  ) -> MemoryReport:
+    """This train step's plan with another rollout reservation (e.g. one
+    compiled once for several step shapes) and its total by the same phase
+    rule: ``between_steps``, the larger phase; otherwise their sum.
+
+    Example:
+      >>> step = MemoryReport(
+      ...     params=4, grads=1, optimizer_state=2, batch=1, temporaries=2,
+      ...     outputs=0, reference=0, rollout=0, total=10,
+      ...     device_memory=None, num_params=1, description="example")
+      >>> step.with_rollout(3).total, step.with_rollout(5).total
+      (10, 11)
+      >>> step.with_rollout(3, between_steps=False).total
+      13
+    """
+    total = self.train_total - self.step_phase
+    return dataclasses.replace(
+        self,
+        rollout=rollout,
+        rollout_between_steps=between_steps,
+        total=total + _phases(self.step_phase, rollout, between_steps),
+    )
 
   def to_dict(self) -> dict[str, Any]:
     """The report as a JSON-serializable dict (bytes per device)."""
@@ -136,3 +160,9 @@ class MemoryReport:
           )
       )
     return "\n".join(lines)
+
+
+def _phases(step: int, rollout: int, between_steps: bool) -> int:
+  """Peak bytes of the train step's phase and a rollout reservation: the
+  larger when the engine samples between steps, else their sum."""
+  return max(step, rollout) if between_steps else step + rollout
