@@ -189,7 +189,12 @@ def test_random_projectors_are_regenerated_by_the_receiver():
       windows.append(message.window)
     if message.merge_step == 2 * REFRESH:  # another window's projectors
       wrong = dataclasses.replace(message, window=message.window + 1)
+      _refused(receiver, wrong, "names projector window 3 after window 1")
+      wrong = dataclasses.replace(message, window=message.window - 1)
       _refused(receiver, wrong, "checksum mismatch")
+    elif message.merge_step < 0 and i == REFRESH + 3:
+      wrong = dataclasses.replace(message, window=message.window + 1)
+      _refused(receiver, wrong, "window 2 after window 1 without a merge")
     receiver.apply(sync.decode(sync.encode(message)))
     if message.merge_step == REFRESH:
       _refused(blind, message, "no projector source")
@@ -223,14 +228,17 @@ def test_bfloat16_coordinates_halve_a_step_message():
   assert message.nbytes == 2 * (12 + 16) + 4 * 20
 
 
-def test_several_updates_per_message_stay_exact():
+@pytest.mark.parametrize("kind", ["range", "random"])
+def test_several_updates_per_message_stay_exact(kind):
   """Two updates per message (``num_iterations=2``): a merge before the
   first of them is sent as a merge, one before the second (whose window the
   receiver never held) as a full message."""
-  weights, state, step = _learner("range", "bfloat16", 0.0)
+  weights, state, step = _learner(kind, "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(
-      policy_state.synced_state(weights, state), seed=7
+      policy_state.synced_state(weights, state),
+      seed=7,
+      projectors=policy_state.projector_source(state),
   )
   receiver.apply(sender.message(weights, state))  # the first is full
   fulls, merges = [], []
@@ -284,9 +292,13 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
   _refused(receiver, ahead, "out of order.*lost")
   other = dataclasses.replace(messages[1], signature="0" * 32)
   _refused(receiver, other, "another policy")
-  for window in (-7, 2**40):
-    nowhere = dataclasses.replace(messages[1], window=window)
-    _refused(receiver, nowhere, f"projector window {window}: not a window")
+  for field, value in [
+      ("window", -7),
+      ("window", 2**40),
+      ("merge_step", 2**40),
+  ]:
+    nowhere = dataclasses.replace(messages[1], **{field: value})
+    _refused(receiver, nowhere, f"{field} {value} is neither -1 nor")
   name = next(n for n in messages[1].arrays if n.endswith(".coords"))
   tampered = dict(messages[1].arrays)
   tampered[name] = np.asarray(tampered[name]) + 1e-6

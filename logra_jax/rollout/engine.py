@@ -405,7 +405,7 @@ class RolloutEngine(Engine):
 
   Args:
     policy: the tokenizer, sampler and model graph (its ``params`` unused).
-    template: the learner's :func:`sync.policy_state`, giving the layout
+    template: the learner's :func:`policy_state.synced_state`, giving the layout
       (and, for arrays, the device placement) of the engine's copy.
     seed: the run's seed (the merge's rounding key).
     shardings: a tree like the params of the shardings materialized

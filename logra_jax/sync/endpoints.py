@@ -249,10 +249,51 @@ class PolicyReceiver:
 
     Raises:
       SyncError: the message is for another layout or configuration, out of
-        order, older than the weights held, missing or misshapen arrays, or
-        the result's checksums differ from the learner's; the receiver's
+        order, older than the weights held, names steps or projector windows
+        that cannot follow the ones held, has missing or misshapen arrays,
+        or the result's checksums differ from the learner's; the receiver's
         state is unchanged.
     """
+    self._check_header(message)
+    named = named_arrays(self.state)
+    expected = {
+        n
+        for n, (kind, _) in named.items()
+        if message.full
+        or kind in EVERY_STEP
+        or (kind == PROJECTOR and message.merge_step >= 0 > message.window)
+    }
+    missing = sorted(expected - set(message.arrays))
+    extra = sorted(set(message.arrays) - expected)
+    if missing or extra:
+      raise SyncError(
+          f"message {message.sequence} does not fit the layout: "
+          f"missing {missing[:3]}, unexpected {extra[:3]}"
+      )
+    state = _replace(self._merged(message), message.arrays)
+    got = _checksums({n: x for n, (_, x) in named_arrays(state).items()})
+    if set(got) != set(message.checksums):
+      raise SyncError(
+          f"message {message.sequence} has checksums for other "
+          "arrays than the layout's"
+      )
+    wrong = sorted(n for n in got if got[n] != message.checksums[n])
+    if wrong:
+      raise SyncError(
+          f"message {message.sequence}: checksum mismatch after applying it "
+          f"for {len(wrong)} array(s), e.g. {wrong[:3]}; the weights are "
+          "kept (a full resync heals them)"
+      )
+    self.state = state
+    self.sequence = message.sequence
+    self.version = message.version
+    self._window = message.window
+
+  def _check_header(self, message: SyncMessage) -> None:
+    """Refuses (:class:`SyncError`) a message that cannot follow the one
+    held, from its fields alone: another signature, out of order, older,
+    or a merge step or projector window out of range or out of sequence
+    (a step keeps the window, a merge moves it by at most one)."""
     if not isinstance(message, SyncMessage):
       raise SyncError(f"expected a SyncMessage, got {type(message).__name__}")
     if message.signature != self.signature:
@@ -282,45 +323,19 @@ class PolicyReceiver:
           f"message of policy version {message.version} is older "
           f"than the version held ({self.version})"
       )
-    if not -1 <= message.window < 2**31:
+    for field in ("merge_step", "window"):
+      if not -1 <= getattr(message, field) < 2**31:
+        raise SyncError(
+            f"message {message.sequence}: {field} "
+            f"{getattr(message, field)} is neither -1 nor an int32 >= 0"
+        )
+    moves = (0,) if message.merge_step < 0 else (0, 1)
+    if not message.full and message.window - self._window not in moves:
       raise SyncError(
           f"message {message.sequence} names projector window "
-          f"{message.window}: not a window (>= 0) nor -1"
+          f"{message.window} after window {self._window}"
+          + (" without a merge" if message.merge_step < 0 else "")
       )
-    named = named_arrays(self.state)
-    state = self._merged(message)
-    expected = {
-        n
-        for n, (kind, _) in named.items()
-        if message.full
-        or kind in EVERY_STEP
-        or (kind == PROJECTOR and message.merge_step >= 0 > message.window)
-    }
-    missing = sorted(expected - set(message.arrays))
-    extra = sorted(set(message.arrays) - expected)
-    if missing or extra:
-      raise SyncError(
-          f"message {message.sequence} does not fit the layout: "
-          f"missing {missing[:3]}, unexpected {extra[:3]}"
-      )
-    state = _replace(state, message.arrays)
-    got = _checksums({n: x for n, (_, x) in named_arrays(state).items()})
-    if set(got) != set(message.checksums):
-      raise SyncError(
-          f"message {message.sequence} has checksums for other "
-          "arrays than the layout's"
-      )
-    wrong = sorted(n for n in got if got[n] != message.checksums[n])
-    if wrong:
-      raise SyncError(
-          f"message {message.sequence}: checksum mismatch after applying it "
-          f"for {len(wrong)} array(s), e.g. {wrong[:3]}; the weights are "
-          "kept (a full resync heals them)"
-      )
-    self.state = state
-    self.sequence = message.sequence
-    self.version = message.version
-    self._window = message.window
 
   def _merged(self, message: SyncMessage) -> dict[str, Any]:
     """The state held, with the message's window merge applied and the
