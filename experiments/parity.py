@@ -491,6 +491,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
       "wall_seconds": summary["wall_seconds"],
       "commit": ctx.record["commit"],
       "fingerprint": fingerprint,
+      "machine": ctx.record["machine"],
       "config_hash": config_hash(config),
       "curve": curve,
   }
@@ -792,7 +793,9 @@ def main() -> None:
     prepare(args, args.settings)
     record = study.provenance_record(args)
     sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
-  csv_row = lambda r: {k: v for k, v in r.items() if k != "curve"}
+  csv_row = lambda r: {
+      k: v for k, v in r.items() if k not in ("curve", "machine")
+  }
   study.write_csv([csv_row(r) for r in rows], results / "parity.csv", record)
   study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)
   text = report(args, rows, chosen, record)

@@ -209,8 +209,9 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   _assert_provenance(results, rows + sweep)
   row_files = list((results / "rows").rglob("*.json"))
   assert len(row_files) == 8
-  for path in row_files:  # strict JSON: no NaN or Infinity
-    json.loads(path.read_text(), parse_constant=_refuse_constant)
+  for path in row_files:  # strict JSON: no NaN or Infinity; the host
+    row = json.loads(path.read_text(), parse_constant=_refuse_constant)
+    assert row["machine"]["cpu_isa"] and row["machine"]["cpu_count"] > 0
   table = (results / "parity.md").read_text()
   assert "| logra vs adam |" in table and "| logra+kl vs adam+kl |" in table
   assert "Chosen learning rates" in table and "Command: `python " in table
