@@ -60,6 +60,17 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def pytest_terminal_summary(terminalreporter, config):
+  """The shuffled order's seed (pytest-random-order), also under ``-q``,
+  which hides the header that names it: a failing order is replayed with
+  ``--random-order-seed``."""
+  seed = str(config.getoption("random_order_seed", default="default:"))
+  given = not seed.startswith("default:")
+  if given or config.getoption("random_order_enabled", default=False):
+    seed = seed.removeprefix("default:")
+    terminalreporter.write_line(f"test order: --random-order-seed={seed}")
+
+
 def pytest_sessionfinish(session):
   """The process that made the suite's cache (not an xdist worker, not a
   pytest started by a test) removes it."""
