@@ -2,7 +2,7 @@
 broadcast vs a sparse delta of the changed bfloat16 values.
 
 For each model and rank, builds the learner's factored policy on abstract
-shapes (`policy_state.abstract_policy_state`: nothing is allocated) and sums the
+shapes (`policy_state.abstract_receiver`: nothing is allocated) and sums the
 arrays a `logra_jax.sync.SyncMessage` carries: per step the window
 coordinates A (`[batch, rank, short]` per projected matrix, float32, or
 bfloat16 with ``optimizer.coords_dtype=bfloat16``), the
@@ -69,10 +69,11 @@ def model_policy_state(
     optimizer: str = "logra",
     coords_dtype: str = "float32",
     kind: str = "range",
-) -> tuple[dict, int]:
-  """The shapes of the learner's :func:`sync.policy_state` for ``model``
-  (float32 weights, default settings of ``optimizer``, "logra" or "lora")
-  and its parameter count."""
+) -> tuple[dict, bool, int]:
+  """The shapes of the learner's :func:`policy_state.synced_state` for
+  ``model`` (float32 weights, default settings of ``optimizer``, "logra" or
+  "lora"), whether a receiver regenerates its projectors, and its parameter
+  count."""
   config = dataclasses.replace(
       memory.load_model_config(model), dtype="bfloat16", param_dtype="float32"
   )
@@ -87,7 +88,8 @@ def model_policy_state(
       kind=kind,
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-  return policy_state.abstract_policy_state(opt_config, params), count
+  state, source = policy_state.abstract_receiver(opt_config, params)
+  return state, source is not None, count
 
 
 def checksum_temp_bytes(state: dict) -> int:
@@ -107,8 +109,10 @@ def message_bytes(
     coords_dtype: str = "float32",
     kind: str = "range",
 ) -> dict[str, int]:
-  """Bytes a sync message carries, by kind of array, and the parameters."""
-  state, count = model_policy_state(
+  """Bytes a sync message carries, by kind of array (a refresh's
+  projectors: none when the receiver regenerates them), and the
+  parameters."""
+  state, regenerated, count = model_policy_state(
       model, rank, project_embeddings, optimizer, coords_dtype, kind
   )
   named = sync.named_arrays(state)
@@ -126,6 +130,8 @@ def message_bytes(
   }
   for kind, x in named.values():
     out[kind] += int(np.prod(x.shape)) * x.dtype.itemsize
+  if regenerated:
+    out[sync.PROJECTOR] = 0
   out["params"] = count
   return out
 
@@ -200,7 +206,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
         embeddings = "LoRA adapters"
       else:
         step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
-        projector = b[sync.PROJECTOR] if sync.projectors_travel(kind) else 0
+        projector = b[sync.PROJECTOR]
         embeddings = "projected" if project_embeddings else "dense"
         if coords_dtype != "float32":
           embeddings += f", {coords_dtype} A"
@@ -268,7 +274,7 @@ def learner_side(model: str) -> dict:
   """The checksum program's compiled temporaries for the default
   configuration's policy state, and the snapshot a sparse delta needs."""
   default = configs.OptimizerConfig()
-  state, count = model_policy_state(
+  state, _, count = model_policy_state(
       model, default.rank, default.project_embeddings
   )
   return {

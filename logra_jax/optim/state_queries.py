@@ -94,8 +94,13 @@ def window_projectors(opt_state: optax.OptState) -> Any:
   config = state.spec.config
   if config.kind != "random":
     return state.projectors
-  window = jnp.maximum(state.count - 1, 0) // config.refresh_every
-  return random_projectors(state.spec, window)
+  return random_projectors(state.spec, window_index(state))
+
+
+def window_index(state: ProjectState) -> jax.Array:
+  """The refresh window of the last update (window 0 before the first):
+  the update at count ``t`` belongs to window ``t // refresh_every``."""
+  return jnp.maximum(state.count - 1, 0) // state.spec.config.refresh_every
 
 
 def random_projectors(spec: ProjectionSpec, window) -> Any:

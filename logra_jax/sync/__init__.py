@@ -53,7 +53,6 @@ from logra_jax.sync.endpoints import PolicyReceiver
 from logra_jax.sync.endpoints import PolicySender
 from logra_jax.sync.endpoints import materialize
 from logra_jax.sync.endpoints import named_arrays
-from logra_jax.sync.endpoints import projectors_travel
 from logra_jax.sync.endpoints import signature
 from logra_jax.sync.messages import ADAPTER
 from logra_jax.sync.messages import BASE
