@@ -37,6 +37,7 @@ Writes ``gpu_system.json`` and ``gpu_system.md`` to
 
 Usage:
   python experiments/gpu_system.py [--quick] [--results DIR]
+  python experiments/gpu_system.py --report DIR   # the tables again
 """
 
 from __future__ import annotations
@@ -429,59 +430,56 @@ def run(setting: Setting, save) -> dict:
   return figures
 
 
-def report(setting: Setting, figures: dict, command: str) -> str:
-  """The markdown tables."""
-  mem = figures["memory"]
-  peak = mem["peak_gib"]
-  fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)
-  step_metrics = figures["first_step_metrics"]
-  lines = [
-      f"{setting.model}, {figures['device']}: LoGRA rank {setting.rank}, "
-      f"rollout {setting.seqs} x {setting.prompt + setting.new_tokens} "
-      f"tokens (zero-copy), train micro-batch 1 x "
-      f"{setting.prompt + setting.new_tokens}.",
-      "",
+def _fmt(value, spec: str = ".2f") -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def _memory_lines(setting: Setting, record: dict) -> list[str]:
+  mem, peak = record["memory"], record["memory"]["peak_gib"]
+  cells = (
+      mem["resident_gib"],
+      mem["step_phase_gib"],
+      mem["rollout_phase_gib"],
+      mem["planned_gib"],
+      peak.get("init"),
+      peak.get("rollout"),
+      peak.get("step"),
+      peak.get("sync"),
+  )
+  step_metrics = record["first_step_metrics"]
+  steps = [record["first_step_s"]] + record.get("step_s", [])
+  return [
       "| GiB | resident state | step phase | rollout phase | planned "
       "(these programs) | peak after init | after rollout | after step | "
       "after sync (receiver's copy too) |",
       "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-      "| memory | "
-      + " | ".join(
-          fmt(v)
-          for v in (
-              mem["resident_gib"],
-              mem["step_phase_gib"],
-              mem["rollout_phase_gib"],
-              mem["planned_gib"],
-              peak.get("init"),
-              peak.get("rollout"),
-              peak.get("step"),
-              peak.get("sync"),
-          )
-      )
-      + " |",
+      "| memory | " + " | ".join(_fmt(v) for v in cells) + " |",
       "",
-      f"Plan for the same shapes: `{PLAN_COMMAND}`.",
+      f"Plan for the same shapes on any machine: `{PLAN_COMMAND}`.",
       "",
-      f"Rollout: {figures['rollout_tokens_per_s']:.0f} tokens/s "
-      f"({figures['rollout_s']:.2f} s warm, {figures['rollout_first_s']:.1f} s"
-      f" with compile); train step {np.median(figures['step_s']):.2f} s "
-      f"(compile {figures['step_compile_s']:.1f} s).",
+      f"Rollout: {record['rollout_tokens_per_s']:.0f} tokens/s "
+      f"({record['rollout_s']:.2f} s warm, {record['rollout_first_s']:.1f} s"
+      f" with compile); train step {np.median(steps):.2f} s (first "
+      f"{steps[0]:.2f} s; compile {record['step_compile_s']:.1f} s).",
       "",
       "The first train step's own metrics (its bfloat16 forward against the"
       " sampler's log-probs): gap max "
-      + fmt(step_metrics.get("rollout/logprob_gap_max"), ".3g")
+      + _fmt(step_metrics.get("rollout/logprob_gap_max"), ".3g")
       + ", mean "
-      + fmt(step_metrics.get("rollout/logprob_gap_mean"), ".3g")
+      + _fmt(step_metrics.get("rollout/logprob_gap_mean"), ".3g")
       + "; importance weight mean "
-      + fmt(step_metrics.get("rollout/is_weight_mean"), ".6f")
+      + _fmt(step_metrics.get("rollout/is_weight_mean"), ".6f")
       + ".",
-      "",
+  ]
+
+
+def _logprob_lines(record: dict) -> list[str]:
+  lines = [
       "| learner dtype | tokens | bitwise equal | max gap | mean gap |",
       "|---|---:|---:|---:|---:|",
   ]
   for dtype in ("bfloat16", "float32"):
-    row = figures["logprobs"][dtype]
+    row = record["logprobs"][dtype]
     lines.append(
         f"| {dtype} | {row['tokens']} | {row['bitwise_equal_share']:.1%} | "
         f"{row['max_gap']:.3g} | {row['mean_gap']:.3g} |"
@@ -492,38 +490,69 @@ def report(setting: Setting, figures: dict, command: str) -> str:
       "mean | over the cap |",
       "|---|---:|---:|---:|",
   ]
-  for name, metrics in figures["logprobs"]["float32_loss"].items():
+  for name, metrics in record["logprobs"]["float32_loss"].items():
     lines.append(
-        f"| {name} | {fmt(metrics.get('clip_fraction'))} | "
-        f"{fmt(metrics.get('rollout/is_weight_mean'))} | "
-        f"{fmt(metrics.get('rollout/is_truncated_fraction'))} |"
+        f"| {name} | {_fmt(metrics.get('clip_fraction'), '.2e')} | "
+        f"{_fmt(metrics.get('rollout/is_weight_mean'), '.6f')} | "
+        f"{_fmt(metrics.get('rollout/is_truncated_fraction'), '.2e')} |"
     )
-  lines += [
-      "",
+  return lines
+
+
+def _sync_lines(record: dict) -> list[str]:
+  lines = [
       "| message | full | refresh | bytes | send, s | receive, s |",
       "|---|---|---|---:|---:|---:|",
   ]
-  for i, m in enumerate(figures["messages"]):
+  for i, m in enumerate(record["messages"]):
     lines.append(
         f"| {i} | {m['full']} | {m['merge']} | {m['bytes']:,} | "
         f"{m['send_s']:.3f} | {m['receive_s']:.3f} |"
     )
-  lines += [
+  steps = 1 + len(record["step_s"])
+  return lines + [
       "",
-      f"Receiver bit-identical to the learner after {setting.steps} steps: "
-      f"{figures['receiver_equal']}.",
+      f"Receiver bit-identical to the learner after {steps} steps: "
+      f"{record['receiver_equal']}.",
   ]
-  return (
-      "\n".join(lines)
-      + f"\n\n{provenance.footer(provenance.collect(command, 'not computed'))}\n"
+
+
+def report(record: dict) -> str:
+  """The markdown tables of a run's record (``gpu_system.json``); a part
+  that a stopped run did not reach is said to be missing."""
+  setting = Setting(**record["setting"])
+  tokens = setting.prompt + setting.new_tokens
+  lines = [
+      f"{setting.model}, {record['device']}: LoGRA rank {setting.rank}, "
+      f"rollout {setting.seqs} x {tokens} tokens (zero-copy), train "
+      f"micro-batch 1 x {tokens}.",
+  ]
+  parts = (
+      ("memory", lambda: _memory_lines(setting, record)),
+      ("messages", lambda: _sync_lines(record)),
+      ("logprobs", lambda: _logprob_lines(record)),
   )
+  for key, lines_of in parts:
+    lines.append("")
+    lines += lines_of() if key in record else [f"({key}: not reached)"]
+  return "\n".join(lines) + f"\n\n{provenance.footer(record['provenance'])}\n"
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--results", type=pathlib.Path)
+  parser.add_argument(
+      "--report",
+      type=pathlib.Path,
+      metavar="DIR",
+      help="only write DIR/gpu_system.md again from DIR/gpu_system.json",
+  )
   args = parser.parse_args()
+  if args.report:
+    record = json.loads((args.report / "gpu_system.json").read_text())
+    (args.report / "gpu_system.md").write_text(report(record))
+    return
   setting = QUICK if args.quick else FULL
   results_dir = args.results or provenance.RESULTS / (
       "gpu_system-quick" if args.quick else "gpu_system"
@@ -532,15 +561,17 @@ def main() -> None:
   results_dir.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
 
+  origin = provenance.collect(command, "not computed")
+
   def save(figures: dict) -> None:
-    record = {"command": command, "setting": setting._asdict(), **figures}
+    record = {"provenance": origin, "setting": setting._asdict(), **figures}
     record["seconds"] = time.perf_counter() - start
     (results_dir / "gpu_system.json").write_text(
         json.dumps(record, indent=1) + "\n"
     )
 
-  figures = run(setting, save)
-  table = report(setting, figures, command)
+  run(setting, save)
+  table = report(json.loads((results_dir / "gpu_system.json").read_text()))
   (results_dir / "gpu_system.md").write_text(table)
   print(table)
 
