@@ -578,6 +578,41 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
   assert "| tiny | adam | 128 |" in table and "Command:" in table
 
 
+@pytest.mark.slow
+def test_quick_gpu_system_measures_every_part(tmp_path):
+  """The whole-system script at tiny shapes, on this machine: the learner's
+  state is the sum of its arrays, the receiver follows the learner bit for
+  bit through a refresh, step messages are smaller than the full one, the
+  log-prob gaps are finite, and ``--report`` renders the record again."""
+  script = str(EXPERIMENTS / "gpu_system.py")
+  run = lambda *args: subprocess.run(
+      [sys.executable, script, *args],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+  done = run("--quick", f"--results={tmp_path}")
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads((tmp_path / "gpu_system.json").read_text())
+  assert "--quick" in record["provenance"]["command"]
+  assert record["resident_bytes"] > 0
+  assert record["memory"]["planned_gib"] > record["memory"]["resident_gib"]
+  assert record["receiver_equal"] is True
+  full, *steps = record["messages"]
+  assert full["full"] and not any(m["full"] for m in steps)
+  assert any(m["merge"] for m in steps), "no refresh was sent"
+  assert all(m["bytes"] < full["bytes"] for m in steps)
+  for dtype in ("bfloat16", "float32"):
+    gaps = record["logprobs"][dtype]
+    assert gaps["tokens"] == 4 * 48
+    assert 0 <= gaps["mean_gap"] <= gaps["max_gap"] < math.inf
+  assert set(record["logprobs"]["float32_loss"]) == {"none", "tis", "mis"}
+  table = (tmp_path / "gpu_system.md").read_text()
+  (tmp_path / "gpu_system.md").unlink()
+  assert run("--report", str(tmp_path)).returncode == 0
+  assert (tmp_path / "gpu_system.md").read_text() == table
+
+
 def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
   """Question (a)'s first row is planned with the 7B command word for word
   (one device, 64 x 1024 colocated rollout), and every 27B grid point is
