@@ -14,7 +14,9 @@ import pytest
 import logra_jax as logra
 from logra_jax.optim import factored
 from logra_jax.optim import sketch_grad
+from logra_jax import checksums
 from logra_jax import sync
+from logra_jax.sync import endpoints as sync_endpoints
 from logra_jax.lowrank import matmul
 from logra_jax import policy_state
 
@@ -160,6 +162,34 @@ def test_a_step_message_carries_only_the_window():
   assert {kinds[n] for n in second.arrays} == {"coords", "dense"}
   # coords [1, 2, 6] and [1, 2, 8] float32, dense bias [20] float32
   assert second.nbytes == 4 * (12 + 16 + 20)
+
+
+def test_receiver_programs_compile_once_from_an_abstract_template():
+  """A receiver made from shapes alone (as the process engine's is) places
+  every array it takes alike, so its checksum and merge programs compile
+  once, not again as the placements of its arrays change from message to
+  message (a 7B receiver spent seconds on each such compile)."""
+  weights, state, step = _learner("random", "bfloat16", 0.0)
+  sender = sync.PolicySender(weights, state, seed=7)
+  template = jax.eval_shape(lambda: policy_state.synced_state(weights, state))
+  receiver = sync.PolicyReceiver(
+      template, seed=7, projectors=policy_state.projector_source(state)
+  )
+  programs = (checksums.leaf_checksums, sync_endpoints._merge)
+  sizes = None
+  for i in range(3 * REFRESH + 1):  # merges at the counts 25, 50 and 75
+    message = sender.message(weights, state)
+    receiver.apply(sync.decode(sync.encode(message)))
+    if message.merge_step == REFRESH:  # every program has run once
+      sizes = [p._cache_size() for p in programs]
+    weights, state = step(weights, state, _batch(i))
+  receiver.apply(sender.message(weights, state))
+  assert sizes == [p._cache_size() for p in programs]
+  for a, b in zip(
+      jax.tree.leaves(receiver.state),
+      jax.tree.leaves(policy_state.synced_state(weights, state)),
+  ):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_random_projectors_are_regenerated_by_the_receiver():

@@ -352,13 +352,8 @@ class PolicyReceiver:
           "projector source to regenerate them (a full message carries "
           "them)"
       )
-    placed = lambda new, old: (
-        new
-        if getattr(old, "sharding", None) is None
-        else jax.device_put(new, old.sharding)
-    )
     projectors = jax.tree.map(
-        placed, self._projectors(message.window), state["projectors"]
+        _place, self._projectors(message.window), state["projectors"]
     )
     return {"weights": weights, "projectors": projectors}
 
@@ -381,6 +376,17 @@ def materialize(state: dict[str, Any], dtype: Any = None) -> Any:
 _materialize = jax.jit(materialize, static_argnames="dtype")
 
 
+def _place(new: Any, old: Any, may_alias: Optional[bool] = None) -> jax.Array:
+  """``new`` on the device(s) of the array ``old`` it replaces; where ``old``
+  is abstract (a template of shapes), committed to the default device, so
+  that every array the receiver holds is placed alike and its programs
+  (merge, checksums) compile once, not once per mix of placements."""
+  sharding = getattr(old, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.device_put(new, sharding, may_alias=may_alias)
+
+
 def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
   """``state`` with the named arrays replaced (shapes and dtypes checked)."""
 
@@ -396,12 +402,9 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
           f"{jnp.result_type(new)} does not fit "
           f"{tuple(np.shape(old))} {jnp.result_type(old)}"
       )
-    # A copy, placed like the array it replaces: never the sender's buffers
-    # (which its next step may donate).
-    sharding = getattr(old, "sharding", None)
-    if sharding is None:
-      return jnp.array(new, copy=True)
-    return jax.device_put(new, sharding, may_alias=False)
+    # A copy (never the sender's buffers, which its next step may donate),
+    # placed like the array it replaces.
+    return _place(new, old, may_alias=False)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       state["weights"], is_leaf=policy_state.is_structured
