@@ -175,6 +175,9 @@ def test_rollout_reservation_is_in_the_total():
   assert report.rollout == memory.rollout_reservation(TINY, FSDP8, 8, 128)
   assert report.rollout > 0 and report.total > report.rollout
   assert report.fits is False and "NO, over by" in report.summary()
+  # A plan made without the accelerators says so, as the GPU's may differ.
+  assert report.compiled_for == report.to_dict()["compiled_for"] == "cpu"
+  assert "compiled for CPU" in report.summary()
 
 
 def test_a_shared_engine_scores_the_prompt_against_itself_only():

@@ -590,4 +590,5 @@ def plan_memory(
           workload,
       ),
       rollout_between_steps=between,
+      compiled_for=device_mesh.devices.flat[0].platform,
   )

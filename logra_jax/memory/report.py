@@ -32,6 +32,12 @@ class MemoryReport:
   up: ``total = params + optimizer_state + batch + grads + temporaries +
   outputs not aliased to inputs + reference + rollout``.
 
+  ``compiled_for`` names the platform XLA compiled the programs for
+  (``"cpu"`` when the planner ran without the accelerators): a compile for
+  another platform lays memory out differently, and a CPU plan of a GPU run
+  can fall short (docs/planner.md: a 7B train step with 7 GiB more
+  temporaries on an H200 than in its CPU compile).
+
   Example:
     >>> report = MemoryReport(
     ...     params=GIB, grads=GIB, optimizer_state=2 * GIB, batch=0,
@@ -55,6 +61,7 @@ class MemoryReport:
   num_params: int
   description: str
   rollout_between_steps: bool = False
+  compiled_for: str = ""
 
   @property
   def fits(self) -> Optional[bool]:
@@ -124,6 +131,7 @@ class MemoryReport:
         "device_memory": self.device_memory,
         "num_params": self.num_params,
         "description": self.description,
+        "compiled_for": self.compiled_for,
     }
 
   def summary(self) -> str:
@@ -148,6 +156,11 @@ class MemoryReport:
       lines.append(
           "  (the rollout samples between train steps: the total holds the "
           "larger of the two phases)"
+      )
+    if self.compiled_for == "cpu":
+      lines.append(
+          "  (compiled for CPU: an accelerator's compile lays memory out "
+          "otherwise; plan on the accelerator to be exact, docs/planner.md)"
       )
     if self.device_memory is not None:
       margin = (self.device_memory - self.total) / GIB
