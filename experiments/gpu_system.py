@@ -10,12 +10,15 @@ projectors refreshed every 2 steps, bfloat16 compute, block remat.
     matrices (no float32 copy of the model ever exists), then the colocated
     engine samples 64 prompts of 256 tokens to exactly 1024 tokens with the
     learner's own arrays (``policy_state.model_view``, as the default
-    ``SharedEngine`` does), then the train step learns from that batch in
-    micro-batches of one sequence. The device's peak (``memory_stats``) is
-    read after each phase, beside the plan: XLA's memory analysis of the
-    very programs executed (resident state plus the larger of the step's
-    and the rollout's phase) and ``logra memory`` for the same command
-    (``PLAN_COMMAND``, run wherever the plan is wanted).
+    ``SharedEngine`` does; twice, the second timed), then the train step
+    learns from that batch in micro-batches of one sequence. The device's
+    running peak (``memory_stats``, since the process started) is read
+    after each phase, beside the plan of these programs: XLA's memory
+    analysis of the compiled train step and init, and of the sampling
+    program lowered again as the planner lowers it (resident state plus the
+    larger of the step's and the rollout's phase), and beside
+    ``logra memory`` for the same command (``PLAN_COMMAND``, run wherever
+    the plan is wanted).
 (b) **Log-prob agreement.** A fresh rollout with the trained weights, its
     sampler log-probs against the learner's recomputed ones
     (``models.token_logprobs`` on the same view) in bfloat16 (the matching
@@ -25,10 +28,12 @@ projectors refreshed every 2 steps, bfloat16 compute, block remat.
     with ``loss.rollout_correction`` ``tis`` and ``mis`` at the default cap
     (``rl.algo.loss_terms``: the clipped fraction, importance weights).
 (c) **Sync.** A ``PolicySender`` / ``PolicyReceiver`` pair (the process
-    engine's, on one device): the full first message, then one per train
-    step (a refresh every 2): bytes, the sender's time (checksums and the
-    copy to the host included), encoding, decoding and the receiver's
-    apply; the receiver's state is verified by the checksums it carries.
+    engine's, on one device), made after the first train step: the full
+    message, then one per later train step (a refresh every 2): bytes, the
+    sending time (the message with its checksums, and its encoding, which
+    copies the arrays to the host) and the receiving time (decoding and the
+    receiver's apply); the receiver's state is verified by the checksums
+    it carries and compared with the learner's at the end.
 
 ``--quick`` runs the same programs at tiny shapes on any device (the tests).
 Writes ``gpu_system.json`` and ``gpu_system.md`` to
@@ -209,6 +214,7 @@ def measure_memory(setting: Setting) -> tuple[dict, Any]:
   init = jax.jit(lambda: _init_state(config, opt_config, tx)).lower().compile()
   (weights, opt_state), init_s = _timed(init)
   resident = sum(x.nbytes for x in jax.tree.leaves((weights, opt_state)))
+  in_use_after_init = _device_bytes("bytes_in_use")
   peaks = {"init": _device_bytes("peak_bytes_in_use")}
   sampler = models.Sampler(
       abstract, bucket_size=16, max_length=setting.prompt + setting.new_tokens
@@ -239,7 +245,7 @@ def measure_memory(setting: Setting) -> tuple[dict, Any]:
       "step_program": _analysis(compiled),
       "rollout_program": _rollout_analysis(sampler, state, setting),
       "resident_bytes": resident,
-      "in_use_after_init": _device_bytes("bytes_in_use"),
+      "in_use_after_init": in_use_after_init,
   }
   return figures, (graphdef, tx, run, sampler, state, batch, compiled, peaks)
 
@@ -416,6 +422,7 @@ def run(setting: Setting, save) -> dict:
   measured, context = measure_memory(setting)
   figures.update(measured)
   peaks = context[-1]
+  figures["memory"] = _plan_row(figures, peaks)  # kept if the step fails
   save(figures)
   stepped, context = first_step(context)
   figures.update(stepped)
@@ -450,8 +457,8 @@ def _memory_lines(setting: Setting, record: dict) -> list[str]:
   steps = [record["first_step_s"]] + record.get("step_s", [])
   return [
       "| GiB | resident state | step phase | rollout phase | planned "
-      "(these programs) | peak after init | after rollout | after step | "
-      "after sync (receiver's copy too) |",
+      "(these programs) | running peak after init | after rollouts | "
+      "after step | after sync (receiver's copy too) |",
       "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
       "| memory | " + " | ".join(_fmt(v) for v in cells) + " |",
       "",

@@ -185,6 +185,11 @@ def test_receiver_programs_compile_once_from_an_abstract_template():
     weights, state = step(weights, state, _batch(i))
   receiver.apply(sender.message(weights, state))
   assert sizes == [p._cache_size() for p in programs]
+  # Placed on no device in particular: free to join a computation over a
+  # mesh (an engine materializing its copy with the run's shardings).
+  mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  jax.jit(sync.materialize, out_shardings=replicated)(receiver.state)
   for a, b in zip(
       jax.tree.leaves(receiver.state),
       jax.tree.leaves(policy_state.synced_state(weights, state)),

@@ -377,13 +377,15 @@ _materialize = jax.jit(materialize, static_argnames="dtype")
 
 
 def _place(new: Any, old: Any, may_alias: Optional[bool] = None) -> jax.Array:
-  """``new`` on the device(s) of the array ``old`` it replaces; where ``old``
-  is abstract (a template of shapes), committed to the default device, so
-  that every array the receiver holds is placed alike and its programs
-  (merge, checksums) compile once, not once per mix of placements."""
+  """``new`` placed as the array ``old`` it replaces: on its devices where
+  ``old`` is committed to them, else (``old`` abstract, a template of
+  shapes, or uncommitted) uncommitted on the default device, free to join
+  any computation. Every array the receiver holds is then placed alike, so
+  its programs (merge, checksums) compile once, not once per mix of
+  placements."""
   sharding = getattr(old, "sharding", None)
-  if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if sharding is None or not getattr(old, "committed", True):
+    return jax.device_put(new, may_alias=may_alias)
   return jax.device_put(new, sharding, may_alias=may_alias)
 
 
