@@ -468,10 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"logra {args.command}: interrupted", file=sys.stderr)
     return 130
   except OSError as error:
-    if error.errno not in _DISK_FULL:
+    if error.errno in _DISK_FULL:
+      _exit_on_full_disk(args.command, error)
+    if not isinstance(error, checkpoint.CheckpointSaveError):
       raise
-    _exit_on_full_disk(args.command, error)
-  return 1  # Not reached: _exit_on_full_disk ends the process.
+    # A failed save seen as the run closes (its checkpoints waited for):
+    # one line, and an end that Orbax's waiting threads cannot hold up.
+    _exit_now(f"logra {args.command}: error: {error}")
+  return 1  # Not reached: both ends above end the process.
 
 
 # A write failed for want of space (or quota).
@@ -479,16 +483,21 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _exit_on_full_disk(command: str, error: OSError) -> None:
-  """Ends the process after one line naming the full disk. The run has
-  unwound (its checkpoints closed, its lock released), but libraries'
-  exit hooks and writer threads would retry their failed writes and bury
-  that line under tracebacks, so they are skipped (``os._exit``)."""
-  print(
+  """Ends the process after one line naming the full disk."""
+  _exit_now(
       f"logra {command}: error: the disk is full ({error}); free space, "
       "then run again (with --resume to go on from the last completed "
-      "checkpoint)",
-      file=sys.stderr,
+      "checkpoint)"
   )
+
+
+def _exit_now(line: str) -> None:
+  """Ends the process, status 1, after ``line``. The run has unwound (its
+  checkpoints closed, its lock released), but libraries' exit hooks and
+  writer threads would retry their failed writes and bury that line under
+  tracebacks (or wait for a failed save for good), so they are skipped
+  (``os._exit``)."""
+  print(line, file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(1)

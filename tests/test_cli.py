@@ -175,15 +175,21 @@ def test_a_dead_rollout_engine_is_one_line_and_a_failed_run(
   assert "exited with code -9" in _one_line_error(capsys, "train")
 
 
-# A run whose disk fills: its trainer raises ENOSPC while a library's exit
-# hook (as tensorboardX's and orbax's do) would retry a failed write.
-_FULL_DISK_RUN = """
+# A run whose trainer raises ``error`` (a full disk, or a failed checkpoint
+# save seen as the run closes its checkpoints) while a library's exit hook
+# (as tensorboardX's and orbax's do) would retry a failed write.
+_FAILED_WRITE_RUN = """
 import atexit, errno, sys
-from logra_jax import cli
+from logra_jax import checkpoint, cli
 from logra_jax.rl import trainer
 
+def save_error(errno_):
+  error = checkpoint.CheckpointSaveError("saving a checkpoint in c failed: x")
+  error.errno = errno_
+  return error
+
 def train(*args, **kwargs):
-  raise OSError(errno.ENOSPC, "No space left on device")
+  raise {error}
 
 trainer.train = train
 atexit.register(lambda: print("Traceback: a write retried at exit", file=sys.stderr))
@@ -191,17 +197,34 @@ sys.exit(cli.main(["train", "--preset", "smoke", "--no-progress", "--out", sys.a
 """
 
 
-def test_a_full_disk_is_one_line_and_a_failed_run(tmp_path):
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (
+            'OSError(errno.ENOSPC, "No space left on device")',
+            "logra train: error: the disk is full",
+        ),
+        ("save_error(errno.ENOSPC)", "logra train: error: the disk is full"),
+        (
+            "save_error(None)",
+            "logra train: error: saving a checkpoint in c failed",
+        ),
+    ],
+)
+def test_a_failed_write_is_one_line_and_a_failed_run(error, line, tmp_path):
   done = subprocess.run(
-      [sys.executable, "-c", _FULL_DISK_RUN, str(tmp_path / "run")],
+      [
+          sys.executable,
+          "-c",
+          _FAILED_WRITE_RUN.format(error=error),
+          str(tmp_path / "run"),
+      ],
       capture_output=True,
       text=True,
       timeout=300,
   )
   assert done.returncode == 1, done.stderr
-  assert done.stderr.startswith(
-      "logra train: error: the disk is full"
-  ), done.stderr
+  assert done.stderr.startswith(line), done.stderr
   assert done.stderr.count("\n") == 1, done.stderr
 
 

@@ -54,8 +54,9 @@ _SAVE_FAILURES = (
 
 class CheckpointSaveError(OSError):
   """A checkpoint could not be written (the folder and the OS error in one
-  line). Orbax's threads of a failed asynchronous save wait for it for
-  good, so a process that gets this must end (``logra train`` exits 1)."""
+  line; ``errno`` the OS error's, None if there was none). Orbax's threads
+  of a failed asynchronous save wait for it for good, so a process that
+  gets this must end (``logra train`` exits 1)."""
 
 
 def _drop_save_failures(record: logging.LogRecord) -> bool:
@@ -193,10 +194,14 @@ class Checkpointer:
     except CheckpointError:
       raise
     except Exception as error:  # Orbax and tensorstore raise many kinds.
-      raise CheckpointSaveError(
+      cause = _os_error(error)
+      failure = CheckpointSaveError(
           f"saving a checkpoint in {self.directory} failed: "
-          f"{_first_line(_os_error(error))}"
-      ) from error
+          f"{_first_line(cause)}"
+      )
+      # What the disk said (e.g. ENOSPC: the disk is full), for callers.
+      failure.errno = getattr(cause, "errno", None)
+      raise failure from error
 
   def __enter__(self) -> Checkpointer:
     return self

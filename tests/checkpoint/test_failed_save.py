@@ -3,12 +3,15 @@ line, with no traceback of the operations still running (each in a child
 process), and new event loops drain only while a checkpointer is open."""
 
 import asyncio
+import errno
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from logra_jax.checkpoint import CheckpointSaveError
+from logra_jax.checkpoint import Checkpointer
 from logra_jax.checkpoint import loops
 
 # Several children: before its loops drained, a child printed "Event loop
@@ -103,3 +106,22 @@ def test_loops_drain_only_while_held():
   plain = asyncio.new_event_loop()
   assert type(plain) is not type(loop)
   plain.close()
+
+
+def test_a_failed_save_keeps_what_the_disk_said(tmp_path, monkeypatch):
+  """The error of a failed save carries the OS error's number (a caller
+  tells a full disk by it) and its message."""
+
+  def full_disk():
+    raise ValueError("a write failed") from OSError(
+        errno.ENOSPC, "No space left on device"
+    )
+
+  checkpointer = Checkpointer(tmp_path / "checkpoints")
+  monkeypatch.setattr(checkpointer._manager, "wait_until_finished", full_disk)
+  with pytest.raises(CheckpointSaveError) as caught:
+    checkpointer.wait()
+  assert caught.value.errno == errno.ENOSPC
+  assert "No space left on device" in str(caught.value)
+  monkeypatch.undo()
+  checkpointer.close()
