@@ -41,7 +41,7 @@ Writes ``gpu_system.json`` and ``gpu_system.md`` to
 ``--results``).
 
 Usage:
-  python experiments/gpu_system.py [--quick] [--results DIR]
+  python experiments/gpu_system.py [--quick] [--results DIR] [--dump-step DIR]
   python experiments/gpu_system.py --report DIR   # the tables again
 """
 
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -555,7 +556,19 @@ def main() -> None:
       metavar="DIR",
       help="only write DIR/gpu_system.md again from DIR/gpu_system.json",
   )
+  parser.add_argument(
+      "--dump-step",
+      type=pathlib.Path,
+      metavar="DIR",
+      help="also write XLA's dumps of the train step (its optimized HLO and "
+      "buffer assignment: which buffers its temporaries are) to DIR",
+  )
   args = parser.parse_args()
+  if args.dump_step:  # read when the backend starts, at the first program
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump_step}"
+        " --xla_dump_hlo_module_re=.*train_step.*"
+    )
   if args.report:
     record = json.loads((args.report / "gpu_system.json").read_text())
     (args.report / "gpu_system.md").write_text(report(record))
