@@ -7,7 +7,6 @@ import argparse
 import errno
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -20,6 +19,7 @@ from logra_jax import parallel
 from logra_jax.models import config as models_config
 from logra_jax.models import gguf_io
 from logra_jax.rl import compilation_cache
+from logra_jax.rl import guards
 from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rl import trainer
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
       raise
     # A failed save seen as the run closes (its checkpoints waited for):
     # one line, and an end that Orbax's waiting threads cannot hold up.
-    _exit_now(f"logra {args.command}: error: {error}")
+    guards.exit_now(f"logra {args.command}: error: {error}", 1)
   return 1  # Not reached: both ends above end the process.
 
 
@@ -483,24 +483,14 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _exit_on_full_disk(command: str, error: OSError) -> None:
-  """Ends the process after one line naming the full disk."""
-  _exit_now(
+  """Ends the process after one line naming the full disk (the run has
+  unwound: its checkpoints closed, its lock released)."""
+  guards.exit_now(
       f"logra {command}: error: the disk is full ({error}); free space, "
       "then run again (with --resume to go on from the last completed "
-      "checkpoint)"
+      "checkpoint)",
+      1,
   )
-
-
-def _exit_now(line: str) -> None:
-  """Ends the process, status 1, after ``line``. The run has unwound (its
-  checkpoints closed, its lock released), but libraries' exit hooks and
-  writer threads would retry their failed writes and bury that line under
-  tracebacks (or wait for a failed save for good), so they are skipped
-  (``os._exit``)."""
-  print(line, file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(1)
 
 
 if __name__ == "__main__":

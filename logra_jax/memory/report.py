@@ -35,8 +35,8 @@ class MemoryReport:
   ``compiled_for`` names the platform XLA compiled the programs for
   (``"cpu"`` when the planner ran without the accelerators): a compile for
   another platform lays memory out differently, and a CPU plan of a GPU run
-  can fall short (docs/planner.md: a 7B train step with 7 GiB more
-  temporaries on an H200 than in its CPU compile).
+  can fall short (measured: docs/planner.md, "The whole system on one
+  device").
 
   Example:
     >>> report = MemoryReport(

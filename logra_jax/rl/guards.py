@@ -231,7 +231,7 @@ class StopSignals:
         raise StepAbandoned(self._signum)
       return
     if self.received is not None:
-      _exit_now(f"{name} again: exiting at once, without saving", 128 + signum)
+      exit_now(f"{name} again: exiting at once, without saving", 128 + signum)
     self.received, self._signum = name, signum
     self._log(
         f"{name}: stopping after the current step and saving a checkpoint "
@@ -246,7 +246,7 @@ class StopSignals:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     if isinstance(error, CheckpointSaveError):
-      _exit_now(f"error: {error}", 1)
+      exit_now(f"error: {error}", 1)
     if isinstance(error, StepAbandoned):
       raise SystemExit(128 + error.signum) from None
     if self.received and isinstance(error, transport.TransportError):
@@ -256,9 +256,11 @@ class StopSignals:
       raise SystemExit(128 + self._signum) from None
 
 
-def _exit_now(line: str, status: int) -> None:
+def exit_now(line: str, status: int) -> None:
   """Writes ``line`` to stderr and ends the process with ``status`` at once
-  (no cleanup: what a run leaves is safe to kill, its lock dies with it)."""
+  (no cleanup: what a run leaves is safe to kill, its lock dies with it;
+  libraries' exit hooks and writer threads, which would retry failed writes
+  under tracebacks or wait for a failed save for good, are skipped)."""
   sys.stdout.flush()
   print(line, file=sys.stderr, flush=True)
   os._exit(status)
