@@ -220,13 +220,11 @@ def measure_memory(setting: Setting) -> tuple[dict, Any]:
   sampler = models.Sampler(
       abstract, bucket_size=16, max_length=setting.prompt + setting.new_tokens
   )
-  start = time.perf_counter()
-  out = jax.block_until_ready(_rollout(sampler, weights, opt_state, setting, 0))
-  first_rollout_s = time.perf_counter() - start
-  peaks["rollout"] = _device_bytes("peak_bytes_in_use")
-  _, rollout_s = _timed(
-      lambda: _rollout(sampler, weights, opt_state, setting, 1)
+  out, first_rollout_s = _timed(
+      _rollout, sampler, weights, opt_state, setting, 0
   )
+  peaks["rollout"] = _device_bytes("peak_bytes_in_use")
+  _, rollout_s = _timed(_rollout, sampler, weights, opt_state, setting, 1)
   run = dataclasses.replace(
       configs.TrainConfig(), optimizer=opt_config, micro_batches=setting.seqs
   )
@@ -570,6 +568,8 @@ def main() -> None:
         " --xla_dump_hlo_module_re=.*train_step.*"
     )
   if args.report:
+    if not (args.report / "gpu_system.json").is_file():
+      parser.error(f"--report: {args.report} holds no gpu_system.json")
     record = json.loads((args.report / "gpu_system.json").read_text())
     (args.report / "gpu_system.md").write_text(report(record))
     return
