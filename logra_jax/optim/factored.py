@@ -344,24 +344,38 @@ def _low_rank_rows(
 
 
 def _merge_leaf(
-    w: FactoredWeight, p_BxLxR: jax.Array, seed: int, step: jax.Array
+    w: FactoredWeight,
+    p_BxLxR: jax.Array,
+    seed: int,
+    step: jax.Array,
+    when: jax.typing.ArrayLike,
 ) -> FactoredWeight:
   """One leaf's window merged in place, one matrix at a time and, within
   it, one block of :func:`merge_rows` rows at a time. Block ``j`` holds
   rows ``j, j + k, j + 2k, ...`` (``k`` blocks): a weight sharded over its
   rows keeps every block sharded the same way, so each device merges its
-  own rows (a contiguous block of a sharded matrix would be gathered)."""
+  own rows (a contiguous block of a sharded matrix would be gathered).
+  When ``when`` is false the loop over matrices runs zero times: the base
+  is the loop's carry either way, so no branch holds a second copy of it."""
   plan = w.plan
   dtype = jnp.result_type(w.base)
   key = rounding_key(seed, step, plan.path)
   rows = merge_rows(plan.m, plan.n)
   blocks = plan.m // rows
 
+  # One block: [batch, m, n] (a 4-D carry whose block axis has size 1 is
+  # laid out with that axis major on CPU, and copied to and from it).
+  shape = (
+      (plan.batch, rows, blocks, plan.n)
+      if blocks > 1
+      else (plan.batch, plan.m, plan.n)
+  )
+
   def one(i, b_BxRxKxN):
     scale = 1.0 if w.scale is None else w.scale[i]
 
     def block(j, b_BxRxKxN):
-      b_rows = b_BxRxKxN[i, :, j]
+      b_rows = b_BxRxKxN[i, :, j] if blocks > 1 else b_BxRxKxN[i]
       merged = scale * b_rows.astype(jnp.float32) + _low_rank_rows(
           plan, p_BxLxR[i], w.coords[i], j, blocks
       )
@@ -373,27 +387,37 @@ def _merge_leaf(
           offset,
           strides=(blocks * plan.n, 1),
       )
+      rounded = rounded.astype(dtype)
+      if blocks == 1:
+        return jax.lax.dynamic_update_slice(b_BxRxKxN, rounded[None], (i, 0, 0))
       return jax.lax.dynamic_update_slice(
-          b_BxRxKxN, rounded.astype(dtype)[None, :, None], (i, 0, j, 0)
+          b_BxRxKxN, rounded[None, :, None], (i, 0, j, 0)
       )
 
     return jax.lax.fori_loop(0, blocks, block, b_BxRxKxN)
 
   b_BxRxKxN = jax.lax.fori_loop(
       0,
-      plan.batch,
+      jnp.where(when, plan.batch, 0),
       one,
-      w.base.reshape(plan.batch, rows, blocks, plan.n),
+      w.base.reshape(shape),
   )
   return FactoredWeight(
       base=b_BxRxKxN.reshape(plan.shape),
-      coords=jnp.zeros_like(w.coords),
-      scale=None if w.scale is None else jnp.ones_like(w.scale),
+      coords=jnp.where(when, jnp.zeros_like(w.coords), w.coords),
+      scale=None if w.scale is None else jnp.where(when, 1, w.scale),
       plan=plan,
   )
 
 
-def merge(params: Any, projectors: Any, *, seed: int, step: jax.Array) -> Any:
+def merge(
+    params: Any,
+    projectors: Any,
+    *,
+    seed: int,
+    step: jax.Array,
+    when: jax.typing.ArrayLike = True,
+) -> Any:
   r"""Every factored weight's window merged into its base.
 
   :math:`B \leftarrow \mathrm{round}(c B + P A)`, ``A <- 0``, ``c <- 1``,
@@ -408,6 +432,11 @@ def merge(params: Any, projectors: Any, *, seed: int, step: jax.Array) -> Any:
       ``[batch, long, rank]`` projector (``state_queries.window_projectors``).
     seed: the run's seed.
     step: the step the merge belongs to (traced int).
+    when: whether to merge (a traced boolean may decide it): false leaves
+      ``params`` as they are, by loops that run zero times over the same
+      buffers, so a program that merges only sometimes holds no second copy
+      of the bases (under ``lax.cond`` XLA:GPU copies every base stack the
+      branch writes: 11.4 GB of temporaries at Qwen2.5-7B shapes).
 
   Returns:
     ``params`` with every :class:`FactoredWeight` merged.
@@ -416,7 +445,7 @@ def merge(params: Any, projectors: Any, *, seed: int, step: jax.Array) -> Any:
   flat_p = treedef.flatten_up_to(projectors)
   return treedef.unflatten(
       [
-          _merge_leaf(w, p, seed, step) if is_factored(w) else w
+          _merge_leaf(w, p, seed, step, when) if is_factored(w) else w
           for w, p in zip(flat, flat_p)
       ]
   )
@@ -426,16 +455,12 @@ def merge_at_refresh(
     params: Any, opt_state: optax.OptState, *, seed: int
 ) -> Any:
   """``params`` merged (:func:`merge`) when the optimizer's next update
-  refreshes its projectors, unchanged otherwise (``lax.cond``); the step is
-  the ``project`` stage's count."""
+  refreshes its projectors, unchanged otherwise (``merge``'s ``when``: in
+  place either way); the step is the ``project`` stage's count."""
   state = _project_state(opt_state)
   due = state.count % state.spec.config.refresh_every == 0
   projectors = state_queries.window_projectors(opt_state)
-  return jax.lax.cond(
-      due,
-      lambda: merge(params, projectors, seed=seed, step=state.count),
-      lambda: params,
-  )
+  return merge(params, projectors, seed=seed, step=state.count, when=due)
 
 
 def effective_weights(

@@ -306,6 +306,44 @@ def test_a_merge_of_a_weight_sharded_over_its_rows_stays_on_its_devices(
   assert memory.temp_size_in_bytes < 2 * m * n, memory
 
 
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_a_traced_merge_decision_is_exact_and_branch_free(base_dtype):
+  """``merge(when=...)`` decided in the program: true gives the merge's very
+  bits, false the weights as they were (coordinates, scales and bases), and
+  no conditional of ``merge_at_refresh``'s compiled program carries a base
+  (under ``lax.cond`` one did: XLA:GPU then copied every base stack the
+  branch wrote, 11.4 GB of temporaries at Qwen2.5-7B shapes)."""
+  weights, projectors = _window(base_dtype)
+  merge = jax.jit(
+      lambda w, p, when: factored.merge(w, p, seed=0, step=4, when=when)
+  )
+  want = jax.jit(lambda w, p: factored.merge(w, p, seed=0, step=4))(
+      weights, projectors
+  )
+  for when, expected in ((True, want), (False, weights)):
+    got = merge(weights, projectors, jnp.asarray(when))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  state = logra.logra(LR, RANK, factored=True).init(_params())
+  compiled = (
+      jax.jit(lambda w, s: factored.merge_at_refresh(w, s, seed=0))
+      .lower(weights, state)
+      .compile()
+      .as_text()
+  )
+  conditionals = [
+      line for line in compiled.splitlines() if " conditional(" in line
+  ]
+  for name in ("w", "v"):
+    base = weights[name].base
+    shape = f"{jnp.dtype(base.dtype).name.replace('float', 'f')}"
+    shape += f"[{','.join(map(str, base.shape))}]"
+    assert not any(shape in line for line in conditionals), (
+        shape,
+        conditionals,
+    )
+
+
 def test_merge_rounds_each_matrix_with_its_own_bits():
   """Equal layers of a stacked weight round with different bits (the key
   is folded with the matrix index), each within one bf16 ulp."""
