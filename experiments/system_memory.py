@@ -32,8 +32,12 @@ provenance footer: commit, date, machine, versions, the command) and
 ``question_a.json`` / ``question_b.json`` under ``--results`` (default
 ``experiments/results/system_memory/``).
 
+With ``--compile-for h200`` every plan is XLA:GPU's, compiled for the GPU
+without one (``logra memory --compile-for``; results under
+``experiments/results/system_memory/h200/``).
+
 Run: python experiments/system_memory.py [--questions a b]
-     [--results experiments/results/system_memory]
+     [--results experiments/results/system_memory] [--compile-for h200]
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ QUESTION_A = [
 GRID_B = [(seq, mb) for seq in (1024, 2048, 4096) for mb in (1, 2, 4)]
 
 
-def command(model, device_gib, rank, seq, micro_batch, rollout) -> str:
+def command(
+    model, device_gib, rank, seq, micro_batch, rollout, compile_for=None
+) -> str:
   """The ``logra memory`` command of one plan."""
   return (
       f"logra memory --model {model} --mesh fsdp=1 --seq {seq} "
@@ -69,13 +75,20 @@ def command(model, device_gib, rank, seq, micro_batch, rollout) -> str:
       "--project-embeddings --base-dtype bfloat16 "
       f"--rollout-seqs {rollout[0]} --rollout-tokens {rollout[1]} "
       f"--device-memory-gib {device_gib:.1f}"
+      + (f" --compile-for {compile_for}" if compile_for else "")
   )
 
 
-def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
+def plan(
+    question: str,
+    point: tuple,
+    rollouts: dict[tuple, int],
+    compile_for: str | None = None,
+) -> dict:
   """One row: the train step's plan plus the colocated engine's
   reservation (compiled once per model, rank and rollout shape, kept in
-  ``rollouts``) and the asynchronous engine's own copy."""
+  ``rollouts``) and the asynchronous engine's own copy; compiled for the
+  GPU ``compile_for`` names, or the devices here."""
   model, device_gib, rank, seq, micro_batch, rollout = point
   key = (model, rank, rollout)
   report = memory.plan_memory(
@@ -89,6 +102,7 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
       rollout_tokens=0 if key in rollouts else rollout[1],
       project_embeddings=True,
       base_dtype="bfloat16",
+      compile_for=compile_for,
   )
   rollouts.setdefault(key, report.rollout)
   step, train = report.step_phase, report.train_total
@@ -116,13 +130,15 @@ def plan(question: str, point: tuple, rollouts: dict[tuple, int]) -> dict:
       "rollout_own_copy": copy,
       "system_own_copy_total": train + copy,
       "own_copy_fits": train + copy <= limit,
-      "command": command(*point),
+      "command": command(*point, compile_for),
   }
   print(json.dumps(row), flush=True)
   return row
 
 
-def grid_b(rollouts: dict[tuple, int]) -> list[dict]:
+def grid_b(
+    rollouts: dict[tuple, int], compile_for: str | None = None
+) -> list[dict]:
   """Question (b) over seq x micro-batch, skipping points dominated by one
   that did not fit."""
   rows, failed = [], []
@@ -135,11 +151,11 @@ def grid_b(rollouts: dict[tuple, int]) -> list[dict]:
               "seq": seq,
               "micro_batch": mb,
               "skipped": "a point with no larger seq and micro-batch did not fit",
-              "command": command(*point),
+              "command": command(*point, compile_for),
           }
       )
       continue
-    rows.append(plan("b", point, rollouts))
+    rows.append(plan("b", point, rollouts, compile_for))
     if not rows[-1]["fits"]:
       failed.append((seq, mb))
   return rows
@@ -197,13 +213,21 @@ def main() -> None:
       default=study.RESULTS / "system_memory",
       help="folder for question_{a,b}.md and .json",
   )
+  parser.add_argument(
+      "--compile-for",
+      choices=memory.GPU_TARGETS,
+      default=None,
+      help="compile for this GPU without one (logra memory --compile-for)",
+  )
   args = parser.parse_args()
   for question in args.questions:
     rollouts: dict[tuple, int] = {}
     if question == "a":
-      rows = [plan("a", point, rollouts) for point in QUESTION_A]
+      rows = [
+          plan("a", point, rollouts, args.compile_for) for point in QUESTION_A
+      ]
     else:
-      rows = grid_b(rollouts)
+      rows = grid_b(rollouts, args.compile_for)
     record = provenance.collect(provenance.this_command(), "not computed")
     text = markdown(rows) + "\n\n" + provenance.footer(record) + "\n"
     args.results.mkdir(parents=True, exist_ok=True)

@@ -167,6 +167,7 @@ def _memory(args: argparse.Namespace) -> int:
       reference_dtype=args.reference_dtype,
       base_dtype=args.base_dtype,
       coords_dtype=args.coords_dtype,
+      compile_for=args.compile_for,
   )
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
@@ -261,6 +262,13 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       "--model",
       default="qwen2.5-7b",
       help="preset name or path to a Hugging Face config.json",
+  )
+  plan.add_argument(
+      "--compile-for",
+      choices=memory.GPU_TARGETS,
+      default=None,
+      help="compile for this GPU without one (needs JAX's CUDA plugin, "
+      "not its CUDA libraries: docs/planner.md); default: the devices here",
   )
   plan.add_argument(
       "--mesh",

@@ -1,6 +1,7 @@
 """The memory planner: exact accounting, real configs, clear errors."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 
@@ -11,6 +12,7 @@ from logra_jax import memory
 from logra_jax import models
 from logra_jax import parallel
 from logra_jax.cli import main as cli_main
+from logra_jax.memory import targets
 
 TINY = models.DecoderConfig.tiny(vocab_size=64)
 FSDP8 = parallel.MeshConfig(fsdp=8)
@@ -405,3 +407,42 @@ def test_cli_json_and_errors(capsys):
       "fits",
   } <= set(report)
   assert report["fits"] is True and report["num_params"] == 494_032_768
+
+
+CUDA_PLUGIN = bool(
+    importlib.util.find_spec("jax_plugins")
+    and importlib.util.find_spec("jax_plugins.xla_cuda12")
+)
+
+
+def test_gpu_targets_describe_each_part_and_unknown_ones_are_refused():
+  for name in memory.GPU_TARGETS:
+    text = targets.target_config(name)
+    assert f'device_description_str: "{name}"' in text
+    assert "cuda_compute_capability { major: " in text
+  with pytest.raises(ValueError, match="known: a100-80gb, h100, h200"):
+    targets.target_config("v100")
+  with pytest.raises(SystemExit):
+    cli_main(["memory", "--compile-for", "v100"])
+
+
+@pytest.mark.skipif(CUDA_PLUGIN, reason="JAX's CUDA plugin is installed")
+def test_compiling_for_a_gpu_without_the_plugin_says_how_to_get_it():
+  with pytest.raises(
+      ValueError, match="pip install --no-deps jax-cuda12-plugin"
+  ):
+    memory.ensure_devices(1, "h200")
+
+
+@pytest.mark.skipif(not CUDA_PLUGIN, reason="JAX's CUDA plugin is missing")
+def test_a_plan_compiled_for_a_gpu_without_one_is_xla_gpu_s():
+  """Compile-only H200 devices, on a machine without a GPU: the plan's
+  parts are XLA:GPU's (its cuBLAS workspace among the temporaries)."""
+  report = memory.plan_memory(
+      TINY, mesh=FSDP8, rank=8, seq_len=64, compile_for="h200"
+  )
+  assert report.compiled_for == "gpu"
+  assert (
+      report.params
+      == memory.plan_memory(TINY, mesh=FSDP8, rank=8, seq_len=64).params
+  )

@@ -19,7 +19,9 @@ compared on equal terms. Its parts:
   (:data:`MODEL_PRESETS`) and :func:`load_model_config`;
 - :mod:`~logra_jax.memory.compiling`: :func:`ensure_devices` and
   :func:`compiled_memory`;
-- :mod:`~logra_jax.memory.report`: the :class:`MemoryReport`.
+- :mod:`~logra_jax.memory.report`: the :class:`MemoryReport`;
+- :mod:`~logra_jax.memory.targets`: GPUs to compile for without one
+  (:data:`GPU_TARGETS`).
 
 Example:
   >>> from logra_jax import memory
@@ -33,9 +35,11 @@ from logra_jax.memory.compiling import compiled_memory, ensure_devices
 from logra_jax.memory.planner import OPTIMIZERS, plan_memory, rollout_reservation
 from logra_jax.memory.presets import MODEL_PRESETS, load_model_config
 from logra_jax.memory.report import GIB, MemoryReport
+from logra_jax.memory.targets import GPU_TARGETS
 
 __all__ = [
     "GIB",
+    "GPU_TARGETS",
     "MODEL_PRESETS",
     "OPTIMIZERS",
     "MemoryReport",

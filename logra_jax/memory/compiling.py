@@ -3,7 +3,8 @@
 On a machine without the accelerators the planner compiles for as many CPU
 devices as the mesh has (``jax_num_cpu_devices``), so a node can be planned
 from a laptop; the figures are those of the CPU compilation of the same
-program.
+program. Or it compiles for a described GPU (:mod:`~logra_jax.memory.targets`),
+whose figures are XLA:GPU's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+
+from logra_jax.memory import targets
 
 # XLA:CPU computes bfloat16 dots in float32: it upcasts bfloat16 weights and
 # hoists the converts out of the layer loop (loop-invariant code motion), so a
@@ -49,19 +52,27 @@ def compiled_memory(
 MAX_DEVICES = 4096
 
 
-def ensure_devices(count: int) -> list[jax.Device]:
-  """``count`` devices to compile for: the accelerators if there are enough,
-  else ``count`` CPU devices (configured before JAX's backend starts).
+def ensure_devices(
+    count: int, compile_for: Optional[str] = None
+) -> list[jax.Device]:
+  """``count`` devices to compile for: compile-only devices of the GPU
+  ``compile_for`` names (:data:`~logra_jax.memory.targets.GPU_TARGETS`:
+  :func:`~logra_jax.memory.targets.gpu_devices`), else the accelerators if
+  there are enough, else ``count`` CPU devices (configured before JAX's
+  backend starts).
 
   Raises:
-    ValueError: ``count`` exceeds :data:`MAX_DEVICES`, or fewer devices exist
-      and JAX's backend has already started.
+    ValueError: ``count`` exceeds :data:`MAX_DEVICES`, fewer devices exist
+      and JAX's backend has already started, or the GPU cannot be compiled
+      for.
   """
   if count > MAX_DEVICES:
     raise ValueError(
         f"the mesh has {count} devices; the planner compiles for at most "
         f"{MAX_DEVICES} (one simulated CPU device each)"
     )
+  if compile_for:
+    return targets.gpu_devices(compile_for, count)
   try:
     backend_started = bool(jax._src.xla_bridge._backends)  # noqa: SLF001
   except AttributeError:

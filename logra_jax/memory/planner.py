@@ -142,7 +142,7 @@ def shared_rollout_bytes(
       jax.ShapeDtypeStruct((8,), jnp.int32),
       jax.eval_shape(lambda: jax.random.key(0)),
   )
-  stats = compiled_memory(lowered)
+  stats = compiled_memory(lowered, device_mesh.devices.flat[0].platform)
   return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
@@ -449,6 +449,7 @@ def plan_memory(
     coords_dtype: str = "float32",
     rollout_copy: bool = False,
     rollout_turn_tokens: int = 0,
+    compile_for: Optional[str] = None,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -501,6 +502,9 @@ def plan_memory(
     coords_dtype: the dtype of the factored weights' window coordinates
       ``A`` (``"float32"`` or ``"bfloat16"``: ``optimizer.coords_dtype``,
       which needs the factored policy).
+    compile_for: compile for this GPU without it (``"h200"``:
+      :data:`~logra_jax.memory.targets.GPU_TARGETS`); default: the devices
+      here (:func:`~logra_jax.memory.compiling.ensure_devices`).
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is
@@ -534,7 +538,7 @@ def plan_memory(
       coords_dtype=coords_dtype,
   )
   config = _plan_config(model, remat, seq_len)
-  device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size))
+  device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size, compile_for))
   layout = _layout(config, opt_config, device_mesh)
   batch = _abstract_batch(
       micro_batch * mesh.dp * mesh.fsdp,
