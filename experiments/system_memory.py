@@ -33,7 +33,7 @@ provenance footer: commit, date, machine, versions, the command) and
 ``experiments/results/system_memory/``).
 
 With ``--compile-for h200`` every plan is XLA:GPU's, compiled for the GPU
-without one (``logra memory --compile-for``; results under
+without one (``logra memory --compile-for``; results by default under
 ``experiments/results/system_memory/h200/``).
 
 Run: python experiments/system_memory.py [--questions a b]
@@ -210,8 +210,10 @@ def main() -> None:
   parser.add_argument(
       "--results",
       type=pathlib.Path,
-      default=study.RESULTS / "system_memory",
-      help="folder for question_{a,b}.md and .json",
+      default=None,
+      help="folder for question_{a,b}.md and .json (default "
+      "experiments/results/system_memory/, with --compile-for its "
+      "subfolder of that GPU's name)",
   )
   parser.add_argument(
       "--compile-for",
@@ -220,6 +222,8 @@ def main() -> None:
       help="compile for this GPU without one (logra memory --compile-for)",
   )
   args = parser.parse_args()
+  if args.results is None:
+    args.results = study.RESULTS / "system_memory" / (args.compile_for or "")
   for question in args.questions:
     rollouts: dict[tuple, int] = {}
     if question == "a":

@@ -9,6 +9,8 @@ whose figures are XLA:GPU's.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Optional
 
 import jax
@@ -59,26 +61,29 @@ def ensure_devices(
   ``compile_for`` names (:data:`~logra_jax.memory.targets.GPU_TARGETS`:
   :func:`~logra_jax.memory.targets.gpu_devices`), else the accelerators if
   there are enough, else ``count`` CPU devices (configured before JAX's
-  backend starts).
+  backend starts). With ``compile_for``, a process that has not started JAX
+  yet starts it on the CPU alone (with ``count`` CPU devices, for a CPU
+  plan of the same mesh): the plugin needs that without a GPU runtime, and
+  such a process sees no GPU afterwards, so plan in a process of its own.
 
   Raises:
-    ValueError: ``count`` exceeds :data:`MAX_DEVICES`, fewer devices exist
-      and JAX's backend has already started, or the GPU cannot be compiled
-      for.
+    ValueError: ``count`` CPU devices exceed :data:`MAX_DEVICES`, fewer
+      devices exist and JAX's backend has already started, or the GPU cannot
+      be compiled for.
   """
+  started = _backend_started()
+  if compile_for:
+    if not started:
+      jax.config.update("jax_platforms", "cpu")
+      _ensure_cpu_devices(min(count, MAX_DEVICES))
+    return targets.gpu_devices(compile_for, count)
   if count > MAX_DEVICES:
     raise ValueError(
         f"the mesh has {count} devices; the planner compiles for at most "
         f"{MAX_DEVICES} (one simulated CPU device each)"
     )
-  if compile_for:
-    return targets.gpu_devices(compile_for, count)
-  try:
-    backend_started = bool(jax._src.xla_bridge._backends)  # noqa: SLF001
-  except AttributeError:
-    backend_started = True
-  if not backend_started and jax.config.jax_num_cpu_devices < count:
-    jax.config.update("jax_num_cpu_devices", count)
+  if not started:
+    _ensure_cpu_devices(count)
   devices = jax.devices()
   if len(devices) < count:
     devices = jax.devices("cpu")
@@ -89,3 +94,24 @@ def ensure_devices(
         f"XLA_FLAGS=--xla_force_host_platform_device_count={count}"
     )
   return devices[:count]
+
+
+def _backend_started() -> bool:
+  try:
+    return bool(jax._src.xla_bridge._backends)  # noqa: SLF001
+  except AttributeError:
+    return True
+
+
+def _ensure_cpu_devices(count: int) -> None:
+  """At least ``count`` CPU devices once JAX starts (never fewer than
+  ``XLA_FLAGS=--xla_force_host_platform_device_count`` asks for)."""
+  current = jax.config.jax_num_cpu_devices
+  if current < 0:
+    flag = re.search(
+        r"xla_force_host_platform_device_count=(\d+)",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+    current = int(flag.group(1)) if flag else 1
+  if current < count:
+    jax.config.update("jax_num_cpu_devices", count)

@@ -15,25 +15,27 @@ capability and the device memory, the rest steers only cost models.
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 from jax.experimental import topologies
-
 import jaxlib
 
-# name: (compute capability, SMs, memory bytes, memory bandwidth B/s, L2
-# bytes, boost clock GHz, FP32 lanes per SM, shared memory per SM, shared
-# memory per block opt-in).
+_MIB = 2**20
+# name: (compute capability, SMs, memory bytes as the driver reports them,
+# memory bandwidth B/s, L2 bytes, boost clock GHz, FP32 lanes per SM, shared
+# memory per SM, shared memory per block opt-in).
 _GPUS = {
     "a100-80gb": (
-        (8, 0), 108, 80 * 2**30, 2.039e12, 40 * 2**20, 1.41, 64, 167936,
+        (8, 0), 108, 81920 * _MIB, 2.039e12, 40 * _MIB, 1.41, 64, 167936,
         166912,
     ),
     "h100": (
-        (9, 0), 132, 80 * 2**30, 3.35e12, 50 * 2**20, 1.98, 128, 233472,
+        (9, 0), 132, 81559 * _MIB, 3.35e12, 50 * _MIB, 1.98, 128, 233472,
         232448,
     ),
     "h200": (
-        (9, 0), 132, 141 * 10**9, 4.8e12, 50 * 2**20, 1.98, 128, 233472,
+        (9, 0), 132, 143771 * _MIB, 4.8e12, 50 * _MIB, 1.98, 128, 233472,
         232448,
     ),
 }  # fmt: skip
@@ -86,32 +88,39 @@ def target_config(name: str) -> str:
 
 
 def gpu_devices(name: str, count: int) -> list[jax.Device]:
-  """``count`` compile-only devices of GPU ``name`` on one host.
+  """``count`` compile-only devices of GPU ``name`` on one host. JAX's CUDA
+  plugin starts without a GPU runtime only where JAX started on the CPU
+  alone (``compiling.ensure_devices`` sees to it in a process that has not
+  started JAX yet).
 
   Raises:
-    ValueError: an unknown GPU, or JAX's CUDA plugin is missing (the error
-      says how to install it) or started against a GPU runtime it could not
-      load (plan in a fresh process: ``logra memory`` does).
+    ValueError: an unknown GPU, JAX's CUDA plugin is missing (the error says
+      how to install it), or it did not start (JAX started otherwise: plan
+      in a process of its own, as ``logra memory`` does).
   """
   config = target_config(name)
-  try:
-    started = bool(jax._src.xla_bridge._backends)  # noqa: SLF001
-  except AttributeError:
-    started = True
-  if not started:
-    # The plugin initializes without a GPU runtime only when JAX does not
-    # try to start it as a backend.
-    jax.config.update("jax_platforms", "cpu")
   try:
     topology = topologies.get_topology_desc(
         platform="cuda", target_config=config, topology=f"1x1x{count}"
     )
   except (NotImplementedError, RuntimeError) as error:
     version = jaxlib.__version__
+    if _plugin_installed():
+      raise ValueError(
+          f"compiling for {name} without the GPU: JAX's CUDA plugin is "
+          "installed but did not start (JAX had started on other platforms "
+          f"first); plan in a process of its own ({error})"
+      ) from error
     raise ValueError(
         f"compiling for {name} without the GPU needs JAX's CUDA plugin, "
         "without its CUDA libraries: pip install --no-deps "
-        f"jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version}; then plan "
-        f"in a fresh process ({error})"
+        f"jax-cuda12-plugin=={version} jax-cuda12-pjrt=={version}"
     ) from error
   return list(topology.devices)[:count]
+
+
+def _plugin_installed() -> bool:
+  return bool(
+      importlib.util.find_spec("jax_plugins")
+      and importlib.util.find_spec("jax_plugins.xla_cuda12")
+  )

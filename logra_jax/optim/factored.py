@@ -396,9 +396,15 @@ def _merge_leaf(
 
     return jax.lax.fori_loop(0, blocks, block, b_BxRxKxN)
 
+  # A Python bool keeps a static trip count (reverse-differentiable).
+  matrices = (
+      (plan.batch if when else 0)
+      if isinstance(when, bool)
+      else jnp.where(when, plan.batch, 0)
+  )
   b_BxRxKxN = jax.lax.fori_loop(
       0,
-      jnp.where(when, plan.batch, 0),
+      matrices,
       one,
       w.base.reshape(shape),
   )
@@ -435,11 +441,14 @@ def merge(
     when: whether to merge (a traced boolean may decide it): false leaves
       ``params`` as they are, by loops that run zero times over the same
       buffers, so a program that merges only sometimes holds no second copy
-      of the bases (under ``lax.cond`` XLA:GPU copies every base stack the
-      branch writes: 11.4 GB of temporaries at Qwen2.5-7B shapes).
+      of the bases (under ``lax.cond`` XLA:GPU copied every base stack the
+      branch writes: docs/planner.md, "The whole system on one device"). A
+      traced ``when`` makes the loops' bounds dynamic, which reverse-mode
+      differentiation does not support; a Python bool keeps them static.
 
   Returns:
-    ``params`` with every :class:`FactoredWeight` merged.
+    ``params`` with every :class:`FactoredWeight` merged if ``when`` holds,
+    else ``params`` unchanged.
   """
   flat, treedef = jax.tree.flatten(params, is_leaf=is_factored)
   flat_p = treedef.flatten_up_to(projectors)

@@ -311,8 +311,8 @@ def test_a_traced_merge_decision_is_exact_and_branch_free(base_dtype):
   """``merge(when=...)`` decided in the program: true gives the merge's very
   bits, false the weights as they were (coordinates, scales and bases), and
   no conditional of ``merge_at_refresh``'s compiled program carries a base
-  (under ``lax.cond`` one did: XLA:GPU then copied every base stack the
-  branch wrote, 11.4 GB of temporaries at Qwen2.5-7B shapes)."""
+  (under ``lax.cond`` one did, and XLA:GPU copied every base stack the
+  branch wrote: docs/planner.md, "The whole system on one device")."""
   weights, projectors = _window(base_dtype)
   merge = jax.jit(
       lambda w, p, when: factored.merge(w, p, seed=0, step=4, when=when)
@@ -324,6 +324,16 @@ def test_a_traced_merge_decision_is_exact_and_branch_free(base_dtype):
     got = merge(weights, projectors, jnp.asarray(when))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A Python bool keeps the loops static: reverse-mode still goes through.
+  grad = jax.jit(
+      jax.grad(
+          lambda w: sum(
+              jnp.sum(x.base.astype(jnp.float32))
+              for x in _factored(factored.merge(w, projectors, seed=0, step=4))
+          )
+      )
+  )(weights)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(grad))
   state = logra.logra(LR, RANK, factored=True).init(_params())
   compiled = (
       jax.jit(lambda w, s: factored.merge_at_refresh(w, s, seed=0))
