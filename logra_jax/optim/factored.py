@@ -363,8 +363,8 @@ def _merge_leaf(
   rows = merge_rows(plan.m, plan.n)
   blocks = plan.m // rows
 
-  # One block: [batch, m, n] (a 4-D carry whose block axis has size 1 is
-  # laid out with that axis major on CPU, and copied to and from it).
+  # With one block the carry is [batch, m, n]: XLA:CPU lays out a 4-D carry
+  # whose block axis has size 1 with that axis major, copying the base.
   shape = (
       (plan.batch, rows, blocks, plan.n)
       if blocks > 1
