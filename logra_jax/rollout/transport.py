@@ -277,14 +277,25 @@ def serve(sock: socket.socket, heartbeat_s: float = 15.0) -> None:
       print(f"rollout engine: {e}; exiting", file=sys.stderr, flush=True)
       return
     if kind == _CLOSE:
-      send_frame(sock, _OK, b"", request)
+      _reply(heartbeat, _OK, b"", request)
       return
     with heartbeat(request):
       try:
         reply = server.handle(kind, payload)
       except Exception:  # noqa: BLE001 (reported to the learner)
         reply = _ERROR, traceback.format_exc().encode()
-    heartbeat.send(*reply, request)
+    if not _reply(heartbeat, *reply, request):
+      return
+
+
+def _reply(heartbeat: _Heartbeat, kind: int, payload: bytes, request: int):
+  """Sends a reply; False when the learner has gone away (it closed the
+  connection after giving up on the request, or after asking to close)."""
+  try:
+    heartbeat.send(kind, payload, request)
+  except (BrokenPipeError, ConnectionResetError):
+    return False
+  return True
 
 
 class ProcessEngine(engine_lib.Engine):

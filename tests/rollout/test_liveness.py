@@ -58,6 +58,18 @@ def test_heartbeats_keep_a_long_request_alive_and_silence_ends_it(
       transport.recv_frame(ours)
 
 
+def test_an_engine_whose_learner_went_away_ends_quietly():
+  """A learner that asks to close (or gives up on a request) and closes its
+  end at once: the engine's reply finds no one, and serving ends without
+  an error (it raised BrokenPipeError from the engine's thread)."""
+  for kind in (transport._CLOSE, transport._SAMPLE):
+    ours, theirs = socket.socketpair()
+    with theirs:
+      transport.send_frame(ours, kind, b"", request=1)
+      ours.close()
+      transport.serve(theirs, heartbeat_s=60.0)
+
+
 def _full_message(config, policy):
   """The learner's initial state as a full sync message (and the state)."""
   tx = policy_state.make_optimizer(config.optimizer, policy.params)
