@@ -363,38 +363,31 @@ def _merge_leaf(
   rows = merge_rows(plan.m, plan.n)
   blocks = plan.m // rows
 
-  # With one block the carry is [batch, m, n]: XLA:CPU lays out a 4-D carry
-  # whose block axis has size 1 with that axis major, copying the base.
-  shape = (
-      (plan.batch, rows, blocks, plan.n)
-      if blocks > 1
-      else (plan.batch, plan.m, plan.n)
-  )
+  # Row r * blocks + j of matrix i is b[i, r, j * n : (j + 1) * n], so block
+  # j is one column slice of a [batch, rows, blocks * n] carry.
+  n = plan.n
 
-  def one(i, b_BxRxKxN):
+  def one(i, b_BxRxKN):
     scale = 1.0 if w.scale is None else w.scale[i]
 
-    def block(j, b_BxRxKxN):
-      b_rows = b_BxRxKxN[i, :, j] if blocks > 1 else b_BxRxKxN[i]
+    def block(j, b_BxRxKN):
+      b_rows = jax.lax.dynamic_slice_in_dim(b_BxRxKN[i], j * n, n, axis=1)
       merged = scale * b_rows.astype(jnp.float32) + _low_rank_rows(
           plan, p_BxLxR[i], w.coords[i], j, blocks
       )
-      offset = jnp.asarray(j, jnp.uint32) * np.uint32(plan.n)
+      offset = jnp.asarray(j, jnp.uint32) * np.uint32(n)
       rounded = stochastic_round(
           merged,
           dtype,
           jax.random.fold_in(key, i),
           offset,
-          strides=(blocks * plan.n, 1),
+          strides=(blocks * n, 1),
       )
-      rounded = rounded.astype(dtype)
-      if blocks == 1:
-        return jax.lax.dynamic_update_slice(b_BxRxKxN, rounded[None], (i, 0, 0))
       return jax.lax.dynamic_update_slice(
-          b_BxRxKxN, rounded[None, :, None], (i, 0, j, 0)
+          b_BxRxKN, rounded.astype(dtype)[None], (i, 0, j * n)
       )
 
-    return jax.lax.fori_loop(0, blocks, block, b_BxRxKxN)
+    return jax.lax.fori_loop(0, blocks, block, b_BxRxKN)
 
   # A Python bool keeps a static trip count (reverse-differentiable).
   matrices = (
@@ -402,14 +395,11 @@ def _merge_leaf(
       if isinstance(when, bool)
       else jnp.where(when, plan.batch, 0)
   )
-  b_BxRxKxN = jax.lax.fori_loop(
-      0,
-      matrices,
-      one,
-      w.base.reshape(shape),
+  b_BxRxKN = jax.lax.fori_loop(
+      0, matrices, one, w.base.reshape(plan.batch, rows, blocks * n)
   )
   return FactoredWeight(
-      base=b_BxRxKxN.reshape(plan.shape),
+      base=b_BxRxKN.reshape(plan.shape),
       coords=jnp.where(when, jnp.zeros_like(w.coords), w.coords),
       scale=None if w.scale is None else jnp.where(when, 1, w.scale),
       plan=plan,
