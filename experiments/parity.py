@@ -94,8 +94,12 @@ count_bits 0.03, products 0.03, smollm2 0.05: H0 LoGRA - baseline <=
 Piecewise: each finished run's row is written to
 ``<results>/rows/<setting>/<arm>[+kl]/lr<rate>-seed<seed>.json`` as it
 completes (commit it to keep it); the next invocation skips a run whose row
-holds the same config and numerics fingerprint (:mod:`provenance`). The same
-command runs unchanged on an accelerator (the runs use the JAX backend).
+holds the same config and a numerics fingerprint of the same code: this
+host's, or one the ledger (``experiments/results/fingerprints.json``) shows
+one commit to have had on another host (:mod:`provenance`: XLA:CPU's
+last bits vary with the CPU model, so rows made on several hosts pool only
+through a commit measured on both). The same command runs unchanged on an
+accelerator (the runs use the JAX backend).
 
 CPU budget (2 cores): runs per setting = sweep 5 arms x 4 rates x 2 seeds
 (40) + final 5 x 6 new seeds (30) + KL-matched 5 x 5 (25) = 95. A tiny run
@@ -470,18 +474,26 @@ def committed_row(path: pathlib.Path) -> dict[str, Any]:
 
 
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
-  """The provenance of a ``--report-only`` report: the rows' one numerics
-  fingerprint (several exit, status 2: a report mixes no numerics) and the
-  commits that made them (a study spans commits that leave the numerics
-  alone), with this invocation's command, date and machine."""
+  """The provenance of a ``--report-only`` report: the rows' numerics
+  fingerprints, which must name one code (one fingerprint, or several that
+  the ledger shows to be one commit's on several hosts; else exit, status
+  2: a report mixes no numerics), and the commits that made them (a study
+  spans commits that leave the numerics alone), with this invocation's
+  command, date and machine."""
   fingerprints = sorted({r["fingerprint"] for r in rows})
-  if len(fingerprints) != 1:
+  same_code = provenance.same_numerics(
+      fingerprints[0], provenance.read_ledger()
+  )
+  if not same_code.issuperset(fingerprints):
     study.fail(
         "--report-only: the rows were made by several code versions "
-        f"(numerics fingerprints {fingerprints})"
+        f"(numerics fingerprints {fingerprints}, not one commit's on "
+        f"several hosts in {provenance.LEDGER})"
     )
   commits = sorted({r["commit"] for r in rows})
-  record = provenance.collect(provenance.this_command(), fingerprints[0])
+  record = provenance.collect(
+      provenance.this_command(), " = ".join(fingerprints)
+  )
   record.update(commit=" ".join(commits), dirty=False)
   return record
 
@@ -500,9 +512,9 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
         k: math.nan if v is None else v
         for k, v in json.loads(path.read_text()).items()
     }
-    if (row["config_hash"], row["fingerprint"]) == (
-        config_hash(config),
-        fingerprint,
+    same_code = provenance.same_numerics(fingerprint, provenance.read_ledger())
+    if row["config_hash"] == config_hash(config) and (
+        row["fingerprint"] in same_code
     ):
       return row
   setting = setting_of(args, key["setting"])

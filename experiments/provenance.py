@@ -11,11 +11,20 @@ invocation and cached by code version (commit, the hash of the uncommitted
 changes to ``logra_jax/`` and the JAX backend) in a cache folder.
 
 On CPU the smoke run's code is generated for at most AVX2
-(``--xla_cpu_max_isa=AVX2``), so that the fingerprint names the code, not
-the host: XLA:CPU vectorizes for the host's instruction set, and below AVX2
-the same tree's metrics move in their last bits (measured: AVX and SSE4.2
-give other hashes; AVX2 and AVX-512 hosts the same one). A study's runs
-are not pinned: each row records its host (:func:`machine`).
+(``--xla_cpu_max_isa=AVX2``): XLA:CPU vectorizes for the host's instruction
+set, and below AVX2 the same tree's metrics move in their last bits
+(measured on one Intel host: AVX and SSE4.2 give other hashes, AVX2 and
+AVX-512 the same one). The pin does not make the fingerprint the same on
+every host: XLA:CPU's kernels also choose their blocking by the CPU model,
+and an AMD EPYC (AVX2) host gives commit 34b4de8 the fingerprint
+c38da4c37512f332 where the Intel AVX-512 host gave 8018620529c3b7bc. So the
+fingerprint names the code on a host, and the ledger
+(``experiments/results/fingerprints.json``, :func:`note_fingerprint`)
+records which fingerprints one commit had on which hosts:
+:func:`same_numerics` reads from it which fingerprints name the same code,
+so that a study's rows made on several hosts are pooled only when the code
+behind them is one (a study's runs are not pinned: each row records its
+host, :func:`machine`).
 
 Example:
   >>> record = collect("python experiments/parity.py --quick", "0" * 16)
@@ -43,6 +52,8 @@ from typing import Any
 import jax
 
 ROOT = pathlib.Path(__file__).parent.parent
+# Which fingerprints each clean commit had on which host (and backend).
+LEDGER = ROOT / "experiments" / "results" / "fingerprints.json"
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
 # The instruction set the fingerprint's smoke run is compiled for on CPU.
 PINNED_ISA = "--xla_cpu_max_isa=AVX2"
@@ -165,12 +176,102 @@ def cpu_isa() -> str:
   return next((isa for isa in VECTOR_ISAS if isa in flags), platform.machine())
 
 
+def cpu_model() -> str:
+  """The CPU's model name (``/proc/cpuinfo``), or the processor's name
+  where that file is missing."""
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.processor() or platform.machine()
+  names = [
+      line.split(":", 1)[1].strip()
+      for line in text.splitlines()
+      if line.startswith("model name")
+  ]
+  return names[0] if names else platform.machine()
+
+
+def host() -> str:
+  """What the same code's fingerprint varies with besides the code: the
+  CPU's model and widest vector extension, or the accelerator's kind."""
+  if jax.default_backend() == "cpu":
+    return f"{cpu_model()} ({cpu_isa()})"
+  return ", ".join(sorted({d.device_kind for d in jax.devices()}))
+
+
+def read_ledger(path: str | os.PathLike = LEDGER) -> list[dict[str, str]]:
+  """The ledger's entries (none where it is missing), each a commit, a
+  backend, a host and the fingerprint measured there."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  return json.loads(path.read_text())["measured"]
+
+
+def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
+  """Adds this clean commit's fingerprint on this host to the ledger (a
+  tree with uncommitted changes, or outside a repository, adds nothing:
+  its fingerprint names no commit)."""
+  head, dirty = commit()
+  if dirty or head == "unknown":
+    return
+  entry = {
+      "commit": head,
+      "backend": jax.default_backend(),
+      "host": host(),
+      "fingerprint": value,
+  }
+  entries = read_ledger(path)
+  if any(all(e[k] == v for k, v in entry.items()) for e in entries):
+    return
+  entry["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+  entries = sorted(entries + [entry], key=lambda e: (e["date"], e["commit"]))
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  staged = path.with_suffix(".json.tmp")
+  staged.write_text(json.dumps({"measured": entries}, indent=1) + "\n")
+  staged.replace(path)
+
+
+def same_numerics(value: str, entries: list[dict[str, str]]) -> set[str]:
+  """The fingerprints that name the same code as ``value``: those one
+  commit had on other hosts of one backend, transitively (a fingerprint
+  names the numerics of every commit that has it on that host).
+
+  Example:
+    >>> ledger = [
+    ...     {"commit": "c1", "backend": "cpu", "fingerprint": "a"},
+    ...     {"commit": "c1", "backend": "cpu", "fingerprint": "b"},
+    ...     {"commit": "c2", "backend": "cpu", "fingerprint": "b"},
+    ...     {"commit": "c2", "backend": "cpu", "fingerprint": "c"},
+    ...     {"commit": "c3", "backend": "cpu", "fingerprint": "d"},
+    ...     {"commit": "c1", "backend": "gpu", "fingerprint": "e"},
+    ... ]
+    >>> sorted(same_numerics("a", ledger))
+    ['a', 'b', 'c']
+    >>> sorted(same_numerics("z", ledger))
+    ['z']
+  """
+  groups: dict[tuple[str, str], set[str]] = {}
+  for e in entries:
+    groups.setdefault((e["commit"], e["backend"]), set()).add(e["fingerprint"])
+  found, grew = {value}, True
+  while grew:
+    grew = False
+    for group in groups.values():
+      if group & found and not group <= found:
+        found |= group
+        grew = True
+  return found
+
+
 def machine() -> dict[str, Any]:
-  """Platform, CPU count and vector extension, and the JAX backend's
-  devices."""
+  """Platform, CPU count, model and vector extension, and the JAX
+  backend's devices."""
   return {
       "platform": platform.platform(),
       "cpu_count": os.cpu_count(),
+      "cpu_model": cpu_model(),
       "cpu_isa": cpu_isa(),
       "jax_backend": jax.default_backend(),
       "devices": [d.device_kind for d in jax.devices()],
@@ -222,7 +323,9 @@ def footer(record: dict[str, Any]) -> str:
       f"Command: `{record['command']}`; commit {commits}"
       f"{' (dirty tree)' if record['dirty'] else ''}, numerics fingerprint "
       f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
-      f"{m['cpu_count']} CPUs ({m.get('cpu_isa', 'unknown')}), "
+      f"{m['cpu_count']} CPUs ("
+      + ", ".join(m[k] for k in ("cpu_model", "cpu_isa") if k in m)
+      + f"), "
       f"{m['jax_backend']} "
       f"({', '.join(sorted(set(m['devices'])))}); "
       + ", ".join(f"{k} {v[k]}" for k in ("python", *PACKAGES))

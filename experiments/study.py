@@ -358,8 +358,13 @@ def footer(command: str) -> str:
 
 
 def provenance_record(args: argparse.Namespace) -> dict[str, Any]:
-  """This invocation's provenance (:func:`provenance.collect`)."""
-  return provenance.collect(provenance.this_command(), fingerprint(args))
+  """This invocation's provenance (:func:`provenance.collect`); a full
+  (not ``--quick``) study notes its fingerprint in the ledger
+  (:func:`provenance.note_fingerprint`)."""
+  value = fingerprint(args)
+  if not args.quick:
+    provenance.note_fingerprint(value)
+  return provenance.collect(provenance.this_command(), value)
 
 
 def write_provenance(record: dict[str, Any], folder: pathlib.Path) -> None:

@@ -371,9 +371,37 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
   assert parity.run_row(ctx("a"), key) == row
   with pytest.raises(RuntimeError, match="trained"):
     parity.run_row(ctx("b"), key)
+  # ... or with a fingerprint the ledger shows to be the same commit's on
+  # another host ...
+  ledger = [
+      {"commit": "c1", "backend": "cpu", "host": "x", "fingerprint": "a"},
+      {"commit": "c1", "backend": "cpu", "host": "y", "fingerprint": "b"},
+  ]
+  monkeypatch.setattr(parity.provenance, "read_ledger", lambda: ledger)
+  assert parity.run_row(ctx("b"), key) == row
   path.write_text(json.dumps({**row, "config_hash": "another config's"}))
   with pytest.raises(RuntimeError, match="trained"):
     parity.run_row(ctx("a"), key)
+
+
+def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
+  """A clean commit's fingerprint on this host is noted once; a tree with
+  uncommitted changes notes nothing (its fingerprint names no commit)."""
+  ledger = tmp_path / "fingerprints.json"
+  monkeypatch.setattr(provenance, "commit", lambda: ("c" * 40, True))
+  provenance.note_fingerprint("aaaa", ledger)
+  assert provenance.read_ledger(ledger) == []
+  monkeypatch.setattr(provenance, "commit", lambda: ("c" * 40, False))
+  provenance.note_fingerprint("aaaa", ledger)
+  provenance.note_fingerprint("aaaa", ledger)
+  (entry,) = provenance.read_ledger(ledger)
+  assert entry["commit"] == "c" * 40 and entry["fingerprint"] == "aaaa"
+  assert entry["host"] == provenance.host() and entry["backend"] == "cpu"
+  provenance.note_fingerprint("bbbb", ledger)
+  assert provenance.same_numerics("aaaa", provenance.read_ledger(ledger)) == {
+      "aaaa",
+      "bbbb",
+  }
 
 
 @pytest.mark.slow
