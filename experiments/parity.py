@@ -81,9 +81,10 @@ Phases, per setting and arm:
      rate with the best mean validation accuracy after training is chosen.
   2. final: ``--seeds`` seeds (8) at the chosen rate (the sweep's seeds at
      that rate are reused: the same runs).
-  3. KL-matched: ``--kl-seeds`` seeds (5) at ``--kl-lr-multiplier`` (10) x
-     the chosen rate, every arm with predicted-KL step control at the one
-     shared ``--target-kl`` (5e-3).
+  3. KL-matched, once every arm's sweep and final seeds are done:
+     ``--kl-seeds`` seeds (5) at ``--kl-lr-multiplier`` (10) x the chosen
+     rate, every arm with predicted-KL step control at the one shared
+     ``--target-kl`` (5e-3).
 Statistics (:mod:`stats`): test accuracy mean and 95% CI per arm; each
 LoGRA arm against tuned Adam and tuned LoRA (and the KL-matched ones
 against each other): the difference with its 95% CI, Welch's p-value and
@@ -713,7 +714,9 @@ def plan(args) -> list[tuple[str, str, list[dict]]]:
 
 def run_all(ctx: Context) -> tuple[list, list, dict]:
   """Sweep, final and KL-matched runs; returns the sweep rows, the final
-  and KL-matched rows, and the chosen rates."""
+  and KL-matched rows, and the chosen rates. Every arm's sweep and final
+  seeds come before any KL-matched run, so that the tuned comparison is
+  complete first."""
   args = ctx.args
   sweep, rows, chosen = [], [], {}
   for name, arm, keys in plan(args):
@@ -723,10 +726,10 @@ def run_all(ctx: Context) -> tuple[list, list, dict]:
     chosen[name, arm] = rate
     for seed in range(seeds(args, name)):
       rows.append(run_row(ctx, key_of(args, name, arm, rate, seed, False)))
+  for (name, arm), rate in chosen.items():
+    kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
     for seed in range(args.kl_seeds):
-      kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
-      key = key_of(args, name, arm, kl_rate, seed, kl=True)
-      rows.append(run_row(ctx, key))
+      rows.append(run_row(ctx, key_of(args, name, arm, kl_rate, seed, True)))
   return sweep, rows, chosen
 
 
