@@ -209,11 +209,13 @@ def read_ledger(path: str | os.PathLike = LEDGER) -> list[dict[str, str]]:
 
 
 def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
-  """Adds this clean commit's fingerprint on this host to the ledger (a
-  tree with uncommitted changes, or outside a repository, adds nothing:
-  its fingerprint names no commit)."""
-  head, dirty = commit()
-  if dirty or head == "unknown":
+  """Adds this commit's fingerprint on this host to the ledger: a tree
+  whose package (``logra_jax/``, what the fingerprint's smoke run runs) has
+  uncommitted changes, or one outside a repository, adds nothing: its
+  fingerprint names no commit. Results written since are no change."""
+  head, _ = commit()
+  package = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
+  if package.strip() or head == "unknown":
     return
   entry = {
       "commit": head,

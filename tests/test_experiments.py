@@ -397,13 +397,20 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
 
 
 def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
-  """A clean commit's fingerprint on this host is noted once; a tree with
-  uncommitted changes notes nothing (its fingerprint names no commit)."""
+  """A commit's fingerprint on this host is noted once; a tree whose
+  package has uncommitted changes notes nothing (its fingerprint names no
+  commit), whatever else changed (results)."""
   ledger = tmp_path / "fingerprints.json"
   monkeypatch.setattr(provenance, "commit", lambda: ("c" * 40, True))
+  git, changed = provenance._git, {"logra_jax": " M logra_jax/cli.py\n"}
+  monkeypatch.setattr(
+      provenance,
+      "_git",
+      lambda *a: changed.get(a[-1], "") if a[0] == "status" else git(*a),
+  )
   provenance.note_fingerprint("aaaa", ledger)
   assert provenance.read_ledger(ledger) == []
-  monkeypatch.setattr(provenance, "commit", lambda: ("c" * 40, False))
+  changed.clear()  # the package as committed (results changed elsewhere)
   provenance.note_fingerprint("aaaa", ledger)
   provenance.note_fingerprint("aaaa", ledger)
   (entry,) = provenance.read_ledger(ledger)
