@@ -2,11 +2,13 @@
 numerics fingerprint), the date, the machine, the package versions and
 the exact command.
 
-The numerics fingerprint is a hash of a short deterministic run's metrics:
-``logra train --preset smoke`` (3 steps), its ``metrics.jsonl`` without the
-``time/`` and ``compile/`` keys (which vary from run to run), hashed with
-SHA-256. Two trees whose smoke runs agree bit for bit share it; a change
-that moves any loss, reward or KL changes it. It is computed once per
+The numerics fingerprint is a hash of short deterministic runs' metrics:
+``logra train --preset smoke`` (3 steps), once as it is and once in the
+configuration small sync messages need (:data:`FINGERPRINT_RUNS`), their
+``metrics.jsonl`` without the ``time/`` and ``compile/`` keys (which vary
+from run to run), hashed with SHA-256. Two trees whose smoke runs agree
+bit for bit share it; a change that moves any loss, reward or KL of either
+configuration changes it. It is computed once per
 invocation and cached by code version (commit, the hash of the uncommitted
 changes to ``logra_jax/`` and the JAX backend) in a cache folder.
 
@@ -20,8 +22,10 @@ and an AMD EPYC (AVX2) host gives commit 34b4de8 the fingerprint
 c38da4c37512f332 where the Intel AVX-512 host gave 8018620529c3b7bc. So the
 fingerprint names the code on a host, and the ledger
 (``experiments/results/fingerprints.json``, :func:`note_fingerprint`)
-records which fingerprints one commit had on which hosts:
-:func:`same_numerics` reads from it which fingerprints name the same code,
+records which fingerprints one package tree (``logra_jax/`` at a commit)
+had on which hosts: :func:`same_numerics` reads from it which fingerprints
+name the same code (measured on several hosts, or by an earlier definition
+of the fingerprint),
 so that a study's rows made on several hosts are pooled only when the code
 behind them is one (a study's runs are not pinned: each row records its
 host, :func:`machine`).
@@ -55,6 +59,18 @@ ROOT = pathlib.Path(__file__).parent.parent
 # Which fingerprints each clean commit had on which host (and backend).
 LEDGER = ROOT / "experiments" / "results" / "fingerprints.json"
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# The fingerprint's smoke runs: the default configuration, and the one small
+# sync messages need (embeddings projected, bfloat16 base and coordinates,
+# random projectors), whose code paths the default never takes.
+FINGERPRINT_RUNS = (
+    (),
+    (
+        "optimizer.project_embeddings=true",
+        "optimizer.base_dtype=bfloat16",
+        "optimizer.coords_dtype=bfloat16",
+        "optimizer.kind=random",
+    ),
+)
 # The instruction set the fingerprint's smoke run is compiled for on CPU.
 PINNED_ISA = "--xla_cpu_max_isa=AVX2"
 # x86 vector extensions, widest first: the host's widest is recorded.
@@ -140,20 +156,24 @@ def fingerprint(cache: str | os.PathLike) -> str:
   if path.exists():
     return json.loads(path.read_text())["fingerprint"]
   flags = os.environ.get("XLA_FLAGS", "") + f" {PINNED_ISA}"
+  lines = []
   with tempfile.TemporaryDirectory() as folder:
-    run = pathlib.Path(folder) / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "logra_jax.cli", "train", "--preset", "smoke"]
-        + ["--out", str(run), "--no-progress"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, XLA_FLAGS=flags.strip()),
-    )
-    if done.returncode:
-      raise RuntimeError(
-          "the fingerprint's smoke run failed: " + done.stderr[-2000:]
+    for i, overrides in enumerate(FINGERPRINT_RUNS):
+      run = pathlib.Path(folder) / f"run{i}"
+      done = subprocess.run(
+          [sys.executable, "-m", "logra_jax.cli", "train", "--preset", "smoke"]
+          + ["--out", str(run), "--no-progress"]
+          + [f"--set={o}" for o in overrides],
+          capture_output=True,
+          text=True,
+          env=dict(os.environ, XLA_FLAGS=flags.strip()),
       )
-    value = metrics_hash((run / "metrics.jsonl").read_text().splitlines())
+      if done.returncode:
+        raise RuntimeError(
+            "the fingerprint's smoke run failed: " + done.stderr[-2000:]
+        )
+      lines += (run / "metrics.jsonl").read_text().splitlines()
+  value = metrics_hash(lines)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"fingerprint": value}) + "\n")
   return value
@@ -214,11 +234,12 @@ def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
   uncommitted changes, or one outside a repository, adds nothing: its
   fingerprint names no commit. Results written since are no change."""
   head, _ = commit()
-  package = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
-  if package.strip() or head == "unknown":
+  changed = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
+  if changed.strip() or head == "unknown":
     return
   entry = {
       "commit": head,
+      "package": _git("rev-parse", "HEAD:logra_jax").strip(),
       "backend": jax.default_backend(),
       "host": host(),
       "fingerprint": value,
@@ -237,8 +258,9 @@ def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
 
 def same_numerics(value: str, entries: list[dict[str, str]]) -> set[str]:
   """The fingerprints that name the same code as ``value``: those one
-  commit had on other hosts of one backend, transitively (a fingerprint
-  names the numerics of every commit that has it on that host).
+  package tree (its ``package``, or its ``commit`` where none is noted) had
+  on other hosts of one backend, transitively (a fingerprint names the
+  numerics of every package that has it on that host).
 
   Example:
     >>> ledger = [
@@ -248,15 +270,22 @@ def same_numerics(value: str, entries: list[dict[str, str]]) -> set[str]:
     ...     {"commit": "c2", "backend": "cpu", "fingerprint": "c"},
     ...     {"commit": "c3", "backend": "cpu", "fingerprint": "d"},
     ...     {"commit": "c1", "backend": "gpu", "fingerprint": "e"},
+    ...     {"commit": "c4", "package": "p", "backend": "cpu",
+    ...      "fingerprint": "f"},
+    ...     {"commit": "c5", "package": "p", "backend": "cpu",
+    ...      "fingerprint": "g"},
     ... ]
     >>> sorted(same_numerics("a", ledger))
     ['a', 'b', 'c']
+    >>> sorted(same_numerics("f", ledger))  # c4 and c5: one package
+    ['f', 'g']
     >>> sorted(same_numerics("z", ledger))
     ['z']
   """
   groups: dict[tuple[str, str], set[str]] = {}
   for e in entries:
-    groups.setdefault((e["commit"], e["backend"]), set()).add(e["fingerprint"])
+    code = e.get("package") or e["commit"]
+    groups.setdefault((code, e["backend"]), set()).add(e["fingerprint"])
   found, grew = {value}, True
   while grew:
     grew = False

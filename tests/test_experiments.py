@@ -268,7 +268,7 @@ def test_the_fingerprint_run_is_compiled_for_a_pinned_cpu_isa(
   def smoke_run(command, env=None, **kwargs):
     if "train" not in command:  # git and the like
       return run(command, env=env, **kwargs)
-    seen.update(env=env)
+    seen.update(env=env, command=command)
     out = pathlib.Path(command[command.index("--out") + 1])
     out.mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
@@ -281,7 +281,8 @@ def test_the_fingerprint_run_is_compiled_for_a_pinned_cpu_isa(
     value = provenance.fingerprint(tmp_path / "cache")
   finally:
     provenance.fingerprint.cache_clear()
-  assert value == provenance.metrics_hash(['{"step": 1, "loss": 0.5}'])
+  assert value == provenance.metrics_hash(['{"step": 1, "loss": 0.5}'] * 2)
+  assert "--set=optimizer.project_embeddings=true" in seen["command"]
   assert seen["env"]["XLA_FLAGS"].split() == [
       "--xla_dump_to=/nowhere",
       "--xla_cpu_max_isa=AVX2",
