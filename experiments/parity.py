@@ -116,7 +116,10 @@ is the main job plus its held-out evaluations (11 points on 700 prompts) and
 export: 200-400 s measured on a 2-core machine not shared with other work
 (the rows' ``wall_seconds``), so 5-10 hours for the tiny setting alone: more
 than the ~10 CPU-hours planned for the whole study once a second setting
-qualifies. smollm2 is excluded (on CPU one run takes about 30 minutes).
+qualifies. Two invocations at once (other ``--arms`` and ``--out``) do not
+help on 2 cores: measured 2026-12-05 on an AMD EPYC host, one run alone
+takes 1.5-1.8 s a step, two at once 3.3 and 4.3 s each. smollm2 is
+excluded (on CPU one run takes about 30 minutes).
 
 ``--report-only`` writes the reports from the committed rows alone (each
 found by its setting, arm, rate and seed; all must share one numerics
