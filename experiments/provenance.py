@@ -34,7 +34,7 @@ Example:
   >>> record = collect("python experiments/parity.py --quick", "0" * 16)
   >>> sorted(record)  # doctest: +NORMALIZE_WHITESPACE
   ['command', 'commit', 'date', 'dirty', 'fingerprint', 'machine',
-   'versions']
+   'package', 'versions']
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import tempfile
 import time
 from typing import Any
 
+import filelock
 import jax
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -71,6 +72,9 @@ FINGERPRINT_RUNS = (
         "optimizer.kind=random",
     ),
 )
+# Which fingerprint this is: 1 hashed the default smoke run alone, 2 the
+# two of FINGERPRINT_RUNS. Fingerprints of two definitions are never joined.
+FINGERPRINT_DEFINITION = 2
 # The instruction set the fingerprint's smoke run is compiled for on CPU.
 PINNED_ISA = "--xla_cpu_max_isa=AVX2"
 # x86 vector extensions, widest first: the host's widest is recorded.
@@ -116,12 +120,30 @@ def commit() -> tuple[str, bool]:
 
 def code_version() -> str:
   """The cache key of the fingerprint: commit, the hash of the package's
-  uncommitted changes and the JAX backend."""
+  uncommitted changes, the JAX backend, and a hash of the host, the
+  package versions and the fingerprint's definition (so that a cache
+  carried to another host, or kept across an upgrade, gives no stale
+  value)."""
   head, _ = commit()
   changes = hashlib.sha256(
       _git("diff", "HEAD", "--", "logra_jax").encode()
   ).hexdigest()[:12]
-  return f"{head[:12]}-{changes}-{jax.default_backend()}"
+  where = json.dumps(
+      [host(), versions(), FINGERPRINT_DEFINITION, FINGERPRINT_RUNS],
+      sort_keys=True,
+  )
+  context = hashlib.sha256(where.encode()).hexdigest()[:8]
+  return f"{head[:12]}-{changes}-{jax.default_backend()}-{context}"
+
+
+def package() -> str:
+  """The git tree of ``logra_jax/`` at HEAD: the code whose numerics a
+  fingerprint measures; '' when it has uncommitted changes (then no tree
+  names it) or outside a repository."""
+  changed = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
+  if changed.strip():
+    return ""
+  return _git("rev-parse", "HEAD:logra_jax").strip()
 
 
 def metrics_hash(lines: list[str]) -> str:
@@ -166,6 +188,7 @@ def fingerprint(cache: str | os.PathLike) -> str:
           + [f"--set={o}" for o in overrides],
           capture_output=True,
           text=True,
+          cwd=ROOT,
           env=dict(os.environ, XLA_FLAGS=flags.strip()),
       )
       if done.returncode:
@@ -219,48 +242,71 @@ def host() -> str:
   return ", ".join(sorted({d.device_kind for d in jax.devices()}))
 
 
-def read_ledger(path: str | os.PathLike = LEDGER) -> list[dict[str, str]]:
-  """The ledger's entries (none where it is missing), each a commit, a
-  backend, a host and the fingerprint measured there."""
+class LedgerError(ValueError):
+  """The ledger cannot be read (damaged, or not a ledger)."""
+
+
+def read_ledger(path: str | os.PathLike = LEDGER) -> list[dict[str, Any]]:
+  """The ledger's entries (none where it is missing), each a commit, its
+  package tree, a backend, a host, the fingerprint's definition and the
+  fingerprint measured there.
+
+  Raises:
+    LedgerError: the file is not a ledger (damaged or hand-edited), named.
+  """
   path = pathlib.Path(path)
   if not path.exists():
     return []
-  return json.loads(path.read_text())["measured"]
+  try:
+    entries = json.loads(path.read_text())["measured"]
+    if not all(isinstance(e["fingerprint"], str) for e in entries):
+      raise TypeError("a fingerprint that is not a string")
+  except (ValueError, KeyError, TypeError) as error:
+    raise LedgerError(
+        f"{path} is not a fingerprint ledger ({type(error).__name__}: "
+        f"{error}); restore it from git"
+    ) from None
+  return entries
 
 
 def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
-  """Adds this commit's fingerprint on this host to the ledger: a tree
-  whose package (``logra_jax/``, what the fingerprint's smoke run runs) has
-  uncommitted changes, or one outside a repository, adds nothing: its
+  """Adds this commit's fingerprint on this host to the ledger, under a
+  lock (studies may start together): a tree whose package (``logra_jax/``)
+  has uncommitted changes, or one outside a repository, adds nothing: its
   fingerprint names no commit. Results written since are no change."""
   head, _ = commit()
-  changed = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
-  if changed.strip() or head == "unknown":
+  tree = package()
+  if not tree or head == "unknown":
     return
   entry = {
       "commit": head,
-      "package": _git("rev-parse", "HEAD:logra_jax").strip(),
+      "package": tree,
       "backend": jax.default_backend(),
       "host": host(),
+      "definition": FINGERPRINT_DEFINITION,
       "fingerprint": value,
   }
-  entries = read_ledger(path)
-  if any(all(e[k] == v for k, v in entry.items()) for e in entries):
-    return
-  entry["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-  entries = sorted(entries + [entry], key=lambda e: (e["date"], e["commit"]))
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  staged = path.with_suffix(".json.tmp")
-  staged.write_text(json.dumps({"measured": entries}, indent=1) + "\n")
-  staged.replace(path)
+  with filelock.FileLock(str(path) + ".lock"):
+    entries = read_ledger(path)
+    if any(all(e.get(k) == v for k, v in entry.items()) for e in entries):
+      return
+    entry["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    entries = sorted(entries + [entry], key=lambda e: (e["date"], e["commit"]))
+    handle, staged = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(handle, "w") as out:
+      out.write(json.dumps({"measured": entries}, indent=1) + "\n")
+    os.replace(staged, path)
 
 
-def same_numerics(value: str, entries: list[dict[str, str]]) -> set[str]:
-  """The fingerprints that name the same code as ``value``: those one
-  package tree (its ``package``, or its ``commit`` where none is noted) had
-  on other hosts of one backend, transitively (a fingerprint names the
-  numerics of every package that has it on that host).
+def same_numerics(value: str, entries: list[dict[str, Any]]) -> set[str]:
+  """The fingerprints that name the same code as ``value`` under its
+  definition of the fingerprint: those one package tree (its ``package``,
+  or its ``commit`` where none is noted) had on other hosts of one backend,
+  transitively (under one definition, a fingerprint names the numerics of
+  every package that has it on that host). Entries of another definition
+  are never joined: the code it measures is another.
 
   Example:
     >>> ledger = [
@@ -279,13 +325,21 @@ def same_numerics(value: str, entries: list[dict[str, str]]) -> set[str]:
     ['a', 'b', 'c']
     >>> sorted(same_numerics("f", ledger))  # c4 and c5: one package
     ['f', 'g']
+    >>> ledger.append({"commit": "c4", "package": "p", "backend": "cpu",
+    ...                "definition": 2, "fingerprint": "h"})
+    >>> sorted(same_numerics("h", ledger))  # another definition: alone
+    ['h']
     >>> sorted(same_numerics("z", ledger))
     ['z']
   """
+  definitions = {
+      e.get("definition", 1) for e in entries if e["fingerprint"] == value
+  }
   groups: dict[tuple[str, str], set[str]] = {}
   for e in entries:
-    code = e.get("package") or e["commit"]
-    groups.setdefault((code, e["backend"]), set()).add(e["fingerprint"])
+    if e.get("definition", 1) in definitions:
+      code = e.get("package") or e["commit"]
+      groups.setdefault((code, e["backend"]), set()).add(e["fingerprint"])
   found, grew = {value}, True
   while grew:
     grew = False
@@ -332,6 +386,7 @@ def collect(command: str, fingerprint_value: str) -> dict[str, Any]:
       "commit": head,
       "dirty": dirty,
       "fingerprint": fingerprint_value,
+      "package": package(),
       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "machine": machine(),
       "versions": versions(),

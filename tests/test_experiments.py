@@ -245,7 +245,9 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   commits = json.loads((results / "provenance.json").read_text())["commit"]
   assert sorted(commits.split()) == sorted({row["commit"], "f" * 40})
   # ... and refuses rows of two numerics fingerprints.
-  changed.write_text(json.dumps(dict(row, fingerprint="0" * 16)))
+  changed.write_text(
+      json.dumps(dict(row, fingerprint="0" * 16, package="f" * 40))
+  )
   mixed = report_only()
   assert mixed.returncode == 2
   assert "several code versions" in mixed.stderr
@@ -388,6 +390,15 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
   path.write_text(json.dumps({**row, "config_hash": "another config's"}))
   with pytest.raises(RuntimeError, match="trained"):
     parity.run_row(ctx("a"), key)
+  # ... or of the very package tree at the same versions (another host,
+  # another definition of the fingerprint), not at other versions ...
+  made = {"fingerprint": "z", "package": "tree", "versions": {"jax": "1"}}
+  row.update(package="tree", versions={"jax": "1"})
+  path.write_text(json.dumps(row))
+  assert parity.run_row(parity.Context(args, tmp_path, None, made), key) == row
+  made["versions"] = {"jax": "2"}
+  with pytest.raises(RuntimeError, match="trained"):
+    parity.run_row(parity.Context(args, tmp_path, None, made), key)
   # ... and a config names its starting policy by its weights, not its path.
   moved = tmp_path / "moved-policy"
   shutil.copytree(policy, moved)
@@ -416,12 +427,16 @@ def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
   provenance.note_fingerprint("aaaa", ledger)
   (entry,) = provenance.read_ledger(ledger)
   assert entry["commit"] == "c" * 40 and entry["fingerprint"] == "aaaa"
-  assert entry["host"] == provenance.host() and entry["backend"] == "cpu"
+  assert entry["host"] == provenance.host()
+  assert entry["backend"] == provenance.jax.default_backend()
   provenance.note_fingerprint("bbbb", ledger)
   assert provenance.same_numerics("aaaa", provenance.read_ledger(ledger)) == {
       "aaaa",
       "bbbb",
   }
+  ledger.write_text('{"measured": [')  # cut short
+  with pytest.raises(provenance.LedgerError, match="not a fingerprint ledger"):
+    provenance.read_ledger(ledger)
 
 
 @pytest.mark.slow
