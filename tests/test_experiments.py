@@ -408,6 +408,33 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
   assert parity.config_hash(elsewhere) != row["config_hash"]
 
 
+def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
+    tmp_path, monkeypatch
+):
+  """Sweeps and final seeds of every arm come first, chosen on validation;
+  then the KL-matched runs at the multiplier times each chosen rate."""
+  monkeypatch.setattr(sys, "argv", ["parity.py", "--quick"])
+  args = parity.parse_args()
+  args.arms = ["adam", "logra"]
+  order = []
+
+  def run_row(ctx, key):
+    order.append((key["arm"], key["kl"], key["rate"]))
+    best = key["rate"] == max(
+        parity.grid(args, key["arm"], parity.SETTINGS["tiny"])
+    )
+    return {"learning_rate": key["rate"], "validation_after": float(best)}
+
+  monkeypatch.setattr(parity, "run_row", run_row)
+  _, _, chosen = parity.run_all(parity.Context(args, tmp_path, None, {}))
+  kl = [i for i, (_, is_kl, _) in enumerate(order) if is_kl]
+  assert kl and min(kl) == len(order) - len(kl)  # all KL-matched runs last
+  assert {a for a, is_kl, _ in order if is_kl} == {"adam", "logra"}
+  for arm, is_kl, rate in order:
+    if is_kl:
+      assert rate == pytest.approx(chosen["tiny", arm] * args.kl_lr_multiplier)
+
+
 def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
   """A commit's fingerprint on this host is noted once; a tree whose
   package has uncommitted changes notes nothing (its fingerprint names no
