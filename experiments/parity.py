@@ -154,6 +154,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -463,9 +464,22 @@ def _starting_policy(args, name: str) -> tuple[pathlib.Path, dict]:
 
 
 def policy_digest(folder: str | pathlib.Path) -> str:
-  """SHA-256 (16 hex digits) of a policy folder's weights."""
-  path = pathlib.Path(folder) / "model.safetensors"
-  return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+  """SHA-256 (16 hex digits) of a policy folder's weights (read once per
+  file version: every row's config hash asks for it)."""
+  path = pathlib.Path(folder).absolute() / "model.safetensors"
+  found = path.stat()
+  return _file_digest(path, found.st_size, found.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_digest(path: pathlib.Path, size: int, mtime_ns: int) -> str:
+  """A file's SHA-256 (16 hex digits); its size and time key the cache."""
+  del size, mtime_ns  # the cache's key only
+  digest = hashlib.sha256()
+  with path.open("rb") as file:
+    for block in iter(lambda: file.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()[:16]
 
 
 class Evaluator:
