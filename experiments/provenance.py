@@ -8,9 +8,8 @@ configuration small sync messages need (:data:`FINGERPRINT_RUNS`), their
 ``metrics.jsonl`` without the ``time/`` and ``compile/`` keys (which vary
 from run to run), hashed with SHA-256. Two trees whose smoke runs agree
 bit for bit share it; a change that moves any loss, reward or KL of either
-configuration changes it. It is computed once per
-invocation and cached by code version (commit, the hash of the uncommitted
-changes to ``logra_jax/`` and the JAX backend) in a cache folder.
+configuration changes it. It is computed once per invocation and cached
+in a cache folder by code version (:func:`code_version`).
 
 On CPU the smoke run's code is generated for at most AVX2
 (``--xla_cpu_max_isa=AVX2``): XLA:CPU vectorizes for the host's instruction
@@ -24,11 +23,9 @@ fingerprint names the code on a host, and the ledger
 (``experiments/results/fingerprints.json``, :func:`note_fingerprint`)
 records which fingerprints one package tree (``logra_jax/`` at a commit)
 had on which hosts: :func:`same_numerics` reads from it which fingerprints
-name the same code (measured on several hosts, or by an earlier definition
-of the fingerprint),
-so that a study's rows made on several hosts are pooled only when the code
-behind them is one (a study's runs are not pinned: each row records its
-host, :func:`machine`).
+of one definition name the same code, so that a study's rows made on
+several hosts are pooled only when the code behind them is one (a study's
+runs are not pinned: each row records its host, :func:`machine`).
 
 Example:
   >>> record = collect("python experiments/parity.py --quick", "0" * 16)
@@ -57,7 +54,7 @@ import filelock
 import jax
 
 ROOT = pathlib.Path(__file__).parent.parent
-# Which fingerprints each clean commit had on which host (and backend).
+# Which fingerprint each package tree had on which host and backend.
 LEDGER = ROOT / "experiments" / "results" / "fingerprints.json"
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
 # The fingerprint's smoke runs: the default configuration, and the one small
@@ -202,36 +199,32 @@ def fingerprint(cache: str | os.PathLike) -> str:
   return value
 
 
-def cpu_isa() -> str:
-  """The host's widest x86 vector extension (of :data:`VECTOR_ISAS`, read
-  from ``/proc/cpuinfo``), or the machine's architecture elsewhere."""
+def _cpuinfo(field: str) -> list[str]:
+  """The values of a ``/proc/cpuinfo`` field, one per processor (none
+  where the file is missing)."""
   try:
     text = pathlib.Path("/proc/cpuinfo").read_text()
   except OSError:
-    return platform.machine()
-  flags = set().union(
-      *(
-          line.split(":", 1)[1].split()
-          for line in text.splitlines()
-          if line.startswith("flags")
-      )
-  )
+    return []
+  return [
+      line.split(":", 1)[1].strip()
+      for line in text.splitlines()
+      if line.split(":", 1)[0].strip() == field
+  ]
+
+
+def cpu_isa() -> str:
+  """The host's widest x86 vector extension (of :data:`VECTOR_ISAS`, read
+  from ``/proc/cpuinfo``), or the machine's architecture elsewhere."""
+  flags = set().union(*(line.split() for line in _cpuinfo("flags")))
   return next((isa for isa in VECTOR_ISAS if isa in flags), platform.machine())
 
 
 def cpu_model() -> str:
   """The CPU's model name (``/proc/cpuinfo``), or the processor's name
   where that file is missing."""
-  try:
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-  except OSError:
-    return platform.processor() or platform.machine()
-  names = [
-      line.split(":", 1)[1].strip()
-      for line in text.splitlines()
-      if line.startswith("model name")
-  ]
-  return names[0] if names else platform.machine()
+  names = _cpuinfo("model name")
+  return names[0] if names else platform.processor() or platform.machine()
 
 
 def host() -> str:
@@ -274,12 +267,11 @@ def note_fingerprint(value: str, path: str | os.PathLike = LEDGER) -> None:
   lock (studies may start together): a tree whose package (``logra_jax/``)
   has uncommitted changes, or one outside a repository, adds nothing: its
   fingerprint names no commit. Results written since are no change."""
-  head, _ = commit()
   tree = package()
-  if not tree or head == "unknown":
+  if not tree:
     return
   entry = {
-      "commit": head,
+      "commit": commit()[0],
       "package": tree,
       "backend": jax.default_backend(),
       "host": host(),
@@ -411,7 +403,7 @@ def footer(record: dict[str, Any]) -> str:
       f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
       f"{m['cpu_count']} CPUs ("
       + ", ".join(m[k] for k in ("cpu_model", "cpu_isa") if k in m)
-      + f"), "
+      + "), "
       f"{m['jax_backend']} "
       f"({', '.join(sorted(set(m['devices'])))}); "
       + ", ".join(f"{k} {v[k]}" for k in ("python", *PACKAGES))

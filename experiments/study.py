@@ -190,6 +190,13 @@ def task_overrides(args: argparse.Namespace, task: str, seed: int) -> list:
   return FULL + TASKS[task] + (QUICK if args.quick else []) + [f"seed={seed}"]
 
 
+def results_path(args: argparse.Namespace, study: str) -> pathlib.Path:
+  """Where a study's results go: ``--results``, else
+  ``experiments/results/<study>`` (``<study>-quick`` with ``--quick``)."""
+  default = RESULTS / (f"{study}-quick" if args.quick else study)
+  return pathlib.Path(args.results) if args.results else default
+
+
 def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
   """The results folder, claimed for the run's settings (every flag but
   those of :data:`_NOT_SETTINGS`; written to its ``study.json``). A folder
@@ -201,8 +208,7 @@ def results_folder(args: argparse.Namespace, study: str) -> pathlib.Path:
   settings = {
       k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS
   }
-  default = RESULTS / (f"{study}-quick" if args.quick else study)
-  folder = pathlib.Path(args.results) if args.results else default
+  folder = results_path(args, study)
   record = folder / "study.json"
   if record.exists() and not args.overwrite:
     earlier = json.loads(record.read_text())
