@@ -749,3 +749,32 @@ def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
     assert regenerated[rank]["projector_bytes"] == 0
     assert regenerated[rank]["step_bytes"] == ranged[rank]["step_bytes"]
     assert regenerated[rank]["mean_bytes"] == ranged[rank]["step_bytes"]
+
+
+@pytest.mark.slow
+def test_quick_logprob_agreement_writes_its_table(tmp_path, fingerprints):
+  """The sampler-vs-forward log-prob study at one tiny row: fractions in
+  [0, 1], gaps finite and ordered, the provenance recorded; an unknown
+  shape is a one-line error with exit status 2, nothing written."""
+  script = str(EXPERIMENTS / "logprob_agreement.py")
+  run = lambda *args: subprocess.run(
+      [sys.executable, script, *args, f"--fingerprint-cache={fingerprints}"],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+  bad = run("--shapes", "huge", f"--results={tmp_path / 'bad'}")
+  assert bad.returncode == 2 and "unknown shape 'huge'" in bad.stderr
+  assert not (tmp_path / "bad").exists()
+  done = run("--quick", f"--results={tmp_path}")
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads((tmp_path / "logprob_agreement.json").read_text())
+  (row,) = record["rows"]
+  assert (row["shape"], row["dtype"], row["rows"]) == ("tiny", "float32", 8)
+  assert row["tokens"] == 8 * 4
+  for key in ("bitwise", "forward_batch_invariant", "sampler_batch_invariant"):
+    assert 0 <= row[key] <= 1, key
+  assert 0 <= row["mean_gap"] <= row["max_gap"] < math.inf
+  assert "--quick" in record["provenance"]["command"]
+  table = (tmp_path / "logprob_agreement.md").read_text()
+  assert "| tiny | float32 | 8 | 32 |" in table and "Command:" in table

@@ -1,0 +1,191 @@
+"""How far the sampler's token log-probs are from the learner's forward, on
+this machine's backend.
+
+The sampler decodes one token at a time over a KV cache (`models.Sampler`);
+the learner scores the same completions in one forward pass over the whole
+sequence (`models.token_logprobs`). Both use the same weights and compute
+dtype, so they differ only where the backend sums in another order: a
+matmul kernel chosen by the number of rows, attention over two key blocks
+(cache and new) instead of one, a fusion chosen by size. For each model
+shape, compute dtype and batch size B this records, over the completion
+tokens of B random prompts (temperature 1, 24 new tokens):
+
+- sampler vs forward: the fraction of tokens whose log-probs are bitwise
+  equal, the largest and the mean absolute gap;
+- batch invariance: the first 8 rows' log-probs computed alone against the
+  same rows inside the batch of B, for the forward and for the sampler
+  (the fraction of tokens bitwise equal; the sampled tokens are equal).
+
+Shapes (random weights): ``tiny`` (`DecoderConfig.tiny`, D = 64, vocab 512)
+and ``wide`` (2 layers of SmolLM2-135M's widths: D = 576, 9 heads, 3 kv
+heads, F = 1536, vocab 2048).
+
+Writes ``logprob_agreement.md`` and ``.json`` to
+``experiments/results/logprob_agreement/`` (``--results``).
+
+Run: python experiments/logprob_agreement.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import numpy as np
+
+import provenance
+import study
+from logra_jax import models
+
+RESULTS = study.RESULTS / "logprob_agreement"
+SHAPES = {
+    "tiny": dict(vocab_size=512),
+    "wide": dict(
+        vocab_size=2048,
+        hidden_size=576,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
+}
+ALONE = 8  # rows scored alone for the batch-invariance columns
+
+
+def _model(shape: str, dtype: str):
+  config = models.DecoderConfig.tiny(**SHAPES[shape], dtype=dtype)
+  model = models.init_model(config, 0)
+  return model, *models.split_model(model)
+
+
+def _prompts(rows: int, vocab: int) -> list[list[int]]:
+  rng = np.random.default_rng(0)
+  return [
+      [int(t) for t in rng.integers(1, vocab, size=rng.integers(3, 12))]
+      for _ in range(rows)
+  ]
+
+
+def measure(shape: str, dtype: str, rows: int, new_tokens: int) -> dict:
+  """One row of the table: sampler vs forward, and batch invariance."""
+  model, graphdef, params = _model(shape, dtype)
+  sampler = models.Sampler(model, max_length=128)
+  score = jax.jit(models.token_logprobs, static_argnums=0)
+  prompts = _prompts(rows, model.config.vocab_size)
+
+  def sample(batch):
+    return sampler.sample(
+        params,
+        batch,
+        jax.random.key(0),
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        stop_ids=(),
+    )
+
+  def forward(out, n):
+    return np.asarray(
+        score(
+            graphdef,
+            params,
+            out.prompt_ids[:n],
+            out.prompt_mask[:n],
+            out.tokens[:n],
+            out.mask[:n],
+        )
+    )
+
+  out = sample(prompts)
+  mask = np.asarray(out.mask, bool)
+  learner, sampled = forward(out, rows), np.asarray(out.logprobs)
+  gap = np.abs(learner - sampled)[mask]
+  alone = sample(prompts[:ALONE])
+  same_tokens = np.array_equal(
+      np.asarray(alone.tokens), np.asarray(out.tokens)[:ALONE]
+  )
+  return {
+      "shape": shape,
+      "dtype": dtype,
+      "rows": rows,
+      "tokens": int(mask.sum()),
+      "bitwise": float((gap == 0).mean()),
+      "max_gap": float(gap.max()),
+      "mean_gap": float(gap.mean()),
+      "forward_batch_invariant": float(
+          (forward(out, ALONE) == learner[:ALONE])[mask[:ALONE]].mean()
+      ),
+      "sampler_batch_invariant": (
+          float(
+              (np.asarray(alone.logprobs) == sampled[:ALONE])[
+                  mask[:ALONE]
+              ].mean()
+          )
+          if same_tokens
+          else None
+      ),
+  }
+
+
+def table(rows: list[dict], record: dict) -> str:
+  """The markdown report."""
+  lines = [
+      "Sampler (one token at a time, KV cache) vs learner forward (whole "
+      "sequence) token log-probs, same weights and compute dtype, random "
+      "prompts, temperature 1. Batch invariance: the first 8 rows alone vs "
+      "inside the batch, fraction of tokens bitwise equal.",
+      "",
+      "| shape | dtype | batch | tokens | bitwise equal | max gap "
+      "| mean gap | forward batch-invariant | sampler batch-invariant |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    invariant = r["sampler_batch_invariant"]
+    lines.append(
+        f"| {r['shape']} | {r['dtype']} | {r['rows']} | {r['tokens']} "
+        f"| {r['bitwise']:.3f} | {r['max_gap']:.3g} | {r['mean_gap']:.3g} "
+        f"| {r['forward_batch_invariant']:.3f} "
+        f"| {'tokens differ' if invariant is None else f'{invariant:.3f}'} |"
+    )
+  return "\n".join(lines + ["", provenance.footer(record)]) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="one small row")
+  parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+  parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+  parser.add_argument("--rows", nargs="+", type=int, default=[8, 16, 32, 64])
+  parser.add_argument("--results")
+  parser.add_argument("--fingerprint-cache", default="runs/fingerprints")
+  args = parser.parse_args()
+  for name in args.shapes:
+    if name not in SHAPES:
+      study.fail(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+  for dtype in args.dtypes:
+    if dtype not in ("float32", "bfloat16"):
+      study.fail(f"unknown dtype {dtype!r}; known: float32, bfloat16")
+  if min(args.rows) < ALONE:
+    study.fail(f"--rows must each be >= {ALONE}, got {min(args.rows)}")
+  if args.quick:
+    args.shapes, args.dtypes, args.rows = ["tiny"], ["float32"], [ALONE]
+  new_tokens = 4 if args.quick else 24
+  results = study.results_path(args, "logprob_agreement")
+  rows = [
+      measure(shape, dtype, n, new_tokens)
+      for shape in args.shapes
+      for dtype in args.dtypes
+      for n in args.rows
+  ]
+  record = study.provenance_record(args)
+  results.mkdir(parents=True, exist_ok=True)
+  text = table(rows, record)
+  (results / "logprob_agreement.md").write_text(text)
+  (results / "logprob_agreement.json").write_text(
+      json.dumps({"rows": rows, "provenance": record}, indent=1) + "\n"
+  )
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
