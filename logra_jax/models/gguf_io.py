@@ -18,13 +18,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Mapping
 
 import numpy as np
 import safetensors.numpy
 import transformers
+
+from logra_jax.staging import staged_folder
 
 # GGUF ``general.architecture`` -> Hugging Face architecture of our decoder.
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
@@ -232,29 +232,15 @@ def convert_gguf(
   tokenizer = transformers.AutoTokenizer.from_pretrained(
       path.parent, gguf_file=path.name
   )
-  out.parent.mkdir(parents=True, exist_ok=True)
   # Written beside ``out`` and renamed when complete: an interrupted
   # conversion leaves no half-written policy folder.
-  tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-  umask = os.umask(0)
-  os.umask(umask)
-  tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private
-  try:
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+  with staged_folder(out) as folder:
+    folder.mkdir()
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     safetensors.numpy.save_file(
-        tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        tensors, str(folder / "model.safetensors"), metadata={"format": "pt"}
     )
-    old = None
-    if out.exists():  # moved aside, deleted once the new folder is in place
-      old = out.with_name(f".{out.name}.replaced")
-      out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-      shutil.rmtree(old)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return out
 
 

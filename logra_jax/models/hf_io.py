@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any
 import warnings
 
@@ -28,6 +26,7 @@ import transformers
 from logra_jax.models.config import DecoderConfig
 from logra_jax.models.decoder import Decoder, param_shapes
 from logra_jax.parallel.sharding import logical_to_mesh
+from logra_jax.staging import staged_folder
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -306,7 +305,8 @@ def save_pretrained(
   """Writes `config.json` and safetensors that `transformers` loads back.
 
   The files go to a temporary folder next to `path`, renamed to `path` only
-  once complete, so an interrupted save never leaves a complete-looking folder.
+  once complete (`logra_jax.staging.staged_folder`), so an interrupted save
+  never leaves a complete-looking folder.
   Above `max_shard_bytes` the weights are split into
   `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`.
 
@@ -360,11 +360,8 @@ def save_pretrained(
     shards[-1].append(item)
     size += item[-1]
 
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(
-      tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent)
-  )
-  try:
+  with staged_folder(path) as tmp:
+    tmp.mkdir()
     hf_config.save_pretrained(tmp)
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -392,18 +389,6 @@ def save_pretrained(
               indent=2,
           )
       )
-    if path.exists():
-      old = pathlib.Path(
-          tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent)
-      )
-      os.replace(path, old / path.name)
-      os.replace(tmp, path)
-      shutil.rmtree(old)
-    else:
-      os.replace(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:

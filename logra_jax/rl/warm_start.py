@@ -35,6 +35,7 @@ import safetensors
 
 from logra_jax import envs
 from logra_jax import models
+from logra_jax import staging
 from logra_jax.configs import PolicyConfig
 from logra_jax.data.batching import encode_sft
 from logra_jax.data.tokenizer import char_tokenizer
@@ -336,15 +337,9 @@ def warm_start(
           f"warm start: step {step + 1}/{policy.warm_start_steps} "
           f"loss {float(loss):.4f}"
       )
-  folder.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(
-      tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent)
-  )
-  try:
-    staged = partial / folder.name
+  with staging.staging_area(folder) as area:
+    staged = area / folder.name
     models.save_pretrained(nnx.merge(graphdef, params), staged)
     tokenizer.save_pretrained(staged)
     _publish(staged, folder, log)
-  finally:
-    shutil.rmtree(partial, ignore_errors=True)
   return folder
