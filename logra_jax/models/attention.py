@@ -38,7 +38,10 @@ def attention(
 
   with ``m`` the boolean mask (masked scores get a large negative value),
   scores and softmax in float32, the probabilities cast to the queries'
-  dtype.
+  dtype, and their products with the values summed in float32 over every
+  key block and cast to the queries' dtype once: a decoded token (keys in
+  two blocks, cache and new) is rounded as often as the same token in a
+  whole-sequence forward (one block).
 
   Args:
     q_BxTxHxh: the new queries (RoPE applied).
@@ -118,7 +121,7 @@ def _decode_products(dt):
         * values_BxKxSxh[:, :, None].astype(jnp.float32),
         axis=-2,
         keepdims=True,
-    ).astype(dt)
+    )
 
   return qk, pv
 
@@ -135,7 +138,12 @@ def _prefill_products():
     )
 
   def pv(probs_BxKxGxTxS, values_BxKxSxh):
-    return jnp.einsum("bkgts,bksh->bkgth", probs_BxKxGxTxS, values_BxKxSxh)
+    return jnp.einsum(
+        "bkgts,bksh->bkgth",
+        probs_BxKxGxTxS,
+        values_BxKxSxh,
+        preferred_element_type=jnp.float32,
+    )
 
   return qk, pv
 
@@ -156,7 +164,7 @@ def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv):
     size = values.shape[2]
     attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start : start + size], values)
     start += size
-  return attn_BxKxGxTxh
+  return attn_BxKxGxTxh.astype(dt)
 
 
 def _by_query_blocks(attend, q_BxKxGxTxh, mask_BxTxS, C):
