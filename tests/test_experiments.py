@@ -778,3 +778,30 @@ def test_quick_logprob_agreement_writes_its_table(tmp_path, fingerprints):
   assert "--quick" in record["provenance"]["command"]
   table = (tmp_path / "logprob_agreement.md").read_text()
   assert "| tiny | float32 | 8 | 32 |" in table and "Command:" in table
+
+
+def test_parity_prepare_keeps_a_starting_policy_or_copies_the_committed_one(
+    tmp_path, monkeypatch
+):
+  """A setting whose starting policy is in place is left alone (nothing is
+  trained); a missing one is copied from the committed policy, with a
+  ``made.json`` saying so, never half written."""
+  args = argparse.Namespace(quick=False, results=str(tmp_path / "results"))
+  folder = parity.start_policy(args, "tiny")
+  committed = study.RESULTS / "parity" / "policies" / "tiny"
+  prepare = lambda: parity.prepare(args, ["tiny"], {})
+  prepare()
+  weights = (folder / "model.safetensors").read_bytes()
+  assert weights == (committed / "model.safetensors").read_bytes()
+  assert json.loads((folder / "made.json").read_text()) == {
+      "copied_from": str(committed)
+  }
+  assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny"]
+
+  def starting_policy(*_):
+    raise AssertionError("a policy in place was made again")
+
+  monkeypatch.setattr(parity, "_starting_policy", starting_policy)
+  (folder / "model.safetensors").write_bytes(b"kept")
+  prepare()
+  assert (folder / "model.safetensors").read_bytes() == b"kept"
