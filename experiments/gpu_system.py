@@ -175,19 +175,31 @@ def _init_state(config, opt_config, tx):
   return policy_state.init_train_state(opt_config, tx, params)
 
 
-def _rollout(sampler, weights, opt_state, setting, seed):
-  """The zero-copy engine's sampling: the learner's arrays as the model
-  consumes them, exactly ``new_tokens`` per prompt."""
+def _prompts(sampler, setting, seed):
+  """``setting.seqs`` random prompts of ``setting.prompt`` tokens, padded
+  as the sampler pads them."""
   prompts = np.random.RandomState(seed).randint(
       1, sampler.config.vocab_size, (setting.seqs, setting.prompt)
   )
-  return sampler.sample(
+  length = sampler.bucket_length(setting.prompt, setting.new_tokens)
+  return models.pad_prompts(prompts.tolist(), length, sampler.pad_id)
+
+
+def _sampling(setting) -> models.SamplingParams:
+  """Temperature 1, exactly ``new_tokens`` per prompt."""
+  return models.SamplingParams(
+      max_new_tokens=setting.new_tokens, temperature=1.0, stop_ids=()
+  )
+
+
+def _rollout(sampler, weights, opt_state, setting, seed):
+  """The zero-copy engine's sampling: the learner's arrays as the model
+  consumes them, exactly ``new_tokens`` per prompt."""
+  return sampler.sample_padded(
       policy_state.model_view(weights, opt_state),
-      prompts.tolist(),
+      *_prompts(sampler, setting, seed),
       jax.random.key(seed),
-      max_new_tokens=setting.new_tokens,
-      temperature=1.0,
-      stop_ids=(),
+      _sampling(setting),
   )
 
 
@@ -250,23 +262,13 @@ def measure_memory(setting: Setting) -> tuple[dict, Any]:
 
 
 def _rollout_analysis(sampler, state, setting) -> dict[str, int]:
-  """XLA's memory analysis of the sampling program just run (its compiled
-  executable, as the planner compiles it)."""
-  weights, opt_state = state
-  settings = models.SamplingParams(max_new_tokens=setting.new_tokens)
-  program = jax.jit(
-      lambda w, s, ids, mask, stop, key: sampler.generate(
-          policy_state.model_view(w, s), ids, mask, stop, key, settings
-      )
-  )
-  rows, prompt = setting.seqs, setting.prompt
-  lowered = program.lower(
-      weights,
-      opt_state,
-      jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
-      jax.ShapeDtypeStruct((rows, prompt), jnp.bool_),
-      jax.ShapeDtypeStruct((8,), jnp.int32),
-      jax.eval_shape(lambda: jax.random.key(0)),
+  """XLA's memory analysis of the sampling program just run (the very
+  executable: no second compilation)."""
+  lowered = sampler.lower_padded(
+      policy_state.model_view(*state),
+      *_prompts(sampler, setting, 0),
+      jax.random.key(0),
+      _sampling(setting),
   )
   return _analysis(lowered.compile())
 

@@ -324,6 +324,42 @@ class Sampler:
     Returns:
       A `SampleOutput`.
     """
+    program, args = self._program(
+        params, prompt_ids_BxP, prompt_mask_BxP, key, settings
+    )
+    return program(*args)
+
+  def lower_padded(
+      self,
+      params: nnx.State,
+      prompt_ids_BxP: Any,
+      prompt_mask_BxP: Any,
+      key: jax.Array,
+      settings: SamplingParams,
+  ) -> jax.stages.Lowered:
+    """The very program `sample_padded` runs for these inputs, lowered: its
+    ``compile()`` after a call with the same shapes is the program already
+    compiled (no second compilation), e.g. to read its memory analysis.
+
+    Example:
+      >>> from logra_jax.models import DecoderConfig, init_model, split_model
+      >>> model = init_model(DecoderConfig.tiny(), 0)
+      >>> sampler = Sampler(model)
+      >>> ids, mask = pad_prompts([[1, 2, 3]], 16, 0)
+      >>> settings = SamplingParams(max_new_tokens=4)
+      >>> lowered = sampler.lower_padded(split_model(model)[1], ids, mask,
+      ...                                jax.random.key(0), settings)
+      >>> lowered.compile().memory_analysis().temp_size_in_bytes > 0
+      True
+    """
+    program, args = self._program(
+        params, prompt_ids_BxP, prompt_mask_BxP, key, settings
+    )
+    return program.lower(*args)
+
+  def _program(self, params, prompt_ids_BxP, prompt_mask_BxP, key, settings):
+    """The jitted sampling program for these shapes and settings (compiled
+    once per key) and its arguments."""
     B, P = np.shape(prompt_ids_BxP)
     if P + settings.max_new_tokens > self.max_length:
       raise ValueError(
@@ -341,7 +377,7 @@ class Sampler:
     compile_key = (B, P, n_stop, static, laid_out)
     if compile_key not in self._compiled:
       self._compiled[compile_key] = self._jit(static, laid_out)
-    return self._compiled[compile_key](
+    return self._compiled[compile_key], (
         params,
         jnp.asarray(prompt_ids_BxP, jnp.int32),
         jnp.asarray(prompt_mask_BxP, bool),

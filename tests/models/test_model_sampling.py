@@ -221,6 +221,16 @@ def test_deterministic_and_no_recompile(qwen3):
   np.testing.assert_array_equal(a.logprobs, b.logprobs)
   assert not np.array_equal(a.tokens, c.tokens)
   assert not np.array_equal(a.tokens, other.tokens)
+  # `lower_padded` is the program just run: no new trace or executable.
+  length = sampler.bucket_length(max(map(len, PROMPTS)), N)
+  ids, mask = models.pad_prompts(PROMPTS, length, sampler.pad_id)
+  settings = models.SamplingParams(**kwargs)
+  compiled = sampler.lower_padded(
+      params, ids, mask, jax.random.key(4), settings
+  ).compile()
+  assert sampler.num_traces == traces
+  assert {f._cache_size() for f in sampler._compiled.values()} == {1}
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
 def test_token_logprobs_chunked_equals_full_softmax_with_grads(qwen3):
