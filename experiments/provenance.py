@@ -109,10 +109,19 @@ def _git(*args: str) -> str:
 
 def commit() -> tuple[str, bool]:
   """``git rev-parse HEAD`` ("unknown" outside a repository) and whether
-  the tracked files differ from it."""
+  the tracked files differ from it, ``experiments/results/`` aside: that
+  is what studies write (rows, reports, the fingerprint ledger), not code
+  that makes numbers."""
   head = _git("rev-parse", "HEAD").strip() or "unknown"
-  dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
-  return head, dirty
+  changed = _git(
+      "status",
+      "--porcelain",
+      "--untracked-files=no",
+      "--",
+      ".",
+      ":(exclude)experiments/results",
+  )
+  return head, bool(changed.strip())
 
 
 def code_version() -> str:

@@ -805,3 +805,27 @@ def test_parity_prepare_keeps_a_starting_policy_or_copies_the_committed_one(
   (folder / "model.safetensors").write_bytes(b"kept")
   prepare()
   assert (folder / "model.safetensors").read_bytes() == b"kept"
+
+
+def test_a_tree_is_dirty_by_its_code_not_by_its_results(tmp_path, monkeypatch):
+  """What studies write under experiments/results/ (rows, the fingerprint
+  ledger) does not make the tree dirty; a change to code does."""
+  git = lambda *args: subprocess.run(
+      ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+      cwd=tmp_path,
+      check=True,
+      capture_output=True,
+  )
+  results = tmp_path / "experiments" / "results"
+  results.mkdir(parents=True)
+  (results / "fingerprints.json").write_text("{}\n")
+  (tmp_path / "code.py").write_text("x = 1\n")
+  git("init", "-q")
+  git("add", ".")
+  git("commit", "-qm", "start")
+  monkeypatch.setattr(provenance, "ROOT", tmp_path)
+  assert provenance.commit()[1] is False
+  (results / "fingerprints.json").write_text('{"measured": []}\n')
+  assert provenance.commit()[1] is False
+  (tmp_path / "code.py").write_text("x = 2\n")
+  assert provenance.commit()[1] is True
