@@ -175,7 +175,9 @@ def metrics_hash(lines: list[str]) -> str:
 @functools.cache
 def fingerprint(cache: str | os.PathLike) -> str:
   """The numerics fingerprint of this tree on this backend (a smoke run's
-  metrics hash), from ``cache`` when this code version's is there.
+  metrics hash), from ``cache`` when this code version's is there. The
+  smoke runs train their warm start in an empty cache of their own, so the
+  fingerprint covers the warm start's code too.
 
   Raises:
     RuntimeError: the smoke run failed (its log's tail).
@@ -191,6 +193,9 @@ def fingerprint(cache: str | os.PathLike) -> str:
       done = subprocess.run(
           [sys.executable, "-m", "logra_jax.cli", "train", "--preset", "smoke"]
           + ["--out", str(run), "--no-progress"]
+          # The warm start is trained by the code measured, never read from
+          # a cache an older version of it filled.
+          + [f"--set=policy.cache_dir={pathlib.Path(folder) / 'warm_start'}"]
           + [f"--set={o}" for o in overrides],
           capture_output=True,
           text=True,

@@ -264,7 +264,7 @@ def test_the_fingerprint_run_is_compiled_for_a_pinned_cpu_isa(
 ):
   """The smoke run behind the fingerprint gets XLA_FLAGS capping XLA:CPU
   at AVX2 (the host's own flags kept), so hosts with wider vector units
-  share fingerprints."""
+  share fingerprints, and a warm-start cache of its own."""
   seen, run = {}, subprocess.run
 
   def smoke_run(command, env=None, **kwargs):
@@ -285,6 +285,10 @@ def test_the_fingerprint_run_is_compiled_for_a_pinned_cpu_isa(
     provenance.fingerprint.cache_clear()
   assert value == provenance.metrics_hash(['{"step": 1, "loss": 0.5}'] * 2)
   assert "--set=optimizer.project_embeddings=true" in seen["command"]
+  # Its warm start is trained afresh, in the run's own temporary folder.
+  (cache_dir,) = [c for c in seen["command"] if "policy.cache_dir=" in c]
+  out = pathlib.Path(seen["command"][seen["command"].index("--out") + 1])
+  assert pathlib.Path(cache_dir.split("=", 2)[2]).parent == out.parent
   assert seen["env"]["XLA_FLAGS"].split() == [
       "--xla_dump_to=/nowhere",
       "--xla_cpu_max_isa=AVX2",
