@@ -1,5 +1,6 @@
 """Tests of logra_jax.staging: a folder appears whole or not at all."""
 
+import json
 import os
 import signal
 import subprocess
@@ -128,3 +129,58 @@ def test_an_unowned_area_is_cleared_only_once_old(tmp_path):
   os.utime(old, (then, then))
   staging.clear_stale(out)
   assert _areas(out) == [fresh]
+
+
+def test_a_failed_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
+  out = tmp_path / "policy"
+  _write(out, "old")
+  real, calls = os.replace, []
+
+  def replace(a, b):
+    calls.append(b)
+    if len(calls) == 2:  # the new folder into place
+      raise OSError("rename failed")
+    real(a, b)
+
+  monkeypatch.setattr(staging.os, "replace", replace)
+  with pytest.raises(OSError, match="rename failed"):
+    with staging.staged_folder(out) as folder:
+      _write(folder, "new")
+  monkeypatch.undo()
+  assert (out / "weights").read_text() == "old"
+  assert os.listdir(tmp_path) == ["policy"]
+
+
+def _area_of(destination, **owner):
+  area = destination.parent / f".{destination.name}.partial-test"
+  area.mkdir()
+  record = {**staging._this_process(destination), **owner}
+  (area / ".owner").write_text(json.dumps(record))
+  return area
+
+
+@pytest.mark.parametrize(
+    "owner, gone",
+    [
+        ({}, False),  # this very process
+        ({"start": "0"}, True),  # its process id, another process
+        ({"boot": "another boot"}, True),
+        ({"pid_namespace": 1}, False),  # another container: cannot tell
+        ({"host": "elsewhere"}, False),
+        ({"out": "other"}, False),  # another destination's area
+    ],
+)
+def test_who_owns_an_area(tmp_path, owner, gone):
+  out = tmp_path / "policy"
+  area = _area_of(out, **owner)
+  staging.clear_stale(out)
+  assert area.exists() is not gone
+
+
+def test_names_are_matched_literally(tmp_path):
+  out = tmp_path / "run[1]"
+  area = _area_of(out, start="0")
+  staging.clear_stale(tmp_path / "run1")
+  assert area.exists()
+  staging.clear_stale(out)
+  assert not area.exists()
