@@ -109,19 +109,30 @@ def _git(*args: str) -> str:
 
 def commit() -> tuple[str, bool]:
   """``git rev-parse HEAD`` ("unknown" outside a repository) and whether
-  the tracked files differ from it, ``experiments/results/`` aside: that
-  is what studies write (rows, reports, the fingerprint ledger), not code
-  that makes numbers."""
+  the tracked files differ from it, the files studies write under
+  ``experiments/results/`` (rows, reports, the fingerprint ledger) aside,
+  though not the starting policies kept there, which runs read; dirty too
+  when git cannot tell."""
   head = _git("rev-parse", "HEAD").strip() or "unknown"
-  changed = _git(
-      "status",
-      "--porcelain",
-      "--untracked-files=no",
-      "--",
-      ".",
-      ":(exclude)experiments/results",
-  )
-  return head, bool(changed.strip())
+  statuses = [
+      _status("--", ".", ":(exclude)experiments/results"),
+      _status("--", ":(glob)experiments/results/*/policies/**"),
+  ]
+  return head, any(s is None or s.strip() for s in statuses)
+
+
+def _status(*pathspec: str) -> str | None:
+  """``git status --porcelain`` of tracked files, or None when it fails."""
+  try:
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", *pathspec],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return None
 
 
 def code_version() -> str:

@@ -821,8 +821,10 @@ def test_a_tree_is_dirty_by_its_code_not_by_its_results(tmp_path, monkeypatch):
       capture_output=True,
   )
   results = tmp_path / "experiments" / "results"
-  results.mkdir(parents=True)
+  policy = results / "parity" / "policies" / "tiny"
+  policy.mkdir(parents=True)
   (results / "fingerprints.json").write_text("{}\n")
+  (policy / "config.json").write_text("{}\n")
   (tmp_path / "code.py").write_text("x = 1\n")
   git("init", "-q")
   git("add", ".")
@@ -831,5 +833,14 @@ def test_a_tree_is_dirty_by_its_code_not_by_its_results(tmp_path, monkeypatch):
   assert provenance.commit()[1] is False
   (results / "fingerprints.json").write_text('{"measured": []}\n')
   assert provenance.commit()[1] is False
+  # A starting policy kept with the results is an input of the runs.
+  (policy / "config.json").write_text('{"changed": 1}\n')
+  assert provenance.commit()[1] is True
+  git("checkout", "--", str(policy / "config.json"))
   (tmp_path / "code.py").write_text("x = 2\n")
   assert provenance.commit()[1] is True
+  # Where git cannot tell, the tree is not called clean.
+  monkeypatch.setattr(provenance, "ROOT", tmp_path / "experiments" / "nogit")
+  (tmp_path / "experiments" / "nogit").mkdir()
+  monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path / "experiments"))
+  assert provenance.commit() == ("unknown", True)

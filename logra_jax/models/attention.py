@@ -88,7 +88,7 @@ def attention(
         implementation,
     ).reshape(B, T, K, H // K, h)
     return attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh
-  products = _decode_products(dt) if T == 1 else _prefill_products()
+  products = _decode_products() if T == 1 else _prefill_products()
 
   def attend(q_BxKxGxTxh, mask_BxTxS):
     return _attend(q_BxKxGxTxh, blocks, mask_BxTxS, *products)
@@ -101,7 +101,7 @@ def attention(
   return attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh
 
 
-def _decode_products(dt):
+def _decode_products():
   """``(qk, pv)`` for one query token: as elementwise products and
   reductions (not matmuls) the layer's slice of the stacked cache is read in
   place inside the fusion; a matmul would first copy it out, which costs
@@ -115,13 +115,13 @@ def _decode_products(dt):
         keepdims=True,
     ).swapaxes(-1, -2)
 
-  def pv(probs_BxKxGxTxS, values_BxKxSxh):
+  def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
     return jnp.sum(
         probs_BxKxGxTxS.swapaxes(-1, -2).astype(jnp.float32)
         * values_BxKxSxh[:, :, None].astype(jnp.float32),
         axis=-2,
         keepdims=True,
-    )
+    ).astype(dtype)
 
   return qk, pv
 
@@ -137,12 +137,12 @@ def _prefill_products():
         preferred_element_type=jnp.float32,
     )
 
-  def pv(probs_BxKxGxTxS, values_BxKxSxh):
+  def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
     return jnp.einsum(
         "bkgts,bksh->bkgth",
         probs_BxKxGxTxS,
         values_BxKxSxh,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=dtype,
     )
 
   return qk, pv
@@ -159,10 +159,16 @@ def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv):
       mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASK_VALUE
   )
   probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+  # Several blocks are summed in float32 and rounded once, as one block is
+  # (inside its matmul); one block's product is rounded by the matmul, so
+  # training's backward pass stays in the compute dtype.
+  out_dtype = jnp.float32 if len(blocks) > 1 else dt
   attn_BxKxGxTxh, start = 0, 0
   for _, values in blocks:
     size = values.shape[2]
-    attn_BxKxGxTxh += pv(probs_BxKxGxTxS[..., start : start + size], values)
+    attn_BxKxGxTxh += pv(
+        probs_BxKxGxTxS[..., start : start + size], values, out_dtype
+    )
     start += size
   return attn_BxKxGxTxh.astype(dt)
 
