@@ -5,8 +5,8 @@ order of :data:`LAYERS`, bottom up; a part may import only itself and parts
 below it, so no import cycle between parts can exist. A few parts are
 stricter than their place: ``lowrank``, ``random_bits`` and ``data`` import
 nothing of the package, ``optim/`` only ``lowrank`` and ``random_bits`` (it is
-usable alone as an optax extension), ``models/`` only ``lowrank`` and ``parallel`` (never the
-optimizer). No import hides inside a function, except of the optional
+usable alone as an optax extension), ``models/`` only ``lowrank``, ``parallel`` and
+``staging`` (never the optimizer). No import hides inside a function, except of the optional
 dependencies in :data:`OPTIONAL`.
 """
 
@@ -49,7 +49,7 @@ ONLY = {
     "random_bits": set(),
     "data": set(),
     "optim": {"lowrank", "random_bits"},
-    "models": {"lowrank", "parallel"},
+    "models": {"lowrank", "parallel", "staging"},
 }
 
 # Third-party packages that are extras, imported where they are used.
