@@ -39,7 +39,6 @@ import provenance
 import study
 from logra_jax import models
 
-RESULTS = study.RESULTS / "logprob_agreement"
 SHAPES = {
     "tiny": dict(vocab_size=512),
     "wide": dict(

@@ -404,7 +404,12 @@ def start_policy(args, name: str) -> pathlib.Path:
   every host's runs start from the same weights."""
   if name == "smollm2":
     return smollm2_policy(args)
-  return study.results_path(args, "parity").absolute() / "policies" / name
+  return _kept_policy(study.results_path(args, "parity").absolute(), name)
+
+
+def _kept_policy(results: pathlib.Path, name: str) -> pathlib.Path:
+  """Where a results folder keeps a setting's starting policy."""
+  return results / "policies" / name
 
 
 def prepare(args, names: list[str], record: dict[str, Any]) -> None:
@@ -439,7 +444,7 @@ def _starting_policy(args, name: str, record) -> tuple[pathlib.Path, dict]:
   ``--results`` names another folder), else its warm start trained (or
   found in the warm-start cache) on its training split, as its runs would
   train it."""
-  committed = study.RESULTS / "parity" / "policies" / name
+  committed = _kept_policy(study.RESULTS / "parity", name)
   if not args.quick and (committed / "model.safetensors").exists():
     return committed, {"copied_from": str(committed)}
   config = study.run_config(

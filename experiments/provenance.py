@@ -96,15 +96,21 @@ NUMERIC_KEYS = (
 )
 
 
-def _git(*args: str) -> str:
-  """The output of a git command in the repository ('' outside one)."""
+def _git(*args: str) -> str | None:
+  """The output of a git command in the repository, or None when it fails
+  (outside a repository, an old git)."""
   try:
     done = subprocess.run(
         ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
     )
   except (OSError, subprocess.CalledProcessError):
-    return ""
+    return None
   return done.stdout
+
+
+def _tracked_changes(*pathspec: str) -> str | None:
+  """``git status --porcelain`` of the tracked files under ``pathspec``."""
+  return _git("status", "--porcelain", "--untracked-files=no", "--", *pathspec)
 
 
 def commit() -> tuple[str, bool]:
@@ -113,26 +119,12 @@ def commit() -> tuple[str, bool]:
   ``experiments/results/`` (rows, reports, the fingerprint ledger) aside,
   though not the starting policies kept there, which runs read; dirty too
   when git cannot tell."""
-  head = _git("rev-parse", "HEAD").strip() or "unknown"
-  statuses = [
-      _status("--", ".", ":(exclude)experiments/results"),
-      _status("--", ":(glob)experiments/results/*/policies/**"),
+  head = (_git("rev-parse", "HEAD") or "").strip() or "unknown"
+  changes = [
+      _tracked_changes(".", ":(exclude)experiments/results"),
+      _tracked_changes(":(glob)experiments/results/*/policies/**"),
   ]
-  return head, any(s is None or s.strip() for s in statuses)
-
-
-def _status(*pathspec: str) -> str | None:
-  """``git status --porcelain`` of tracked files, or None when it fails."""
-  try:
-    return subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", *pathspec],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-  except (OSError, subprocess.CalledProcessError):
-    return None
+  return head, any(c is None or c.strip() for c in changes)
 
 
 def code_version() -> str:
@@ -143,7 +135,7 @@ def code_version() -> str:
   value)."""
   head, _ = commit()
   changes = hashlib.sha256(
-      _git("diff", "HEAD", "--", "logra_jax").encode()
+      (_git("diff", "HEAD", "--", "logra_jax") or "").encode()
   ).hexdigest()[:12]
   where = json.dumps(
       [host(), versions(), FINGERPRINT_DEFINITION, FINGERPRINT_RUNS],
@@ -157,10 +149,10 @@ def package() -> str:
   """The git tree of ``logra_jax/`` at HEAD: the code whose numerics a
   fingerprint measures; '' when it has uncommitted changes (then no tree
   names it) or outside a repository."""
-  changed = _git("status", "--porcelain", "--untracked-files=no", "logra_jax")
-  if changed.strip():
+  changed = _tracked_changes("logra_jax")
+  if changed is None or changed.strip():
     return ""
-  return _git("rev-parse", "HEAD:logra_jax").strip()
+  return (_git("rev-parse", "HEAD:logra_jax") or "").strip()
 
 
 def metrics_hash(lines: list[str]) -> str:

@@ -147,20 +147,20 @@ def clear_stale(out: str | os.PathLike) -> None:
         _finish_or_discard(area, out)
 
 
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _sync_tree(folder: pathlib.Path) -> None:
   """Flushes every file under ``folder``, and the folders, to the disk."""
   for root, _, files in os.walk(folder):
     for name in files:
-      fd = os.open(os.path.join(root, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+      _fsync(os.path.join(root, name))
+    _fsync(root)
 
 
 @contextlib.contextmanager

@@ -38,9 +38,9 @@ def attention(
 
   with ``m`` the boolean mask (masked scores get a large negative value),
   scores and softmax in float32, the probabilities cast to the queries'
-  dtype, and their products with the values summed in float32 over every
-  key block and cast to the queries' dtype once: a decoded token (keys in
-  two blocks, cache and new) is rounded as often as the same token in a
+  dtype, and their products with the values summed in float32 over the key
+  blocks and cast to the queries' dtype once: a decoded token (keys in two
+  blocks, cache and new) is rounded as often as the same token in a
   whole-sequence forward (one block).
 
   Args:
@@ -159,9 +159,8 @@ def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv):
       mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASK_VALUE
   )
   probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
-  # Several blocks are summed in float32 and rounded once, as one block is
-  # (inside its matmul); one block's product is rounded by the matmul, so
-  # training's backward pass stays in the compute dtype.
+  # Several blocks are summed in float32 and rounded once; a single block is
+  # rounded by its matmul (training's backward stays in the compute dtype).
   out_dtype = jnp.float32 if len(blocks) > 1 else dt
   attn_BxKxGxTxh, start = 0, 0
   for _, values in blocks:

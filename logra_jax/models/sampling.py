@@ -358,8 +358,8 @@ class Sampler:
     return program.lower(*args)
 
   def _program(self, params, prompt_ids_BxP, prompt_mask_BxP, key, settings):
-    """The jitted sampling program for these shapes and settings (compiled
-    once per key) and its arguments."""
+    """The jitted sampling program for these shapes and settings (one per
+    shape and setting, kept) and its arguments."""
     B, P = np.shape(prompt_ids_BxP)
     if P + settings.max_new_tokens > self.max_length:
       raise ValueError(
