@@ -133,15 +133,14 @@ class LowRankDelta:
     )
 
   def with_base_dtype(self, dtype: Any) -> "LowRankDelta":
-    """The same weight with its base cast to ``dtype`` under
-    ``stop_gradient``; a nested base (a factored weight ``c B + P A``) is
-    materialized first, so that a product with it in a loop (the logits'
-    chunks) adds no low-rank term per iteration. The differentiable
-    low-rank term is unchanged."""
-    base = (
-        self.base.dense() if isinstance(self.base, LowRankDelta) else self.base
-    )
-    base = jax.lax.stop_gradient(base).astype(dtype)
+    """The same weight with its innermost base cast to ``dtype`` under
+    ``stop_gradient``; the low-rank terms (a nested base's too: a factored
+    weight ``c B + P A``, which :func:`matmul` applies as
+    ``c (x B) + (x P) A`` without forming it) are unchanged."""
+    if isinstance(self.base, LowRankDelta):
+      base = self.base.with_base_dtype(dtype)
+    else:
+      base = jax.lax.stop_gradient(self.base).astype(dtype)
     return LowRankDelta(
         base,
         self.factor,

@@ -373,7 +373,10 @@ def unembedding(
     config: DecoderConfig, weights: dict[str, Any]
 ) -> jax.Array | LowRankDelta:
   """The output projection `[D, V]` (tied or not) in compute dtype: an array,
-  or under sketch-direct gradients a `LowRankDelta` whose weight is cast.
+  or a `LowRankDelta` whose base is cast (a factored head `c B + P A`, or
+  the sketch's term on top of one). A factored head is never formed: the
+  logits are `c (h B) + (h P) A`, so neither the learner nor the sampler
+  holds a second `[D, V]` table.
 
   The cast happens here, once, rather than where the weight is used: in a
   rematerialized loop over chunks of logits (`token_logprobs`) the backward
@@ -384,8 +387,6 @@ def unembedding(
       weights["embed"].T if config.tie_word_embeddings else weights["lm_head"]
   )
   if isinstance(w_DxV, LowRankDelta):
-    if not w_DxV.at_zero:  # a factored weight c B + P A: materialized once
-      return w_DxV.dense().astype(config.dtype)
     return w_DxV.with_base_dtype(config.dtype)
   return w_DxV.astype(config.dtype)
 

@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from logra_jax.lowrank import LowRankDelta
 from logra_jax.models.decoder import project_logits
 from logra_jax.parallel.sharding import constrain
 
@@ -27,7 +28,7 @@ def completion_hidden_states(
     completion_ids_BxN: jax.Array,
     completion_mask_BxN: jax.Array | None = None,
     context_mask_BxN: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | LowRankDelta]:
   """Final hidden states that predict each completion token, and the unembedding.
 
   One forward pass over `[prompt; completion]`; position `P - 1 + t` predicts
@@ -37,7 +38,8 @@ def completion_hidden_states(
   it is None.
 
   Returns:
-    `(hidden_BxNxD, w_DxV)` in the compute dtype.
+    `(hidden_BxNxD, w_DxV)` in the compute dtype; `w_DxV` is a factored
+    `LowRankDelta` for a factored head (`project_logits` applies it).
   """
   B, P = prompt_ids_BxP.shape
   N = completion_ids_BxN.shape[1]

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from logra_jax.lowrank import LowRankDelta
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim.state_queries import find_states
 from logra_jax.optim.types import FactoredDelta
@@ -46,6 +47,19 @@ def _factored_tangent(
       coords=decay * weight.coords + delta.coords,
       scale=None if weight.scale is None else decay * weight.scale,
   )
+
+
+def _materialized(out: Any) -> Any:
+  """The pair form's unembedding as one array: a factored one (a
+  :class:`~logra_jax.lowrank.LowRankDelta`, ``c B + P A``, which the model
+  applies without forming it) is formed here, in its compute dtype, so that
+  its tangent is one ``[D, V]`` array."""
+  if not isinstance(out, (tuple, list)):
+    return out
+  hidden, w = out
+  if isinstance(w, LowRankDelta):
+    w = w.dense().astype(w.dtype)
+  return hidden, w
 
 
 def _densify(update: Any, params: Any) -> Any:
@@ -237,7 +251,7 @@ def make_kl_predictor(
   def token_kl(update):
     tangent = _densify(update, params)
     primal_out, tangent_out = jax.jvp(
-        lambda p: logits_fn(p, batch), (params,), (tangent,)
+        lambda p: _materialized(logits_fn(p, batch)), (params,), (tangent,)
     )
     if isinstance(primal_out, (tuple, list)):
       hidden_BxTxD, w_DxV = primal_out

@@ -64,3 +64,31 @@ def test_the_shared_engine_samples_with_the_learners_arrays(policy_folder):
   gap = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[mask]
   eps = np.finfo(np.float32).eps
   assert gap.max() <= 64 * eps * max(1.0, np.abs(np.asarray(logp)).max())
+
+
+def test_a_factored_head_is_never_formed():
+  """With the embeddings projected, the head is `c B + P A`: the sampling
+  and log-prob programs apply it as `c (h B) + (h P) A`, so their
+  temporaries stay below the `[D, V]` table they would otherwise form (XLA's
+  memory analysis; the vocabulary is large enough for the table to dwarf the
+  logits of a few tokens)."""
+  model = models.init_model(models.DecoderConfig.tiny(vocab_size=32768), 0)
+  graphdef, params = models.split_model(model)
+  config = configs.OptimizerConfig(
+      name="logra", project_embeddings=True, rank=8
+  )
+  tx = policy_state.make_optimizer(config, params)
+  weights, opt_state = policy_state.init_train_state(config, tx, params)
+  view = policy_state.model_view(weights, opt_state)
+  head_bytes = model.config.hidden_size * model.config.vocab_size * 4
+  ids, mask = models.pad_prompts([[1, 2, 3], [4, 5]], 4, 0)
+  sampling = models.Sampler(model).lower_padded(
+      view, ids, mask, jax.random.key(0), models.SamplingParams(4)
+  )
+  completion = jax.numpy.ones((2, 4), jax.numpy.int32)
+  forward = jax.jit(models.token_logprobs, static_argnums=0).lower(
+      graphdef, view, ids, mask, completion
+  )
+  for lowered in (sampling, forward):
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp < head_bytes / 2, (temp, head_bytes)
