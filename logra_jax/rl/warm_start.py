@@ -22,8 +22,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Callable, Optional, Sequence
 
 from flax import nnx
@@ -211,15 +209,14 @@ def entry_problem(folder: pathlib.Path) -> str | None:
 
 
 def _set_aside(folder: pathlib.Path) -> None:
-  """Removes a cache entry by renaming it away first, so that no run ever
-  sees it half deleted."""
-  trash = tempfile.mkdtemp(prefix=f".{folder.name}.invalid-", dir=folder.parent)
-  try:
-    os.rename(folder, pathlib.Path(trash) / folder.name)
-  except FileNotFoundError:
-    pass  # another run set it aside first
-  finally:
-    shutil.rmtree(trash, ignore_errors=True)
+  """Removes a cache entry by moving it into a staging area of its own
+  first, so that no run ever sees it half deleted, and a run killed while
+  deleting leaves an area the next build of the entry clears."""
+  with staging.staging_area(folder) as area:
+    try:
+      os.rename(folder, area / f"{folder.name}.invalid")
+    except FileNotFoundError:
+      pass  # another run set it aside first
 
 
 def _publish(

@@ -5,6 +5,10 @@ import dataclasses
 import pathlib
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import transformers
@@ -83,6 +87,29 @@ def test_invalid_entry_is_rebuilt(policy, damage, reason):
   assert _build(policy, lines) == folder
   assert lines[0].startswith(f"warm start: rebuilding the invalid {folder}")
   assert re.search(reason, lines[0]), lines[0]
+  assert _entries(policy) == [folder.name]
+  _loads(folder)
+
+
+def test_a_run_killed_setting_an_entry_aside_leaves_nothing_behind(policy):
+  """Killed (SIGKILL) between moving an invalid entry aside and deleting
+  it: the next build clears what it left."""
+  folder = _build(policy)
+  (folder / "tokenizer.json").unlink()
+  script = textwrap.dedent(f"""
+      import os, pathlib, signal
+      from logra_jax.rl import warm_start
+      real = os.rename
+      def rename(a, b):
+        real(a, b)
+        os.kill(os.getpid(), signal.SIGKILL)
+      os.rename = rename
+      warm_start._set_aside(pathlib.Path({str(folder)!r}))
+      """)
+  child = subprocess.run([sys.executable, "-c", script], timeout=120)
+  assert child.returncode == -signal.SIGKILL
+  assert len(_entries(policy)) == 1 and not folder.exists()
+  assert _build(policy) == folder
   assert _entries(policy) == [folder.name]
   _loads(folder)
 
