@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any, Callable, Iterator
 
@@ -29,7 +30,12 @@ _CONSUMED: contextvars.ContextVar = contextvars.ContextVar(
 )
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["base", "factor", "coords", "base_scale"],
+    meta_fields=["rows", "path", "at_zero"],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LowRankDelta:
   r"""A weight plus a low-rank term in differentiable coordinates.
 
@@ -59,43 +65,13 @@ class LowRankDelta:
   arithmetic) raises a ``TypeError`` naming the parameter.
   """
 
-  def __init__(
-      self,
-      base,
-      factor,
-      coords,
-      *,
-      rows: bool,
-      path: str,
-      at_zero: bool = False,
-      base_scale=None,
-  ):
-    self.base = base
-    self.factor = factor
-    self.coords = coords
-    self.base_scale = base_scale
-    self.rows = rows
-    self.path = path
-    self.at_zero = at_zero
-
-  def tree_flatten(self):
-    return (
-        (self.base, self.factor, self.coords, self.base_scale),
-        (self.rows, self.path, self.at_zero),
-    )
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    base, factor, coords, base_scale = children
-    return cls(
-        base,
-        factor,
-        coords,
-        rows=aux[0],
-        path=aux[1],
-        at_zero=aux[2],
-        base_scale=base_scale,
-    )
+  base: Any
+  factor: Any
+  coords: Any
+  rows: bool = dataclasses.field(kw_only=True)
+  path: str = dataclasses.field(kw_only=True)
+  at_zero: bool = dataclasses.field(default=False, kw_only=True)
+  base_scale: Any = dataclasses.field(default=None, kw_only=True)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -122,14 +98,8 @@ class LowRankDelta:
     base = (
         self.base.T if isinstance(self.base, LowRankDelta) else swap(self.base)
     )
-    return LowRankDelta(
-        base,
-        self.factor,
-        swap(self.coords),
-        rows=not self.rows,
-        path=self.path,
-        at_zero=self.at_zero,
-        base_scale=self.base_scale,
+    return dataclasses.replace(
+        self, base=base, coords=swap(self.coords), rows=not self.rows
     )
 
   def with_base_dtype(self, dtype: Any) -> "LowRankDelta":
@@ -141,15 +111,7 @@ class LowRankDelta:
       base = self.base.with_base_dtype(dtype)
     else:
       base = jax.lax.stop_gradient(self.base).astype(dtype)
-    return LowRankDelta(
-        base,
-        self.factor,
-        self.coords,
-        rows=self.rows,
-        path=self.path,
-        at_zero=self.at_zero,
-        base_scale=self.base_scale,
-    )
+    return dataclasses.replace(self, base=base)
 
   def dense(self) -> jax.Array:
     """The weight it stands for, materialized in float32 (``[..., m, n]``)."""
