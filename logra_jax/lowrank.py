@@ -116,7 +116,7 @@ class LowRankDelta:
   def dense(self) -> jax.Array:
     """The weight it stands for, materialized in float32 (``[..., m, n]``)."""
     base = (
-        self.base.dense()
+        jax.lax.stop_gradient(self.base).dense()  # as in `matmul` and `take`
         if isinstance(self.base, LowRankDelta)
         else self.base.astype(jnp.float32)
     )
@@ -136,10 +136,11 @@ class LowRankDelta:
 
   def _misuse(self, what: str) -> str:
     return (
-        f"parameter {self.path!r} is differentiated in sketch-direct "
-        f"mode and only supports logra_jax.lowrank.matmul(x, w) and "
-        f"take(w, ids), not {what}; apply it with those in the model, or "
-        "use dense gradients (gradient_mode='dense') for this model"
+        f"parameter {self.path!r} is a weight plus a low-rank term (a "
+        "factored or LoRA weight, or one differentiated in sketch-direct "
+        "mode) and only supports logra_jax.lowrank.matmul(x, w) and "
+        f"take(w, ids), not {what}; apply it with those, or form it with "
+        "its .dense()"
     )
 
 

@@ -3,7 +3,8 @@
 A leaf module (standard library only): whatever writes a folder a reader
 may open (an exported policy, a converted checkpoint, a cache entry) stages
 it with :func:`staged_folder` (or, to publish it its own way, in a
-:func:`staging_area`), so that an interrupted write never leaves a
+:func:`staging_area`, checking and renaming under :func:`locked` of the
+parent), so that an interrupted write never leaves a
 half-written folder under the final name.
 
 A staging area is a hidden folder ``.<name>.partial-*`` beside the
@@ -107,9 +108,16 @@ def _owner_gone(area: pathlib.Path, out: pathlib.Path) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(folder: pathlib.Path) -> Iterator[None]:
+def locked(folder: str | os.PathLike) -> Iterator[None]:
   """An exclusive lock on ``folder`` (``flock`` on the folder itself, so
-  nothing is left beside it)."""
+  nothing is left beside it): the lock that clearing and publishing of the
+  folders in it hold, for a writer that publishes its own way.
+
+  Example:
+    >>> import tempfile
+    >>> with locked(tempfile.mkdtemp()):
+    ...   pass
+  """
   fd = os.open(folder, os.O_RDONLY)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -141,7 +149,7 @@ def clear_stale(out: str | os.PathLike) -> None:
   if not out.parent.is_dir():
     return
   pattern = f".{glob.escape(out.name)}.partial-*"
-  with _locked(out.parent):
+  with locked(out.parent):
     for area in out.parent.glob(pattern):
       if area.is_dir() and _owner_gone(area, out):
         _finish_or_discard(area, out)
@@ -205,7 +213,7 @@ def _publish(area: pathlib.Path, out: pathlib.Path) -> None:
   folder, old = area / out.name, area / f"{out.name}.replaced"
   _sync_tree(folder)
   (area / _READY).touch()
-  with _locked(out.parent):
+  with locked(out.parent):
     moved = os.path.lexists(out)
     if moved:
       os.replace(out, old)

@@ -373,10 +373,11 @@ def unembedding(
     config: DecoderConfig, weights: dict[str, Any]
 ) -> jax.Array | LowRankDelta:
   """The output projection `[D, V]` (tied or not) in compute dtype: an array,
-  or a `LowRankDelta` whose base is cast (a factored head `c B + P A`, or
-  the sketch's term on top of one). A factored head is never formed: the
-  logits are `c (h B) + (h P) A`, so neither the learner nor the sampler
-  holds a second `[D, V]` table.
+  or a `LowRankDelta` whose base is cast (a factored head `c B + P A`, a
+  LoRA-adapted one, or the sketch's term on top of one). Such a head is
+  never formed: the logits are `c (h B) + (h P) A`. (A base stored in
+  another dtype than the compute dtype is cast, like a dense head: a
+  `[D, V]` copy in the compute dtype.)
 
   The cast happens here, once, rather than where the weight is used: in a
   rematerialized loop over chunks of logits (`token_logprobs`) the backward
@@ -484,8 +485,8 @@ class Decoder(nnx.Module):
         prefill=prefill,
     )
 
-  def unembedding(self) -> jax.Array:
-    """The output projection `[D, V]` in compute dtype."""
+  def unembedding(self) -> jax.Array | LowRankDelta:
+    """The output projection `[D, V]` in compute dtype (:func:`unembedding`)."""
     return unembedding(self.config, self.weights())
 
   def __call__(

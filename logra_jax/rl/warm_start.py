@@ -7,16 +7,17 @@ next to its ``tokenizer.json`` and reused by later runs with the same settings.
 With the ``calculator`` environment it is trained on tool-using episodes
 instead (:func:`tool_demonstrations`), so that it has seen the tool's format.
 
-A cache entry is built in a temporary folder beside it and renamed into place
-once complete, so an interrupted run leaves nothing that looks usable; an entry
-that is invalid anyway (a missing or unreadable file) is set aside and rebuilt,
-and when two runs build the same entry at once, the first to finish wins.
+A cache entry is built in a staging area beside it (:mod:`logra_jax.staging`)
+and renamed into place once complete, so an interrupted run leaves nothing that
+looks usable; an entry that is invalid anyway (a missing or unreadable file) is
+rebuilt and replaced when the new one is published, and when two runs build the
+same entry at once, the first to finish wins (publishing checks and renames
+under the lock of the cache folder).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import hashlib
 import json
@@ -208,38 +209,23 @@ def entry_problem(folder: pathlib.Path) -> str | None:
   return None
 
 
-def _set_aside(folder: pathlib.Path) -> None:
-  """Removes a cache entry by moving it into a staging area of its own
-  first, so that no run ever sees it half deleted, and a run killed while
-  deleting leaves an area the next build of the entry clears."""
-  with staging.staging_area(folder) as area:
-    try:
-      os.rename(folder, area / f"{folder.name}.invalid")
-    except FileNotFoundError:
-      pass  # another run set it aside first
-
-
 def _publish(
-    staged: pathlib.Path, folder: pathlib.Path, log: Callable[[str], None]
+    area: pathlib.Path, folder: pathlib.Path, log: Callable[[str], None]
 ) -> None:
-  """Renames the complete entry ``staged`` to ``folder``, unless another run
-  published a valid one first (then that one is kept)."""
-  try:
-    os.rename(staged, folder)
-    return
-  except OSError as e:
-    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-      raise
-  problem = entry_problem(folder)
-  if problem is None:
-    log(f"warm start: another run published {folder} first; using it")
-    return
-  log(
-      f"warm start: replacing the invalid {folder} another run published "
-      f"({problem})"
-  )
-  _set_aside(folder)
-  os.rename(staged, folder)
+  """Renames the complete entry ``area / folder.name`` to ``folder``,
+  unless a valid one is there (another run published it first: it is
+  kept). An invalid one is moved into ``area`` first, deleted with it. The
+  check and the renames hold the lock of ``folder``'s parent (every
+  publisher's), so a valid entry is never moved away."""
+  with staging.locked(folder.parent):
+    if os.path.lexists(folder):
+      problem = entry_problem(folder)
+      if problem is None:
+        log(f"warm start: another run published {folder} first; using it")
+        return
+      log(f"warm start: replacing the invalid {folder} ({problem})")
+      os.rename(folder, area / f"{folder.name}.invalid")
+    os.rename(area / folder.name, folder)
 
 
 def warm_start(
@@ -276,7 +262,6 @@ def warm_start(
       log(f"warm start: reusing {folder}")
       return folder
     log(f"warm start: rebuilding the invalid {folder} ({problem})")
-    _set_aside(folder)
   tokenizer = char_tokenizer()
   max_length = max_length or context_tokens(environment)
   config = tiny_decoder_config(policy, tokenizer, max_length)
@@ -338,5 +323,5 @@ def warm_start(
     staged = area / folder.name
     models.save_pretrained(nnx.merge(graphdef, params), staged)
     tokenizer.save_pretrained(staged)
-    _publish(staged, folder, log)
+    _publish(area, folder, log)
   return folder

@@ -83,11 +83,13 @@ def test_adapters_start_at_the_frozen_weights(base_dtype):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_gradients_are_the_chain_rule_through_the_dense_weight():
+@pytest.mark.parametrize("targets", [lora.DEFAULT_TARGETS, ("lm_head",)])
+def test_gradients_are_the_chain_rule_through_the_dense_weight(targets):
   """dL/dD = s G U^T and dL/dU = s D^T G, with G = dL/dW at the merged
-  weight W_0 + s D U, computed by the model's low-rank op without G."""
+  weight W_0 + s D U, computed by the model's low-rank op without G (an
+  adapted LM head too: its logits are `h W_0 + (h s D) U`, never formed)."""
   graphdef, params = _model()
-  weights = lora.add_adapters(params, rank=RANK, alpha=ALPHA)
+  weights = lora.add_adapters(params, rank=RANK, alpha=ALPHA, targets=targets)
   rng = np.random.default_rng(1)
   weights = jax.tree.map(  # a nonzero U, so that both factors get gradients
       lambda w: (
@@ -146,11 +148,11 @@ def test_gradients_are_the_chain_rule_through_the_dense_weight():
   for w, g, big in zip(flat_w, flat_g, flat_dense, strict=True):
     if not lora.is_lora(w):
       continue
-    g_d = w.scale * jnp.einsum("lmn,lrn->lmr", big, w.up)
-    g_u = w.scale * jnp.einsum("lmr,lmn->lrn", w.down, big)
+    g_d = w.scale * jnp.einsum("...mn,...rn->...mr", big, w.up)
+    g_u = w.scale * jnp.einsum("...mr,...mn->...rn", w.down, big)
     # Magnitudes the bound is relative to: the products of absolute values.
-    size_d = w.scale * jnp.einsum("lmn,lrn->lmr", abs(big), abs(w.up))
-    size_u = w.scale * jnp.einsum("lmr,lmn->lrn", abs(w.down), abs(big))
+    size_d = w.scale * jnp.einsum("...mn,...rn->...mr", abs(big), abs(w.up))
+    size_u = w.scale * jnp.einsum("...mr,...mn->...rn", abs(w.down), abs(big))
     for got, want, size in ((g.down, g_d, size_d), (g.up, g_u, size_u)):
       assert float(jnp.abs(want).max()) > 0
       np.testing.assert_array_less(
@@ -158,7 +160,7 @@ def test_gradients_are_the_chain_rule_through_the_dense_weight():
           tolerance * np.asarray(size) + np.finfo(np.float32).tiny,
       )
     checked += 1
-  assert checked == len(lora.DEFAULT_TARGETS)
+  assert checked == len(targets)
   # The frozen leaves get no gradient at all.
   assert all(
       g is None or lora.is_lora(g)

@@ -2,6 +2,7 @@
 invalid entry is rebuilt and a concurrent writer's entry is kept."""
 
 import dataclasses
+import json
 import pathlib
 import re
 import shutil
@@ -91,22 +92,30 @@ def test_invalid_entry_is_rebuilt(policy, damage, reason):
   _loads(folder)
 
 
-def test_a_run_killed_setting_an_entry_aside_leaves_nothing_behind(policy):
-  """Killed (SIGKILL) between moving an invalid entry aside and deleting
-  it: the next build clears what it left."""
+def test_a_run_killed_replacing_an_invalid_entry_leaves_nothing_behind(
+    policy,
+):
+  """Killed (SIGKILL) between moving the invalid entry away and renaming
+  its own in: the next build clears what it left and publishes."""
   folder = _build(policy)
   (folder / "tokenizer.json").unlink()
   script = textwrap.dedent(f"""
-      import os, pathlib, signal
+      import dataclasses, json, os, signal
+      from logra_jax.configs import get_preset
       from logra_jax.rl import warm_start
       real = os.rename
       def rename(a, b):
         real(a, b)
         os.kill(os.getpid(), signal.SIGKILL)
       os.rename = rename
-      warm_start._set_aside(pathlib.Path({str(folder)!r}))
+      policy = dataclasses.replace(
+          get_preset("smoke").policy, warm_start_steps=0,
+          cache_dir={policy.cache_dir!r})
+      warm_start.warm_start(
+          policy, json.loads({json.dumps(EXAMPLES)!r}), seed=0,
+          max_length=16)
       """)
-  child = subprocess.run([sys.executable, "-c", script], timeout=120)
+  child = subprocess.run([sys.executable, "-c", script], timeout=300)
   assert child.returncode == -signal.SIGKILL
   assert len(_entries(policy)) == 1 and not folder.exists()
   assert _build(policy) == folder
@@ -153,8 +162,8 @@ def test_an_entry_published_first_by_another_run(
         f"warm start: another run published {folder} first;" " using it"
     )
   else:
-    assert lines[-1].startswith(
-        f"warm start: replacing the invalid {folder} another run published "
+    assert lines[-1] == (
+        f"warm start: replacing the invalid {folder} "
         "(missing ['tokenizer.json'])"
     )
   assert (folder / "marker").exists() == valid
