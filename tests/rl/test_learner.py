@@ -16,6 +16,7 @@ from logra_jax.cli import main as cli_main
 from logra_jax.rl import algo, learner, scoring, setup, trainer
 from logra_jax.rollout import engine
 from logra_jax import policy_state
+from logra_jax.optim import factored
 from logra_jax.optim import non_finite
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
@@ -469,3 +470,61 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
     assert float(metrics["update_norm"]) > 0
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
   assert int(non_finite.non_finite_state(state).skipped_steps) == 0
+
+
+def _step_temporaries(vocab: int, hidden: int, projected: bool) -> int:
+  """Temporaries of the compiled sketch-direct train step (one refresh
+  and merge included) of a one-layer decoder with an untied head."""
+  model_config = models.DecoderConfig.tiny(
+      vocab_size=vocab,
+      hidden_size=hidden,
+      num_layers=1,
+      tie_word_embeddings=False,
+  )
+  graphdef, params = models.split_model(models.init_model(model_config, 0))
+  B, P, T = 2, 3, 4
+  batch = algo.RolloutBatch(
+      prompt_tokens_BxP=jnp.ones((B, P), jnp.int32),
+      prompt_mask_BxP=jnp.ones((B, P), jnp.int32),
+      completion_tokens_BxT=jnp.ones((B, T), jnp.int32),
+      completion_mask_BxT=jnp.ones((B, T), jnp.int32),
+      old_logp_BxT=jnp.full((B, T), -np.log(vocab), jnp.float32),
+      advantages_B=jnp.linspace(-1.0, 1.0, B),
+      num_generations=2,
+  )
+  config = configs.apply_overrides(
+      SMOKE,
+      [
+          "optimizer.rank=8",
+          f"optimizer.project_embeddings={str(projected).lower()}",
+          "optimizer.gradient_mode=sketch",
+          "micro_batches=1",
+      ],
+  )
+  tx = policy_state.make_optimizer(config.optimizer, params)
+  weights, state = policy_state.init_train_state(config.optimizer, tx, params)
+  step = learner.make_train_step(graphdef, tx, config)
+  compiled = step.lower(weights, state, batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_the_sketch_step_never_forms_a_projected_head(monkeypatch):
+  """With the embeddings projected, the LM head is `c B + P A` and its
+  sketch-direct gradient is `(h P)^T dlogits`: doubling the vocabulary
+  from V to 2V grows the compiled train step's temporaries (XLA's memory
+  analysis) by less than half of the `[D, V]` head it adds; what grows is
+  `O(V r)` (the range finder, the projector) and the logits of a few
+  tokens. With the head and the table dense, their gradients alone grow
+  by twice the head: the bound tells the two apart. A refresh merges the
+  window into the base in blocks of rows (here of `[D, V] / 32`), each a
+  temporary of its own."""
+  vocab, hidden = 8192, 512
+  head_bytes = hidden * vocab * 4
+  monkeypatch.setattr(factored, "MERGE_BLOCK_BYTES", head_bytes // 32)
+  growth = {
+      projected: _step_temporaries(2 * vocab, hidden, projected)
+      - _step_temporaries(vocab, hidden, projected)
+      for projected in (True, False)
+  }
+  assert growth[True] < head_bytes / 2 <= growth[False], (growth, head_bytes)
