@@ -363,31 +363,36 @@ def _merge_leaf(
   rows = merge_rows(plan.m, plan.n)
   blocks = plan.m // rows
 
-  # Row r * blocks + j of matrix i is b[i, r, j * n : (j + 1) * n], so block
-  # j is one column slice of a [batch, rows, blocks * n] carry.
-  n = plan.n
-
-  def one(i, b_BxRxKN):
+  # Row r * blocks + j of a matrix is b[r, j] of its [rows, blocks, n] view:
+  # a split of the rows stays on `rows` and one of the columns on `n` (a
+  # carry that merged `blocks` and `n` into one axis gathered a base split
+  # over its columns on every device). Each matrix is merged in a loop of
+  # its own and written back whole: a carry of the whole [batch, rows,
+  # blocks, n] stack was copied by XLA:CPU.
+  def one(i, b_BxMxN):
     scale = 1.0 if w.scale is None else w.scale[i]
 
-    def block(j, b_BxRxKN):
-      b_rows = jax.lax.dynamic_slice_in_dim(b_BxRxKN[i], j * n, n, axis=1)
-      merged = scale * b_rows.astype(jnp.float32) + _low_rank_rows(
+    def block(j, b_RxKxN):
+      merged = scale * b_RxKxN[:, j].astype(jnp.float32) + _low_rank_rows(
           plan, p_BxLxR[i], w.coords[i], j, blocks
       )
-      offset = jnp.asarray(j, jnp.uint32) * np.uint32(n)
+      offset = jnp.asarray(j, jnp.uint32) * np.uint32(plan.n)
       rounded = stochastic_round(
           merged,
           dtype,
           jax.random.fold_in(key, i),
           offset,
-          strides=(blocks * n, 1),
+          strides=(blocks * plan.n, 1),
       )
-      return jax.lax.dynamic_update_slice(
-          b_BxRxKN, rounded.astype(dtype)[None], (i, 0, j * n)
+      return jax.lax.dynamic_update_index_in_dim(
+          b_RxKxN, rounded.astype(dtype), j, axis=1
       )
 
-    return jax.lax.fori_loop(0, blocks, block, b_BxRxKN)
+    b_RxKxN = b_BxMxN[i].reshape(rows, blocks, plan.n)
+    b_RxKxN = jax.lax.fori_loop(0, blocks, block, b_RxKxN)
+    return jax.lax.dynamic_update_index_in_dim(
+        b_BxMxN, b_RxKxN.reshape(plan.m, plan.n), i, axis=0
+    )
 
   # A Python bool keeps a static trip count (reverse-differentiable).
   matrices = (
@@ -395,11 +400,11 @@ def _merge_leaf(
       if isinstance(when, bool)
       else jnp.where(when, plan.batch, 0)
   )
-  b_BxRxKN = jax.lax.fori_loop(
-      0, matrices, one, w.base.reshape(plan.batch, rows, blocks * n)
+  b_BxMxN = jax.lax.fori_loop(
+      0, matrices, one, w.base.reshape(plan.batch, plan.m, plan.n)
   )
   return FactoredWeight(
-      base=b_BxRxKN.reshape(plan.shape),
+      base=b_BxMxN.reshape(plan.shape),
       coords=jnp.where(when, jnp.zeros_like(w.coords), w.coords),
       scale=None if w.scale is None else jnp.where(when, 1, w.scale),
       plan=plan,

@@ -273,15 +273,18 @@ def test_a_merge_in_blocks_of_rows_is_the_whole_matrix_merge(
     assert np.mean(got != want) < 0.1, name
 
 
+@pytest.mark.parametrize("split_rows", [True, False])
 @pytest.mark.parametrize("tall", [True, False])
-def test_a_merge_of_a_weight_sharded_over_its_rows_stays_on_its_devices(
-    tall, monkeypatch
+def test_a_merge_of_a_sharded_weight_stays_on_its_devices(
+    tall, split_rows, monkeypatch
 ):
-  """A [512, 64] bfloat16 base split over 8 devices by rows, merged in 8
-  blocks: each block is strided (rows j, j + 8, ...), so it is split the
-  same way and no device gathers the matrix (a contiguous block of rows
-  lives on one device and a traced slice of it gathered the whole base:
-  temporaries at least its 64 KiB)."""
+  """A [512, 64] (or [64, 512]) bfloat16 base split over 8 devices by rows
+  or by columns, merged in 8 blocks of rows: each block is strided (rows j,
+  j + 8, ...), so it is split as the base is and no device gathers the
+  matrix (a contiguous block of rows lives on one device, and a traced
+  slice of it gathered the whole base; a carry that merged the block axis
+  with the columns gathered a base split over its columns: temporaries at
+  least its 64 KiB)."""
   m, n = (512, 64) if tall else (64, 512)
   params = {"w": jnp.zeros((m, n), jnp.float32)}
   tx = logra.logra(LR, 4, factored=True)
@@ -291,7 +294,12 @@ def test_a_merge_of_a_weight_sharded_over_its_rows_stays_on_its_devices(
   monkeypatch.setattr(factored, "MERGE_BLOCK_BYTES", 4 * m * n // 8)
   assert factored.merge_rows(w.plan.m, w.plan.n) == w.plan.m // 8
   mesh = jax.make_mesh((8,), ("x",))
-  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  split = jax.sharding.NamedSharding(
+      mesh,
+      jax.sharding.PartitionSpec("x")
+      if split_rows
+      else jax.sharding.PartitionSpec(None, "x"),
+  )
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   projectors = {"w": jnp.zeros((1, rows, 4), jnp.float32)}
   merge = jax.jit(
