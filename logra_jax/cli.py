@@ -41,8 +41,8 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
   return parse
 
 
-def _positive_gib(text: str) -> float:
-  """A device memory in GiB: a finite number > 0 (argparse's type)."""
+def _positive_float(text: str) -> float:
+  """A finite number > 0 (argparse's type)."""
   try:
     value = float(text)
   except ValueError:
@@ -168,6 +168,8 @@ def _memory(args: argparse.Namespace) -> int:
       base_dtype=args.base_dtype,
       coords_dtype=args.coords_dtype,
       compile_for=args.compile_for,
+      target_kl=args.target_kl,
+      kl_subsample=args.kl_subsample,
   )
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
@@ -310,6 +312,20 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       "the factored weights (optimizer.coords_dtype)",
   )
   plan.add_argument(
+      "--target-kl",
+      type=_positive_float,
+      default=None,
+      help="predicted-KL step control (optimizer.target_kl): the step also "
+      "runs the KL predictor; default: none",
+  )
+  plan.add_argument(
+      "--kl-subsample",
+      type=_int_in(1, 2**20),
+      default=None,
+      help="sequences the KL is predicted on (optimizer.kl_subsample); "
+      "default: the whole batch",
+  )
+  plan.add_argument(
       "--reference-dtype",
       choices=["bfloat16", "float32"],
       default=None,
@@ -364,7 +380,7 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
   )
   plan.add_argument(
       "--device-memory-gib",
-      type=_positive_gib,
+      type=_positive_float,
       default=None,
       help="check the total against this much device memory",
   )

@@ -67,6 +67,15 @@ def _run_folder(folder):
             "mesh entry 'fsdp=1': axis fsdp is given twice (already fsdp=8)",
         ),
         (
+            [
+                "--mesh=fsdp=8",
+                "--set=optimizer.target_kl=0.01",
+                "--set=optimizer.kl_subsample=4",
+            ],
+            "optimizer.kl_subsample=4 is not divisible by the data axes of "
+            "mesh dp=1,fsdp=8,tp=1 (8)",
+        ),
+        (
             ["--set=policy.path={tmp}/missing"],
             "policy folder {tmp}/missing does not exist",
         ),

@@ -409,6 +409,46 @@ def test_cli_json_and_errors(capsys):
   assert report["fits"] is True and report["num_params"] == 494_032_768
 
 
+def test_kl_control_is_planned_and_its_bad_values_are_refused(capsys):
+  """``--target-kl`` compiles the step with the KL predictor (a forward pass
+  and its JVP over the batch, or ``--kl-subsample`` sequences of it); a
+  non-positive target or a subsample larger than the batch is one line and
+  exit 2, before anything compiles."""
+  report = memory.plan_memory(
+      TINY,
+      rank=8,
+      seq_len=32,
+      micro_batch=2,
+      target_kl=0.01,
+      kl_subsample=1,
+  )
+  assert "KL control (target 0.01, kl_subsample 1)" in report.description
+  assert report.temporaries > 0
+  with pytest.raises(ValueError, match="kl_subsample=3 exceeds the batch of 2"):
+    memory.plan_memory(
+        TINY, seq_len=32, micro_batch=2, target_kl=0.01, kl_subsample=3
+    )
+  for value in ("0", "nan"):
+    with pytest.raises(SystemExit) as info:
+      cli_main(["memory", "--model", "qwen2.5-0.5b", "--target-kl", value])
+    assert info.value.code == 2
+    assert "--target-kl: expected a finite number > 0" in (
+        capsys.readouterr().err
+    )
+  for mesh, problem in (
+      ("fsdp=1", "kl_subsample=2 exceeds the batch of 1"),
+      ("fsdp=8", "kl_subsample=2 is not divisible by the data axes"),
+  ):
+    assert (
+        cli_main(
+            ["memory", "--model", "qwen2.5-0.5b", "--target-kl", "0.01"]
+            + ["--kl-subsample", "2", "--mesh", mesh]
+        )
+        == 2
+    )
+    assert problem in capsys.readouterr().err
+
+
 CUDA_PLUGIN = bool(
     importlib.util.find_spec("jax_plugins")
     and importlib.util.find_spec("jax_plugins.xla_cuda12")

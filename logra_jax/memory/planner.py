@@ -24,6 +24,7 @@ from logra_jax import parallel
 from logra_jax import policy_state
 from logra_jax.memory.compiling import compiled_memory, ensure_devices
 from logra_jax.memory.presets import load_model_config
+from logra_jax.memory import report
 from logra_jax.memory.report import GIB, MemoryReport
 from logra_jax.optim import sketch_grad
 from logra_jax.rl import algo
@@ -303,6 +304,24 @@ def _reference_bytes(layout: _Layout, reference_dtype: Optional[str]) -> int:
   )
 
 
+def _check_kl_subsample(
+    kl_subsample: Optional[int], rows: int, mesh: parallel.MeshConfig
+) -> None:
+  """Raises a ValueError unless the KL predictor's ``kl_subsample``
+  sequences (None: all ``rows``) are part of the batch and split evenly over
+  the mesh's data axes."""
+  if (kl_subsample or 0) > rows:
+    raise ValueError(
+        f"kl_subsample={kl_subsample} exceeds the batch of {rows} sequences "
+        "(micro_batch x dp x fsdp)"
+    )
+  if kl_subsample and kl_subsample % (mesh.dp * mesh.fsdp):
+    raise ValueError(
+        f"kl_subsample={kl_subsample} is not divisible by the data axes of "
+        f"mesh {mesh} ({mesh.dp * mesh.fsdp})"
+    )
+
+
 def _check_arguments(
     optimizer: str,
     remat: str,
@@ -352,36 +371,6 @@ def _plan_config(
       dtype="bfloat16",
       param_dtype="float32",
       max_position_embeddings=max(config.max_position_embeddings, seq_len),
-  )
-
-
-def _description(
-    name: str,
-    num_params: int,
-    mesh: parallel.MeshConfig,
-    opt: configs.OptimizerConfig,
-    reference_dtype: Optional[str],
-    workload: str,
-) -> str:
-  """The plan's first line: model, mesh, optimizer and workload."""
-  return (
-      f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {opt.name}"
-      + (
-          f" rank {opt.rank}, {opt.gradient_mode} gradients"
-          if opt.name == "logra"
-          else f" rank {opt.rank}"
-          if opt.name == "lora"
-          else ""
-      )
-      + (", embeddings projected" if opt.project_embeddings else "")
-      + (f", {opt.base_dtype} base" if opt.base_dtype != "float32" else "")
-      + (
-          f", {opt.coords_dtype} coordinates"
-          if opt.coords_dtype != "float32"
-          else ""
-      )
-      + (f", {reference_dtype} reference policy" if reference_dtype else "")
-      + workload
   )
 
 
@@ -450,6 +439,8 @@ def plan_memory(
     rollout_copy: bool = False,
     rollout_turn_tokens: int = 0,
     compile_for: Optional[str] = None,
+    target_kl: Optional[float] = None,
+    kl_subsample: Optional[int] = None,
 ) -> MemoryReport:
   r"""Compiles the train step on abstract inputs and reports memory per device.
 
@@ -505,6 +496,13 @@ def plan_memory(
     compile_for: compile for this GPU without it (``"h200"``:
       :data:`~logra_jax.memory.targets.GPU_TARGETS`); default: the devices
       here (:func:`~logra_jax.memory.compiling.ensure_devices`).
+    target_kl: predicted-KL step control (``optimizer.target_kl``): the
+      step also runs the KL predictor, a forward pass and its JVP over the
+      batch, whose temporaries (the unembedding formed once, chunks of
+      logits and their tangents) count in the plan; None: no KL control.
+    kl_subsample: the sequences of the batch the KL is predicted on
+      (``optimizer.kl_subsample``: at most the batch's ``micro_batch x dp x
+      fsdp``, a multiple of ``dp x fsdp``); None: all of them.
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is
@@ -518,11 +516,12 @@ def plan_memory(
     >>> report.total > report.params > 0
     True
   """
+  rollout_sizes = (rollout_seqs, rollout_tokens, rollout_turn_tokens)
   _check_arguments(
       optimizer,
       remat,
       {"rank": rank, "seq_len": seq_len, "micro_batch": micro_batch},
-      (rollout_seqs, rollout_tokens, rollout_turn_tokens),
+      rollout_sizes,
       reference_dtype,
   )
   prompt_len = seq_len // 4 if prompt_len is None else prompt_len
@@ -536,12 +535,16 @@ def plan_memory(
       project_embeddings=project_embeddings,
       base_dtype=base_dtype,
       coords_dtype=coords_dtype,
+      target_kl=target_kl,
+      kl_subsample=kl_subsample,
   )
+  rows = micro_batch * mesh.dp * mesh.fsdp
+  _check_kl_subsample(kl_subsample, rows, mesh)
   config = _plan_config(model, remat, seq_len)
   device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size, compile_for))
   layout = _layout(config, opt_config, device_mesh)
   batch = _abstract_batch(
-      micro_batch * mesh.dp * mesh.fsdp,
+      rows,
       prompt_len,
       seq_len - prompt_len,
       reference_dtype,
@@ -554,23 +557,11 @@ def plan_memory(
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
   reference = _reference_bytes(layout, reference_dtype)
   rollout = _rollout_bytes(
-      layout,
-      config,
-      mesh,
-      device_mesh,
-      (rollout_seqs, rollout_tokens, rollout_turn_tokens),
-      rollout_copy,
+      layout, config, mesh, device_mesh, rollout_sizes, rollout_copy
   )
   between = bool(rollout_seqs) and not rollout_copy
   batch_bytes = _sharded_bytes(batch, batch_sharding)
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.params))
-  workload = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
-  if rollout_seqs:
-    workload += f", rollout {rollout_seqs}x{rollout_tokens} tokens" + (
-        " (own copy)" if rollout_copy else " (shared weights)"
-    )
-    if rollout_turn_tokens:
-      workload += f", turns of {rollout_turn_tokens} tokens"
   return MemoryReport(
       params=_sharded_bytes(layout.weights, layout.weights_sharding),
       grads=grads,
@@ -585,13 +576,15 @@ def plan_memory(
           None if device_memory_gib is None else int(device_memory_gib * GIB)
       ),
       num_params=int(num_params),
-      description=_description(
+      description=report.describe(
           model if isinstance(model, str) else "custom",
           num_params,
           mesh,
           opt_config,
           reference_dtype,
-          workload,
+          report.workload(
+              seq_len, micro_batch, remat, rollout_sizes, rollout_copy
+          ),
       ),
       rollout_between_steps=between,
       compiled_for=device_mesh.devices.flat[0].platform,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from logra_jax import configs
+from logra_jax import parallel
+
 GIB = 2**30
 
 
@@ -179,3 +182,71 @@ def _phases(step: int, rollout: int, between_steps: bool) -> int:
   """Peak bytes of the train step's phase and a rollout reservation: the
   larger when the engine samples between steps, else their sum."""
   return max(step, rollout) if between_steps else step + rollout
+
+
+def describe(
+    name: str,
+    num_params: int,
+    mesh: parallel.MeshConfig,
+    opt: configs.OptimizerConfig,
+    reference_dtype: Optional[str],
+    workload: str,
+) -> str:
+  """The plan's first line: model, mesh, optimizer and workload.
+
+  Example:
+    >>> from logra_jax import configs, parallel
+    >>> describe("tiny", 8e5, parallel.MeshConfig(), configs.OptimizerConfig(
+    ...     name="adam", target_kl=0.01), None, ", seq 64")
+    'tiny (0.00B params), mesh dp=1,fsdp=1,tp=1, adam, KL control (target 0.01), seq 64'
+  """
+  return (
+      f"{name} ({num_params / 1e9:.2f}B params), mesh {mesh}, {opt.name}"
+      + (
+          f" rank {opt.rank}, {opt.gradient_mode} gradients"
+          if opt.name == "logra"
+          else f" rank {opt.rank}"
+          if opt.name == "lora"
+          else ""
+      )
+      + (", embeddings projected" if opt.project_embeddings else "")
+      + (f", {opt.base_dtype} base" if opt.base_dtype != "float32" else "")
+      + (
+          f", {opt.coords_dtype} coordinates"
+          if opt.coords_dtype != "float32"
+          else ""
+      )
+      + (f", {reference_dtype} reference policy" if reference_dtype else "")
+      + (
+          f", KL control (target {opt.target_kl:g}"
+          + (f", kl_subsample {opt.kl_subsample})" if opt.kl_subsample else ")")
+          if opt.target_kl
+          else ""
+      )
+      + workload
+  )
+
+
+def workload(
+    seq_len: int,
+    micro_batch: int,
+    remat: str,
+    rollout: tuple[int, int, int],
+    copy: bool,
+) -> str:
+  """The workload part of a plan's description (``plan_memory``'s arguments
+  of the same names; ``rollout``: its seqs, tokens and turn tokens).
+
+  Example:
+    >>> workload(2048, 1, "block", (64, 1024, 0), False)
+    ', seq 2048, micro-batch 1/device, remat block, rollout 64x1024 tokens (shared weights)'
+  """
+  seqs, tokens, turn = rollout
+  text = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
+  if seqs:
+    text += f", rollout {seqs}x{tokens} tokens" + (
+        " (own copy)" if copy else " (shared weights)"
+    )
+  if seqs and turn:
+    text += f", turns of {turn} tokens"
+  return text

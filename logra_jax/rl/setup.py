@@ -205,6 +205,13 @@ def check_inputs(
           f"the rollout batch of {rows} completions is not divisible by the "
           f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})"
       )
+    subsample = config.optimizer.kl_subsample
+    if subsample and subsample % (mesh.dp * mesh.fsdp):
+      raise ValueError(
+          f"optimizer.kl_subsample={subsample} is not divisible by the data "
+          f"axes of mesh {mesh} ({mesh.dp * mesh.fsdp}): the KL predictor's "
+          "sequences are split over them"
+      )
   task = load_task(config)
   rewards = run_rewards(config, task)
   episodes = episode_config(config)
