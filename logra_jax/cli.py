@@ -156,6 +156,7 @@ def _memory(args: argparse.Namespace) -> int:
       rank=args.rank,
       seq_len=args.seq,
       micro_batch=args.micro_batch,
+      micro_batches=args.micro_batches,
       remat=args.remat,
       rollout_seqs=args.rollout_seqs,
       rollout_tokens=args.rollout_tokens,
@@ -343,7 +344,13 @@ def _add_memory_workload(plan: argparse.ArgumentParser) -> None:
       "--micro-batch",
       type=_int_in(1, 2**16),
       default=1,
-      help="sequences per data-parallel device",
+      help="sequences per data-parallel device in a micro-batch",
+  )
+  plan.add_argument(
+      "--micro-batches",
+      type=_int_in(1, 2**16),
+      default=1,
+      help="gradient-accumulation chunks per update (micro_batches)",
   )
   plan.add_argument(
       "--remat",

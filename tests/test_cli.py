@@ -72,8 +72,8 @@ def _run_folder(folder):
                 "--set=optimizer.target_kl=0.01",
                 "--set=optimizer.kl_subsample=4",
             ],
-            "optimizer.kl_subsample=4 is not divisible by the data axes of "
-            "mesh dp=1,fsdp=8,tp=1 (8)",
+            "optimizer.kl_subsample=4 is not divisible by the mesh's data "
+            "axes (8 devices)",
         ),
         (
             ["--set=policy.path={tmp}/missing"],

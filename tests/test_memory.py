@@ -409,25 +409,42 @@ def test_cli_json_and_errors(capsys):
   assert report["fits"] is True and report["num_params"] == 494_032_768
 
 
-def test_kl_control_is_planned_and_its_bad_values_are_refused(capsys):
+def test_kl_control_is_planned_over_the_whole_batch(capsys):
   """``--target-kl`` compiles the step with the KL predictor (a forward pass
-  and its JVP over the batch, or ``--kl-subsample`` sequences of it); a
-  non-positive target or a subsample larger than the batch is one line and
-  exit 2, before anything compiles."""
-  report = memory.plan_memory(
-      TINY,
-      rank=8,
-      seq_len=32,
-      micro_batch=2,
-      target_kl=0.01,
-      kl_subsample=1,
+  and its JVP over the whole batch: every micro-batch, or ``--kl-subsample``
+  sequences of it): predicting on four micro-batches' sequences needs at
+  least a float32 row of logits more per added sequence than predicting on
+  one micro-batch's. A non-positive target, a subsample beyond the batch, one the
+  data axes do not divide, or one without a target is one line, exit 2,
+  before anything compiles."""
+  wide = dataclasses.replace(TINY, vocab_size=8192)
+
+  def temporaries(**kwargs):
+    return memory.plan_memory(
+        wide, rank=8, seq_len=32, micro_batch=2, micro_batches=4, **kwargs
+    ).temporaries
+
+  one_chunk, whole = (
+      temporaries(target_kl=0.01, kl_subsample=n) for n in (2, None)
   )
-  assert "KL control (target 0.01, kl_subsample 1)" in report.description
-  assert report.temporaries > 0
-  with pytest.raises(ValueError, match="kl_subsample=3 exceeds the batch of 2"):
-    memory.plan_memory(
-        TINY, seq_len=32, micro_batch=2, target_kl=0.01, kl_subsample=3
-    )
+  assert whole - one_chunk >= 6 * wide.vocab_size * 4, (one_chunk, whole)
+  report = memory.plan_memory(
+      wide, rank=8, seq_len=32, micro_batch=2, micro_batches=4, target_kl=0.01
+  )
+  assert "KL control (target 0.01)" in report.description
+  assert "micro-batch 2/device x 4 micro-batches" in report.description
+  for kwargs, problem in (
+      ({"kl_subsample": 9}, "kl_subsample=9 exceeds the rollout batch of 8"),
+      ({"kl_subsample": 1, "target_kl": None}, "kl_subsample needs target_kl"),
+  ):
+    with pytest.raises(ValueError, match=problem):
+      memory.plan_memory(
+          TINY,
+          seq_len=32,
+          micro_batch=2,
+          micro_batches=4,
+          **{"target_kl": 0.01, **kwargs},
+      )
   for value in ("0", "nan"):
     with pytest.raises(SystemExit) as info:
       cli_main(["memory", "--model", "qwen2.5-0.5b", "--target-kl", value])
@@ -435,18 +452,16 @@ def test_kl_control_is_planned_and_its_bad_values_are_refused(capsys):
     assert "--target-kl: expected a finite number > 0" in (
         capsys.readouterr().err
     )
-  for mesh, problem in (
-      ("fsdp=1", "kl_subsample=2 exceeds the batch of 1"),
-      ("fsdp=8", "kl_subsample=2 is not divisible by the data axes"),
-  ):
-    assert (
-        cli_main(
-            ["memory", "--model", "qwen2.5-0.5b", "--target-kl", "0.01"]
-            + ["--kl-subsample", "2", "--mesh", mesh]
-        )
-        == 2
-    )
-    assert problem in capsys.readouterr().err
+  assert (
+      cli_main(
+          ["memory", "--model", "qwen2.5-0.5b", "--target-kl", "0.01"]
+          + ["--kl-subsample", "2", "--mesh", "fsdp=8"]
+      )
+      == 2
+  )
+  assert "kl_subsample=2 is not divisible by the mesh's data axes (8" in (
+      capsys.readouterr().err
+  )
 
 
 CUDA_PLUGIN = bool(

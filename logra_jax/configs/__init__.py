@@ -4,6 +4,7 @@
 from logra_jax.configs.schema import ADVANTAGES
 from logra_jax.configs.loss import AGGREGATIONS
 from logra_jax.configs.schema import CHAT_TEMPLATES
+from logra_jax.configs.schema import check_kl_subsample
 from logra_jax.configs.schema import CheckpointConfig
 from logra_jax.configs.schema import GRADIENT_MODES
 from logra_jax.configs.loss import IMPORTANCE_LEVELS

@@ -51,6 +51,35 @@ def _check(section: str, config: Any, names: str, **bounds: float) -> None:
       check_range(f"{section}.{name}" if section else name, value, **bounds)
 
 
+def check_kl_subsample(
+    optimizer: OptimizerConfig, rows: int, data_axes: int = 1
+) -> None:
+  """Raises a ValueError unless ``optimizer.kl_subsample`` sequences fit in
+  a rollout batch of ``rows`` and, under KL control
+  (``optimizer.target_kl``), split evenly over ``data_axes`` devices (the
+  mesh's ``dp x fsdp``): the KL predictor's sequences are sharded like the
+  batch.
+
+  Example:
+    >>> kl_control = OptimizerConfig(target_kl=0.01, kl_subsample=4)
+    >>> check_kl_subsample(kl_control, 8, 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: optimizer.kl_subsample=4 is not divisible by the mesh's data ...
+  """
+  subsample = optimizer.kl_subsample
+  if (subsample or 0) > rows:
+    raise ValueError(
+        f"optimizer.kl_subsample={subsample} exceeds the rollout batch of "
+        f"{rows} completions"
+    )
+  if optimizer.target_kl is not None and subsample and subsample % data_axes:
+    raise ValueError(
+        f"optimizer.kl_subsample={subsample} is not divisible by the mesh's "
+        f"data axes ({data_axes} devices): the KL predictor's sequences are "
+        "split over them"
+    )
+
+
 # The most examples a task generates: they are held in memory (about 1 KB
 # each with their reasoning-gym items), so a size in the billions would fill
 # it before the first step.
@@ -548,8 +577,4 @@ class TrainConfig:
           f"than rollout.max_new_tokens={self.rollout.max_new_tokens} (the "
           "penalty starts overlong_buffer tokens before the budget)"
       )
-    if (self.optimizer.kl_subsample or 0) > batch:
-      raise ValueError(
-          f"optimizer.kl_subsample={self.optimizer.kl_subsample} exceeds the "
-          f"rollout batch of {batch} completions"
-      )
+    check_kl_subsample(self.optimizer, batch)

@@ -32,7 +32,8 @@ Example:
 """
 
 from logra_jax.memory.compiling import compiled_memory, ensure_devices
-from logra_jax.memory.planner import OPTIMIZERS, plan_memory, rollout_reservation
+from logra_jax.memory.arguments import OPTIMIZERS
+from logra_jax.memory.planner import plan_memory, rollout_reservation
 from logra_jax.memory.presets import MODEL_PRESETS, load_model_config
 from logra_jax.memory.report import GIB, MemoryReport
 from logra_jax.memory.targets import GPU_TARGETS

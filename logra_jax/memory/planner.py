@@ -24,13 +24,12 @@ from logra_jax import parallel
 from logra_jax import policy_state
 from logra_jax.memory.compiling import compiled_memory, ensure_devices
 from logra_jax.memory.presets import load_model_config
+from logra_jax.memory import arguments
 from logra_jax.memory import report
 from logra_jax.memory.report import GIB, MemoryReport
 from logra_jax.optim import sketch_grad
 from logra_jax.rl import algo
 from logra_jax.rl import learner
-
-OPTIMIZERS = ("adam", "logra", "lora")
 
 
 def _sharded_bytes(tree: Any, shardings: Any) -> int:
@@ -241,20 +240,18 @@ def _abstract_batch(
 
 def _step_memory(
     layout: _Layout,
-    opt_config: configs.OptimizerConfig,
+    run_config: configs.TrainConfig,
     batch: algo.RolloutBatch,
     batch_sharding: Any,
     reference_dtype: Optional[str],
     device_mesh: jax.sharding.Mesh,
 ) -> Any:
-  """XLA's memory analysis of the learner's train step on ``batch``."""
+  """XLA's memory analysis of the learner's train step on ``batch`` (the
+  optimizer and micro-batches of ``run_config``)."""
   run_config = dataclasses.replace(
-      configs.TrainConfig(),
-      optimizer=opt_config,
-      micro_batches=1,
+      run_config,
       loss=dataclasses.replace(
-          configs.TrainConfig().loss,
-          beta=0.0 if reference_dtype is None else 0.04,
+          run_config.loss, beta=0.0 if reference_dtype is None else 0.04
       ),
   )
   step = learner.make_train_step(
@@ -302,57 +299,6 @@ def _reference_bytes(layout: _Layout, reference_dtype: Optional[str]) -> int:
       ),
       layout.params_sharding,
   )
-
-
-def _check_kl_subsample(
-    kl_subsample: Optional[int], rows: int, mesh: parallel.MeshConfig
-) -> None:
-  """Raises a ValueError unless the KL predictor's ``kl_subsample``
-  sequences (None: all ``rows``) are part of the batch and split evenly over
-  the mesh's data axes."""
-  if (kl_subsample or 0) > rows:
-    raise ValueError(
-        f"kl_subsample={kl_subsample} exceeds the batch of {rows} sequences "
-        "(micro_batch x dp x fsdp)"
-    )
-  if kl_subsample and kl_subsample % (mesh.dp * mesh.fsdp):
-    raise ValueError(
-        f"kl_subsample={kl_subsample} is not divisible by the data axes of "
-        f"mesh {mesh} ({mesh.dp * mesh.fsdp})"
-    )
-
-
-def _check_arguments(
-    optimizer: str,
-    remat: str,
-    sizes: dict[str, int],
-    rollout: tuple[int, int, int],
-    reference_dtype: Optional[str],
-) -> None:
-  """Raises a ValueError naming the first argument out of its range."""
-  if optimizer not in OPTIMIZERS:
-    raise ValueError(
-        f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}"
-    )
-  if remat not in models.REMAT:
-    raise ValueError(f"remat must be one of {models.REMAT}, got {remat!r}")
-  for name, value in sizes.items():
-    if value < 1:
-      raise ValueError(f"{name} must be >= 1, got {value}")
-  if min(rollout) < 0:
-    raise ValueError(
-        "rollout_seqs, rollout_tokens and rollout_turn_tokens must be >= 0"
-    )
-  if rollout[2] and rollout[2] >= rollout[1]:
-    raise ValueError(
-        f"rollout_turn_tokens must be below rollout_tokens={rollout[1]} (a "
-        f"turn follows a prompt), got {rollout[2]}"
-    )
-  if reference_dtype not in (None, "bfloat16", "float32"):
-    raise ValueError(
-        f"reference_dtype must be 'bfloat16' or 'float32', got "
-        f"{reference_dtype!r}"
-    )
 
 
 def _plan_config(
@@ -409,14 +355,13 @@ def _total(
     rollout: int,
     between: bool,
 ) -> int:
-  """The plan's peak bytes (:class:`MemoryReport`): the parts added up, or
-  with a rollout ``between`` steps the resident state plus the larger of
-  the step's phase (its batch, temporaries and outputs) and the rollout's."""
-  step = stats.temp_size_in_bytes + outputs
-  if not between:
-    return stats.argument_size_in_bytes + step + reference + rollout
-  resident = stats.argument_size_in_bytes - batch
-  return resident + reference + max(batch + step, rollout)
+  """The plan's peak bytes (:class:`MemoryReport`): the resident state and
+  the reference, plus the step's phase (its batch, temporaries and outputs)
+  and the rollout's reservation: the larger of the two with a rollout
+  ``between`` steps, else their sum."""
+  step = batch + stats.temp_size_in_bytes + outputs
+  phases = max(step, rollout) if between else step + rollout
+  return stats.argument_size_in_bytes - batch + reference + phases
 
 
 def plan_memory(
@@ -426,6 +371,7 @@ def plan_memory(
     rank: int = 64,
     seq_len: int = 4096,
     micro_batch: int = 1,
+    micro_batches: int = 1,
     remat: str = "block",
     prompt_len: Optional[int] = None,
     rollout_seqs: int = 0,
@@ -454,7 +400,10 @@ def plan_memory(
       ``grads`` and the state the adapters' alone).
     rank: LoGRA's projection rank; LoRA's adapter rank.
     seq_len: tokens per sequence (prompt and completion).
-    micro_batch: sequences per data-parallel device per step.
+    micro_batch: sequences per data-parallel device in a micro-batch.
+    micro_batches: gradient-accumulation chunks per update (``micro_batches``
+      of a run): the step takes ``micro_batch x micro_batches`` sequences
+      per data-parallel device, one micro-batch at a time.
     remat: ``policy.remat`` (``DecoderConfig.remat``): ``"block"``
       (recompute each block), ``"dots_saveable"`` (keep the weight
       projections' outputs) or ``"none"``.
@@ -501,8 +450,10 @@ def plan_memory(
       batch, whose temporaries (the unembedding formed once, chunks of
       logits and their tangents) count in the plan; None: no KL control.
     kl_subsample: the sequences of the batch the KL is predicted on
-      (``optimizer.kl_subsample``: at most the batch's ``micro_batch x dp x
-      fsdp``, a multiple of ``dp x fsdp``); None: all of them.
+      (``optimizer.kl_subsample``, with ``target_kl`` only: at most the
+      batch's ``micro_batch x micro_batches x dp x fsdp``, a multiple of
+      ``dp x fsdp``); None: all of them (the whole batch, every
+      micro-batch, as a run predicts it).
 
   Returns:
     A :class:`MemoryReport`; the rollout reservation is
@@ -517,16 +468,20 @@ def plan_memory(
     True
   """
   rollout_sizes = (rollout_seqs, rollout_tokens, rollout_turn_tokens)
-  _check_arguments(
+  prompt_len = seq_len // 4 if prompt_len is None else prompt_len
+  arguments.check(
       optimizer,
       remat,
-      {"rank": rank, "seq_len": seq_len, "micro_batch": micro_batch},
+      {
+          "rank": rank,
+          "seq_len": seq_len,
+          "prompt_len": prompt_len,
+          "micro_batch": micro_batch,
+          "micro_batches": micro_batches,
+      },
       rollout_sizes,
       reference_dtype,
   )
-  prompt_len = seq_len // 4 if prompt_len is None else prompt_len
-  if not 1 <= prompt_len < seq_len:
-    raise ValueError(f"prompt_len must be in [1, seq_len), got {prompt_len}")
   opt_config = configs.OptimizerConfig(
       name=optimizer,
       rank=rank,
@@ -538,20 +493,17 @@ def plan_memory(
       target_kl=target_kl,
       kl_subsample=kl_subsample,
   )
-  rows = micro_batch * mesh.dp * mesh.fsdp
-  _check_kl_subsample(kl_subsample, rows, mesh)
+  rows = micro_batch * micro_batches * mesh.dp * mesh.fsdp
+  run_config = arguments.run_config(opt_config, micro_batches, rows, mesh)
   config = _plan_config(model, remat, seq_len)
   device_mesh = parallel.make_mesh(mesh, ensure_devices(mesh.size, compile_for))
   layout = _layout(config, opt_config, device_mesh)
   batch = _abstract_batch(
-      rows,
-      prompt_len,
-      seq_len - prompt_len,
-      reference_dtype,
+      rows, prompt_len, seq_len - prompt_len, reference_dtype
   )
   batch_sharding = parallel.data_shardings(batch, device_mesh)
   stats = _step_memory(
-      layout, opt_config, batch, batch_sharding, reference_dtype, device_mesh
+      layout, run_config, batch, batch_sharding, reference_dtype, device_mesh
   )
   grads = _gradient_bytes(layout, opt_config)
   outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -583,7 +535,11 @@ def plan_memory(
           opt_config,
           reference_dtype,
           report.workload(
-              seq_len, micro_batch, remat, rollout_sizes, rollout_copy
+              seq_len,
+              (micro_batch, micro_batches),
+              remat,
+              rollout_sizes,
+              rollout_copy,
           ),
       ),
       rollout_between_steps=between,

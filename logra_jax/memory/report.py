@@ -229,20 +229,25 @@ def describe(
 
 def workload(
     seq_len: int,
-    micro_batch: int,
+    micro_batch: tuple[int, int],
     remat: str,
     rollout: tuple[int, int, int],
     copy: bool,
 ) -> str:
   """The workload part of a plan's description (``plan_memory``'s arguments
-  of the same names; ``rollout``: its seqs, tokens and turn tokens).
+  of the same names; ``micro_batch``: its micro_batch and micro_batches;
+  ``rollout``: its seqs, tokens and turn tokens).
 
   Example:
-    >>> workload(2048, 1, "block", (64, 1024, 0), False)
+    >>> workload(2048, (1, 1), "block", (64, 1024, 0), False)
     ', seq 2048, micro-batch 1/device, remat block, rollout 64x1024 tokens (shared weights)'
   """
   seqs, tokens, turn = rollout
-  text = f", seq {seq_len}, micro-batch {micro_batch}/device, remat {remat}"
+  size, chunks = micro_batch
+  text = f", seq {seq_len}, micro-batch {size}/device" + (
+      f" x {chunks} micro-batches" if chunks > 1 else ""
+  )
+  text += f", remat {remat}"
   if seqs:
     text += f", rollout {seqs}x{tokens} tokens" + (
         " (own copy)" if copy else " (shared weights)"

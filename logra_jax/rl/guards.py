@@ -65,7 +65,9 @@ def memory_command(
     folder: pathlib.Path,
     seq_len: int,
 ) -> str:
-  """The ``logra memory`` command that plans a run's train step per device.
+  """The ``logra memory`` command that plans a run's train step per device:
+  its mesh, optimizer (GaLore as LoGRA with dense gradients, which the
+  planner has instead), micro-batches, KL control and reference policy.
 
   Example:
     >>> from logra_jax.configs import get_preset
@@ -82,22 +84,40 @@ def memory_command(
     --rollout-tokens 20
   """
   mesh = mesh or parallel.MeshConfig()
+  opt = config.optimizer
   rows = config.rollout.prompts_per_step * config.rollout.num_generations
   per_device = max(1, rows // config.micro_batches // (mesh.dp * mesh.fsdp))
-  optimizer = "adam" if config.optimizer.name == "adam" else "logra"
-  flags = (
-      f" --reference-dtype {config.policy.reference_dtype}"
-      if config.loss.beta > 0
-      else ""
-  )
-  if config.optimizer.base_dtype != "float32":
-    flags += f" --base-dtype {config.optimizer.base_dtype}"
-  return (
-      f"logra memory --model {folder / 'config.json'} --mesh {mesh} "
-      f"--optimizer {optimizer} --rank {config.optimizer.rank} "
-      f"--seq {seq_len} --micro-batch {per_device} --rollout-seqs {rows} "
-      f"--rollout-tokens {seq_len}{flags}"
-  )
+  # The planner has no GaLore: LoGRA with dense gradients lays out the same
+  # dense weights and gradients beside projected moments.
+  optimizer = "logra" if opt.name == "galore" else opt.name
+  flags = [
+      f"--model {folder / 'config.json'}",
+      f"--mesh {mesh}",
+      f"--optimizer {optimizer}",
+      f"--rank {opt.rank}",
+      f"--seq {seq_len}",
+      f"--micro-batch {per_device}",
+      f"--rollout-seqs {rows}",
+      f"--rollout-tokens {seq_len}",
+  ]
+  if config.micro_batches > 1:
+    flags.append(f"--micro-batches {config.micro_batches}")
+  if opt.name == "galore" or (
+      opt.name == "logra" and opt.gradient_mode != "sketch"
+  ):
+    flags.append("--gradient-mode dense")
+  if opt.project_embeddings:
+    flags.append("--project-embeddings")
+  for name, value in (("base", opt.base_dtype), ("coords", opt.coords_dtype)):
+    if value != "float32":
+      flags.append(f"--{name}-dtype {value}")
+  if opt.target_kl is not None:
+    flags.append(f"--target-kl {opt.target_kl:g}")
+  if opt.target_kl is not None and opt.kl_subsample:
+    flags.append(f"--kl-subsample {opt.kl_subsample}")
+  if config.loss.beta > 0:
+    flags.append(f"--reference-dtype {config.policy.reference_dtype}")
+  return "logra memory " + " ".join(flags)
 
 
 def out_of_memory_error(

@@ -15,7 +15,7 @@ from logra_jax import checkpoint
 from logra_jax import envs
 from logra_jax import models
 from logra_jax import parallel
-from logra_jax.configs import RewardConfig, TrainConfig
+from logra_jax.configs import RewardConfig, TrainConfig, check_kl_subsample
 from logra_jax.data import tasks as tasks_lib
 from logra_jax.rl import preflight
 from logra_jax.rl import rewards as rewards_lib
@@ -205,13 +205,7 @@ def check_inputs(
           f"the rollout batch of {rows} completions is not divisible by the "
           f"data axes of mesh {mesh} ({mesh.dp * mesh.fsdp})"
       )
-    subsample = config.optimizer.kl_subsample
-    if subsample and subsample % (mesh.dp * mesh.fsdp):
-      raise ValueError(
-          f"optimizer.kl_subsample={subsample} is not divisible by the data "
-          f"axes of mesh {mesh} ({mesh.dp * mesh.fsdp}): the KL predictor's "
-          "sequences are split over them"
-      )
+    check_kl_subsample(config.optimizer, rows, mesh.dp * mesh.fsdp)
   task = load_task(config)
   rewards = run_rewards(config, task)
   episodes = episode_config(config)

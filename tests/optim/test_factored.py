@@ -273,21 +273,30 @@ def test_a_merge_in_blocks_of_rows_is_the_whole_matrix_merge(
     assert np.mean(got != want) < 0.1, name
 
 
+@pytest.mark.parametrize("stack", [1, 3])
 @pytest.mark.parametrize("split_rows", [True, False])
 @pytest.mark.parametrize("tall", [True, False])
 def test_a_merge_of_a_sharded_weight_stays_on_its_devices(
-    tall, split_rows, monkeypatch
+    tall, split_rows, stack, monkeypatch
 ):
-  """A [512, 64] (or [64, 512]) bfloat16 base split over 8 devices by rows
-  or by columns, merged in 8 blocks of rows: each block is strided (rows j,
-  j + 8, ...), so it is split as the base is and no device gathers the
-  matrix (a contiguous block of rows lives on one device, and a traced
-  slice of it gathered the whole base; a carry that merged the block axis
-  with the columns gathered a base split over its columns: temporaries at
-  least its 64 KiB)."""
+  """A [512, 64] (or [64, 512]) bfloat16 base, alone or a stack of 3, split
+  over 8 devices by rows or by columns, merged in 8 blocks of rows: each
+  block is strided (rows j, j + 8, ...), so it is split as the base is and
+  no device gathers a matrix (a contiguous block of rows lives on one
+  device, and a traced slice of it gathered the whole base; a carry that
+  merged the block axis with the columns gathered a base split over its
+  columns: temporaries at least one matrix's 64 KiB)."""
   m, n = (512, 64) if tall else (64, 512)
-  params = {"w": jnp.zeros((m, n), jnp.float32)}
-  tx = logra.logra(LR, 4, factored=True)
+  shape, dimension_numbers, axes = (m, n), None, ()
+  if stack > 1:
+    shape, axes = (stack, m, n), (None,)
+    dimension_numbers = {
+        "w": logra.DimensionNumbers(
+            reduction_axes=1, output_axes=2, batch_axes=0
+        )
+    }
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  tx = logra.logra(LR, 4, factored=True, dimension_numbers=dimension_numbers)
   weights = factored.factor(params, tx.init(params), "bfloat16")
   w = weights["w"]
   rows = m if tall else n
@@ -296,12 +305,12 @@ def test_a_merge_of_a_sharded_weight_stays_on_its_devices(
   mesh = jax.make_mesh((8,), ("x",))
   split = jax.sharding.NamedSharding(
       mesh,
-      jax.sharding.PartitionSpec("x")
+      jax.sharding.PartitionSpec(*axes, "x")
       if split_rows
-      else jax.sharding.PartitionSpec(None, "x"),
+      else jax.sharding.PartitionSpec(*axes, None, "x"),
   )
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  projectors = {"w": jnp.zeros((1, rows, 4), jnp.float32)}
+  projectors = {"w": jnp.zeros((stack, rows, 4), jnp.float32)}
   merge = jax.jit(
       lambda w, p: factored.merge(w, p, seed=0, step=0),
       in_shardings=(

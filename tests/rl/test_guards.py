@@ -2,6 +2,7 @@
 stop the run), and running out of memory points to `logra memory`."""
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import optax
 import pytest
 
 from logra_jax import configs
+from logra_jax.cli import build_parser
 from logra_jax import policy_state
 from logra_jax.optim import non_finite
 from logra_jax.rl import algo, guards, learner, scoring, setup, trainer
@@ -149,10 +151,54 @@ def test_out_of_memory_points_to_logra_memory(config, tmp_path, monkeypatch):
       f"logra memory --model " f"{config.policy.path}/config.json"
   )
   # The suggested command is one `logra memory` accepts.
-  from logra_jax.cli import build_parser
-
   args = build_parser().parse_args(command.split()[1:])
   assert (args.optimizer, args.rank, args.micro_batch) == ("logra", 4, 16)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            [
+                "optimizer.name=lora",
+                "micro_batches=2",
+                "optimizer.target_kl=0.01",
+                "optimizer.kl_subsample=4",
+                "optimizer.base_dtype=bfloat16",
+            ],
+            dict(
+                optimizer="lora",
+                micro_batch=8,
+                micro_batches=2,
+                target_kl=0.01,
+                kl_subsample=4,
+                base_dtype="bfloat16",
+            ),
+        ),
+        (
+            ["optimizer.name=galore", "optimizer.project_embeddings=true"],
+            dict(
+                optimizer="logra",
+                gradient_mode="dense",
+                project_embeddings=True,
+                micro_batches=1,
+                target_kl=None,
+            ),
+        ),
+        (
+            ["optimizer.coords_dtype=bfloat16", "optimizer.kl_subsample=4"],
+            dict(coords_dtype="bfloat16", kl_subsample=None, target_kl=None),
+        ),
+    ],
+)
+def test_the_suggested_plan_is_the_runs_own(overrides, expected):
+  """The out-of-memory error's `logra memory` command plans the run's own
+  optimizer (GaLore as LoGRA with dense gradients), micro-batches, KL
+  control and dtypes (a subsample without a target plans no predictor)."""
+  config = configs.apply_overrides(SMOKE, overrides)
+  command = guards.memory_command(config, None, pathlib.Path("p"), 20)
+  args = build_parser().parse_args(command.split()[1:])
+  assert {k: getattr(args, k) for k in expected} == expected, command
 
 
 def test_refused_projectors_are_logged_as_they_are_counted():
