@@ -409,6 +409,7 @@ def test_cli_json_and_errors(capsys):
   assert report["fits"] is True and report["num_params"] == 494_032_768
 
 
+@pytest.mark.slow
 def test_kl_control_is_planned_over_the_whole_batch(capsys):
   """``--target-kl`` compiles the step with the KL predictor (a forward pass
   and its JVP over the whole batch: every micro-batch, or ``--kl-subsample``
