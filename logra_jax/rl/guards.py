@@ -112,7 +112,7 @@ def memory_command(
     if value != "float32":
       flags.append(f"--{name}-dtype {value}")
   if opt.target_kl is not None:
-    flags.append(f"--target-kl {opt.target_kl:g}")
+    flags.append(f"--target-kl {opt.target_kl}")
   if opt.target_kl is not None and opt.kl_subsample:
     flags.append(f"--kl-subsample {opt.kl_subsample}")
   if config.loss.beta > 0:
