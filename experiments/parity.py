@@ -124,9 +124,9 @@ than the ~10 CPU-hours planned for the whole study once a second setting
 qualifies. Whether two invocations at once (other ``--arms`` and ``--out``)
 help depends on the host: on a 2-core AMD EPYC host (2026-12-05) one run
 alone took 1.5-1.8 s a step, two at once 3.3 and 4.3 s each (no gain); on
-a 2-core Intel Xeon host the same day, one run alone used 1.4 cores and
-took 520 s, and with two at once each took 546-717 s (rows' ``wall_seconds``;
-the host also ran other jobs), about 1.5x the runs per hour. smollm2 is
+a 2-core Intel Xeon host the same day, one run used 1.4 cores, and two at
+once took 334-347 s each with nothing else running (rows' ``wall_seconds``),
+two runs in the time of one alone above. smollm2 is
 excluded (on CPU one run takes about 30 minutes).
 
 ``--report-only`` writes the reports from the committed rows alone (each
