@@ -360,8 +360,8 @@ def _total(
   and the rollout's reservation: the larger of the two with a rollout
   ``between`` steps, else their sum."""
   step = batch + stats.temp_size_in_bytes + outputs
-  phases = max(step, rollout) if between else step + rollout
-  return stats.argument_size_in_bytes - batch + reference + phases
+  resident = stats.argument_size_in_bytes - batch
+  return resident + reference + report.peak_of_phases(step, rollout, between)
 
 
 def plan_memory(

@@ -88,7 +88,9 @@ class MemoryReport:
     :attr:`step_phase`."""
     return (
         self.total
-        - _phases(self.step_phase, self.rollout, self.rollout_between_steps)
+        - peak_of_phases(
+            self.step_phase, self.rollout, self.rollout_between_steps
+        )
         + self.step_phase
     )
 
@@ -114,7 +116,7 @@ class MemoryReport:
         self,
         rollout=rollout,
         rollout_between_steps=between_steps,
-        total=total + _phases(self.step_phase, rollout, between_steps),
+        total=total + peak_of_phases(self.step_phase, rollout, between_steps),
     )
 
   def to_dict(self) -> dict[str, Any]:
@@ -178,9 +180,14 @@ class MemoryReport:
     return "\n".join(lines)
 
 
-def _phases(step: int, rollout: int, between_steps: bool) -> int:
+def peak_of_phases(step: int, rollout: int, between_steps: bool) -> int:
   """Peak bytes of the train step's phase and a rollout reservation: the
-  larger when the engine samples between steps, else their sum."""
+  larger when the engine samples between steps, else their sum.
+
+  Example:
+    >>> peak_of_phases(3, 5, True), peak_of_phases(3, 5, False)
+    (5, 8)
+  """
   return max(step, rollout) if between_steps else step + rollout
 
 
