@@ -6,8 +6,10 @@ with sketch-direct gradients, the embedding table and LM head projected and
 a bfloat16 base (factored weights ``W = c B + P A``), block remat:
 
 (a) Qwen2.5-7B GRPO with a colocated rollout of 64 x 1024 tokens in 24 GiB:
-    the issue's command (rank 32, seq 2048, micro-batch 1), rank 8, and
-    smaller settings (seq 1024, fewer rollout sequences).
+    the issue's command (rank 32, seq 2048, micro-batch 1), the same under
+    predicted-KL step control (``--target-kl``: the KL predictor's
+    temporaries inside the step), rank 8, and smaller settings (seq 1024,
+    fewer rollout sequences).
 (b) qwen3-style-27b (27.2B parameters) with a colocated rollout of 64 x 1024
     tokens on one 141 GB device (an H200: 141e9 bytes = 131.3 GiB), over
     seq 1024 / 2048 / 4096 and micro-batch 1 / 2 / 4. A point is skipped
@@ -55,18 +57,28 @@ from logra_jax import parallel
 GIB = 2**30
 H200_GIB = 141e9 / GIB
 ROLLOUT = (64, 1024)
-# (model, device GiB, rank, seq, micro-batch, rollout seqs x tokens)
+TARGET_KL = 0.01
+# (model, device GiB, rank, seq, micro-batch, rollout seqs x tokens, target
+# KL or None)
 QUESTION_A = [
-    ("qwen2.5-7b", 24.0, 32, 2048, 1, ROLLOUT),
-    ("qwen2.5-7b", 24.0, 8, 2048, 1, ROLLOUT),
-    ("qwen2.5-7b", 24.0, 8, 1024, 1, ROLLOUT),
-    ("qwen2.5-7b", 24.0, 8, 1024, 1, (16, 1024)),
+    ("qwen2.5-7b", 24.0, 32, 2048, 1, ROLLOUT, None),
+    ("qwen2.5-7b", 24.0, 32, 2048, 1, ROLLOUT, TARGET_KL),
+    ("qwen2.5-7b", 24.0, 8, 2048, 1, ROLLOUT, None),
+    ("qwen2.5-7b", 24.0, 8, 1024, 1, ROLLOUT, None),
+    ("qwen2.5-7b", 24.0, 8, 1024, 1, (16, 1024), None),
 ]
 GRID_B = [(seq, mb) for seq in (1024, 2048, 4096) for mb in (1, 2, 4)]
 
 
 def command(
-    model, device_gib, rank, seq, micro_batch, rollout, compile_for=None
+    model,
+    device_gib,
+    rank,
+    seq,
+    micro_batch,
+    rollout,
+    target_kl,
+    compile_for=None,
 ) -> str:
   """The ``logra memory`` command of one plan."""
   return (
@@ -75,6 +87,7 @@ def command(
       "--project-embeddings --base-dtype bfloat16 "
       f"--rollout-seqs {rollout[0]} --rollout-tokens {rollout[1]} "
       f"--device-memory-gib {device_gib:.1f}"
+      + (f" --target-kl {target_kl}" if target_kl else "")
       + (f" --compile-for {compile_for}" if compile_for else "")
   )
 
@@ -89,7 +102,7 @@ def plan(
   reservation (compiled once per model, rank and rollout shape, kept in
   ``rollouts``) and the asynchronous engine's own copy; compiled for the
   GPU ``compile_for`` names, or the devices here."""
-  model, device_gib, rank, seq, micro_batch, rollout = point
+  model, device_gib, rank, seq, micro_batch, rollout, target_kl = point
   key = (model, rank, rollout)
   report = memory.plan_memory(
       model,
@@ -102,6 +115,7 @@ def plan(
       rollout_tokens=0 if key in rollouts else rollout[1],
       project_embeddings=True,
       base_dtype="bfloat16",
+      target_kl=target_kl,
       compile_for=compile_for,
   )
   rollouts.setdefault(key, report.rollout)
@@ -119,6 +133,7 @@ def plan(
       "seq": seq,
       "micro_batch": micro_batch,
       "rollout": f"{rollout[0]}x{rollout[1]}",
+      "target_kl": target_kl,
       "params": report.params,
       "optimizer_state": report.optimizer_state,
       "temporaries": report.temporaries,
@@ -143,7 +158,7 @@ def grid_b(
   that did not fit."""
   rows, failed = [], []
   for seq, mb in GRID_B:
-    point = ("qwen3-style-27b", H200_GIB, 32, seq, mb, ROLLOUT)
+    point = ("qwen3-style-27b", H200_GIB, 32, seq, mb, ROLLOUT, None)
     if any(seq >= s and mb >= m for s, m in failed):
       rows.append(
           {
@@ -175,24 +190,24 @@ def markdown(rows: list[dict]) -> str:
       "engine's bfloat16 weights + KV cache, for comparison.",
       "",
       "| question | model | device GiB | rank | seq | micro-batch | rollout "
-      "| params | optimizer state | temporaries | train step | zero-copy "
+      "| target KL | params | optimizer state | temporaries | train step | zero-copy "
       "engine | **system** | fits | train step + own-copy engine | fits "
       "| command |",
-      "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"
-      "---:|---|---|",
+      "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+      "---|---:|---|---|",
   ]
   for r in rows:
     if "skipped" in r:
       lines.append(
           f"| {r['question']} | qwen3-style-27b | {H200_GIB:.2f} | 32 | "
-          f"{r['seq']} | {r['micro_batch']} | {ROLLOUT[0]}x{ROLLOUT[1]} | "
+          f"{r['seq']} | {r['micro_batch']} | {ROLLOUT[0]}x{ROLLOUT[1]} | - | "
           f"skipped: {r['skipped']} |||||||||| `{r['command']}` |"
       )
       continue
     lines.append(
         f"| {r['question']} | {r['model']} | {r['device_gib']:.2f} | "
         f"{r['rank']} | {r['seq']} | {r['micro_batch']} | {r['rollout']} | "
-        f"{gib(r['params'])} | {gib(r['optimizer_state'])} | "
+        f"{r['target_kl'] or '-'} | {gib(r['params'])} | {gib(r['optimizer_state'])} | "
         f"{gib(r['temporaries'])} | {gib(r['train_total'])} | "
         f"{gib(r['rollout_zero_copy'])} | **{gib(r['system_total'])}** | "
         f"{'yes' if r['fits'] else 'no'} | "

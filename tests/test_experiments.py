@@ -709,7 +709,8 @@ def test_quick_gpu_system_measures_every_part(tmp_path):
 
 def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
   """Question (a)'s first row is planned with the 7B command word for word
-  (one device, 64 x 1024 colocated rollout), and every 27B grid point is
+  (one device, 64 x 1024 colocated rollout), its second with KL control
+  added, and every 27B grid point is
   either planned or skipped with its own command."""
   system_memory = importlib.import_module("system_memory")
   assert system_memory.command(*system_memory.QUESTION_A[0]) == (
@@ -717,6 +718,10 @@ def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
       "--micro-batch 1 --optimizer logra --rank 32 --project-embeddings "
       "--base-dtype bfloat16 --rollout-seqs 64 --rollout-tokens 1024 "
       "--device-memory-gib 24.0"
+  )
+  kl_controlled = system_memory.command(*system_memory.QUESTION_A[1])
+  assert kl_controlled == (
+      system_memory.command(*system_memory.QUESTION_A[0]) + " --target-kl 0.01"
   )
   skipped = {
       "question": "b",
@@ -726,7 +731,9 @@ def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
       "command": "logra memory --model qwen3-style-27b --seq 4096",
   }
   table = system_memory.markdown([skipped])
-  assert "| b | qwen3-style-27b | 131.32 | 32 | 4096 | 4 | 64x1024 |" in table
+  assert (
+      "| b | qwen3-style-27b | 131.32 | 32 | 4096 | 4 | 64x1024 | - |" in table
+  )
   assert table.splitlines()[-1].endswith("`" + skipped["command"] + "` |")
 
 
