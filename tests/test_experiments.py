@@ -27,6 +27,7 @@ EXPERIMENTS = pathlib.Path(__file__).parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 import parity  # noqa: E402
 import provenance  # noqa: E402
+import stats  # noqa: E402
 import study  # noqa: E402
 
 PROVENANCE = ("commit", "dirty", "fingerprint", "date", "machine")
@@ -161,6 +162,51 @@ def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   assert "| default | 1 |" in table and "(1.00x)" in table
   assert record["fingerprint"] in table
   assert (results / "recipes.png").stat().st_size > 0
+
+
+def test_parity_report_tests_the_small_sync_arm_against_the_default():
+  """The report tests each LoGRA arm against the tuned baselines and the
+  smallest-sync configuration against the default LoGRA, from the rows
+  alone; a pair with an arm not run is left out."""
+  arms = ["adam", "logra", "logra-small-sync"]
+  accuracy = {"adam": 0.60, "logra": 0.58, "logra-small-sync": 0.50}
+  rows = [
+      dict(
+          setting="tiny",
+          arm=arm,
+          learning_rate=1e-3,
+          test_before=0.4,
+          test_after=accuracy[arm] + 0.01 * seed,
+          validation_after=0.5,
+          memory_bytes=2**20,
+          train_prompts=10,
+          validation_prompts=4,
+          test_prompts=4,
+      )
+      for arm in arms
+      for seed in range(5)
+  ]
+  args = argparse.Namespace(settings=["tiny"], arms=arms, quick=False)
+  args.target_kl = 5e-3
+  record = provenance.collect("python experiments/parity.py", "ab12")
+  table = parity.report(args, rows, {("tiny", "adam"): 1e-4}, record)
+  compared = [
+      line.split(" | ")[0][2:]
+      for line in table.splitlines()
+      if " vs " in line and "+kl" not in line
+  ]
+  assert compared == [
+      "logra vs adam",
+      "logra-small-sync vs adam",
+      "logra-small-sync vs logra",
+  ]
+  small_vs_default = stats.compare(
+      [r["test_after"] for r in rows if r["arm"] == "logra-small-sync"],
+      [r["test_after"] for r in rows if r["arm"] == "logra"],
+      parity.SETTINGS["tiny"].margin,
+  )
+  assert f"| {small_vs_default.difference:+.3f} [" in table
+  assert f"| {stats.verdict(small_vs_default)} |" in table
 
 
 @pytest.mark.slow
