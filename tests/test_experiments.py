@@ -837,6 +837,38 @@ def test_quick_logprob_agreement_writes_its_table(tmp_path, fingerprints):
   assert "| tiny | float32 | 8 | 32 |" in table and "Command:" in table
 
 
+@pytest.mark.slow
+def test_quick_kernel_invariance_measures_both_xla_settings(tmp_path):
+  """The kernel row-invariance study at the tiny width: every operation
+  under both XLA settings, fractions in [0, 1], the provenance recorded;
+  the pairwise tree sum (elementwise additions in an order fixed by the
+  reduced length) is row-invariant under either setting on any machine."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / "kernel_invariance.py"),
+          "--quick",
+          f"--results={tmp_path}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads((tmp_path / "kernel_invariance.json").read_text())
+  rows = record["rows"]
+  assert {r["setting"] for r in rows} == {"default", "no-xnnpack"}
+  assert {r["width"] for r in rows} == {"tiny"}
+  assert len(rows) == 2 * 9
+  for row in rows:
+    assert 0 <= row["part"] <= 1 and row["one"] in (0.0, 1.0), row
+    if "tree sum" in row["op"]:
+      assert row["part"] == row["one"] == 1.0, row
+  assert "--quick" in record["provenance"]["command"]
+  table = (tmp_path / "kernel_invariance.md").read_text()
+  assert "| tiny | RMSNorm mean of squares (tree sum), D = 64 |" in table
+
+
 def test_parity_prepare_keeps_a_starting_policy_or_copies_the_committed_one(
     tmp_path, monkeypatch
 ):

@@ -1,0 +1,196 @@
+"""Which of the decoder's kernels give a row the same bits whatever the
+number of rows beside it, on this machine's XLA:CPU?
+
+The sampler computes a decoded token's layer with B rows (one per sequence);
+the learner's forward computes the same token's layer among B x T rows.
+Their log-probs can only be bitwise equal if every kernel on the way is
+row-invariant: row r of the result depends on row r of the input alone, not
+on how many rows the kernel was handed (``experiments/logprob_agreement.py``
+measures the end result). For each of the decoder's operations at three
+model widths this records, over 16 sequences x 40 positions of random
+inputs, the fraction of the last position's rows that come out bitwise
+equal computed alone (16 rows, a decode step) and among all 640 (the
+forward), and whether one sequence's row alone (a batch of one) does:
+
+- ``matmul K x N``: ``x @ W`` in float32 for each dense weight of the
+  model (attention projections, MLP, LM head) at the widths ``tiny``
+  (`DecoderConfig.tiny`, D = 64), ``mid`` (D = 256) and ``wide``
+  (SmolLM2-135M's D = 576, F = 1536), vocabulary 512 / 2048 / 2048;
+- ``RMSNorm``: the decoder's mean of squares over the hidden size (an XLA
+  reduction), and the same as a pairwise tree of elementwise additions,
+  whose order is fixed by the reduced length alone;
+- ``softmax``: ``jax.nn.softmax`` over S keys per query row.
+
+Each is measured under two XLA:CPU settings, each in a process of its own
+(XLA reads its flags once): ``default``, and ``no-xnnpack``
+(``--xla_cpu_use_xnnpack=false --xla_cpu_experimental_ynn_fusion_type=``:
+dots and fusions from XLA's own emitters and Eigen instead of XNNPACK /
+YNNPACK). Random inputs, float32.
+
+Writes ``kernel_invariance.md`` and ``.json`` to
+``experiments/results/kernel_invariance/`` (``--results``).
+
+Run: python experiments/kernel_invariance.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import provenance
+import study
+
+SETTINGS = {
+    "default": "",
+    "no-xnnpack": (
+        "--xla_cpu_use_xnnpack=false --xla_cpu_experimental_ynn_fusion_type="
+    ),
+}
+SEQUENCES, POSITIONS = 16, 40
+# (hidden D, query width H*h, kv width K*h, MLP F, vocabulary V)
+WIDTHS = {
+    "tiny": (64, 64, 32, 128, 512),
+    "mid": (256, 512, 128, 1024, 2048),
+    "wide": (576, 576, 192, 1536, 2048),
+}
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis as a pairwise tree of elementwise additions
+  (zero-padded to a power of two): the same order for any leading shape."""
+  n = x.shape[-1]
+  width = 1 << (n - 1).bit_length()
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+def _same_rows(fn, x: np.ndarray, *args) -> tuple[float, float]:
+  """``x`` is ``[sequences, positions, ...]``: the fractions of the last
+  position's rows, computed alone (one row per sequence, as a decode step
+  does) and for the first sequence alone (a batch of one), whose ``fn``
+  values are bitwise equal to the same rows computed among all of ``x``'s
+  (as the forward pass does)."""
+  run = jax.jit(fn)
+  whole = np.asarray(run(x, *args))[:, -1]
+  part = np.asarray(run(x[:, -1:], *args))[:, 0]
+  one = np.asarray(run(x[:1, -1:], *args))[:, 0]
+  equal = lambda a, b: (a == b).reshape(len(a), -1).all(axis=1)
+  return float(equal(part, whole).mean()), float(equal(one, whole[:1]).mean())
+
+
+def measure(width: str) -> list[dict]:
+  """Every operation's row invariance at one model width."""
+  D, q, kv, F, V = WIDTHS[width]
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  rows = []
+  for name, (k, n) in {
+      "q_proj": (D, q),
+      "k_proj / v_proj": (D, kv),
+      "o_proj": (q, D),
+      "gate_proj / up_proj": (D, F),
+      "down_proj": (F, D),
+      "lm_head": (D, V),
+  }.items():
+    part, one = _same_rows(
+        jnp.matmul, normal(SEQUENCES, POSITIONS, k), normal(k, n)
+    )
+    rows.append(dict(op=f"matmul {k} x {n} ({name})", part=part, one=one))
+  hidden = normal(SEQUENCES, POSITIONS, D)
+  for name, fn in {
+      "RMSNorm mean of squares (XLA reduce)": lambda x: jnp.mean(x * x, -1),
+      "RMSNorm mean of squares (tree sum)": lambda x: tree_sum(x * x) / D,
+  }.items():
+    part, one = _same_rows(fn, hidden)
+    rows.append(dict(op=f"{name}, D = {D}", part=part, one=one))
+  scores = normal(SEQUENCES, POSITIONS, POSITIONS)
+  part, one = _same_rows(lambda s: jax.nn.softmax(s, axis=-1), scores)
+  rows.append(dict(op=f"softmax over {POSITIONS} keys", part=part, one=one))
+  return [dict(row, width=width) for row in rows]
+
+
+def child(widths: list[str]) -> None:
+  """Measures in this process (its XLA flags set by the parent)."""
+  print(json.dumps([row for width in widths for row in measure(width)]))
+
+
+def run_setting(setting: str, widths: list[str]) -> list[dict]:
+  """The rows of one XLA setting, measured in a fresh process."""
+  env = dict(os.environ, XLA_FLAGS=SETTINGS[setting], JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+      [sys.executable, __file__, "--child", *widths],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=False,
+  )
+  if done.returncode:
+    study.fail(f"the {setting} measurement failed:\n{done.stderr[-3000:]}")
+  rows = json.loads(done.stdout.strip().splitlines()[-1])
+  return [dict(row, setting=setting) for row in rows]
+
+
+def table(rows: list[dict], record: dict) -> str:
+  """The markdown report: one line per operation and width, a column pair
+  per XLA setting."""
+  settings = list(dict.fromkeys(r["setting"] for r in rows))
+  by = {(r["width"], r["op"], r["setting"]): r for r in rows}
+  lines = [
+      f"Row invariance on XLA:CPU, float32: of the last position's rows of "
+      f"{SEQUENCES} sequences x {POSITIONS} positions, the fraction bitwise "
+      f"equal when computed alone ({SEQUENCES} rows, a decode step) and "
+      f"among all {SEQUENCES * POSITIONS} (the forward pass), and whether "
+      "the first sequence's row alone (a batch of one) is.",
+      "",
+      "| width | operation | "
+      + " | ".join(f"{s}: {SEQUENCES} rows | {s}: 1 row" for s in settings)
+      + " |",
+      "|---|---|" + "---:|---:|" * len(settings),
+  ]
+  for width, op in dict.fromkeys((r["width"], r["op"]) for r in rows):
+    cells = " | ".join(
+        f"{by[width, op, s]['part']:.3f} | {by[width, op, s]['one']:.0f}"
+        for s in settings
+    )
+    lines.append(f"| {width} | {op} | {cells} |")
+  return "\n".join(lines + ["", provenance.footer(record)]) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "--quick", action="store_true", help="the tiny width only"
+  )
+  parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+  parser.add_argument("--results")
+  args = parser.parse_args()
+  if args.child:
+    child(args.child)
+    return
+  widths = ["tiny"] if args.quick else list(WIDTHS)
+  results = study.results_path(args, "kernel_invariance")
+  # XLA's kernels are measured, not this package's numerics.
+  record = provenance.collect(provenance.this_command(), "not computed")
+  rows = [row for s in SETTINGS for row in run_setting(s, widths)]
+  results.mkdir(parents=True, exist_ok=True)
+  text = table(rows, record)
+  (results / "kernel_invariance.md").write_text(text)
+  (results / "kernel_invariance.json").write_text(
+      json.dumps({"rows": rows, "provenance": record}, indent=1) + "\n"
+  )
+  print(text)
+
+
+if __name__ == "__main__":
+  main()
