@@ -95,7 +95,8 @@ Phases, per setting and arm:
   2. final: ``--seeds`` seeds (8) at the chosen rate (the sweep's seeds at
      that rate are reused: the same runs).
   3. KL-matched, once every arm's sweep and final seeds are done:
-     ``--kl-seeds`` seeds (5) at ``--kl-lr-multiplier`` (10) x the chosen
+     ``--kl-seeds`` seeds (5; 0 leaves this phase out) at
+     ``--kl-lr-multiplier`` (10) x the chosen
      rate, every arm with predicted-KL step control at the one shared
      ``--target-kl`` (5e-3).
 Statistics (:mod:`stats`): test accuracy mean and 95% CI per arm; each
@@ -790,7 +791,10 @@ def parse_args():
       "--sweep-seeds", type=int, help="seeds per swept rate (2; 1 --quick)"
   )
   parser.add_argument(
-      "--kl-seeds", type=int, help="seeds per KL-matched arm (5; 1 --quick)"
+      "--kl-seeds",
+      type=int,
+      help="seeds per KL-matched arm (5; 1 --quick; 0: the tuned comparison "
+      "alone, no KL-matched runs)",
   )
   parser.add_argument(
       "--target-kl", type=float, default=5e-3, help="the shared target KL"
@@ -819,12 +823,16 @@ def parse_args():
   study.check_names(parser, "arms", args.arms, ARMS)
   args.lr_grid = parse_grids(parser, args.lr_grid, args.quick)
   quick = args.quick
-  for flag, default in (("seeds", None), ("sweep_seeds", 2), ("kl_seeds", 5)):
+  for flag, default, least in (
+      ("seeds", None, 1),
+      ("sweep_seeds", 2, 1),
+      ("kl_seeds", 5, 0),
+  ):
     value = getattr(args, flag)
     if value is None:
       value = 1 if quick and flag != "seeds" else default
-    if value is not None and value < 1:
-      study.fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if value is not None and value < least:
+      study.fail(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     setattr(args, flag, value)
   for name, value in (
       ("target-kl", args.target_kl),
@@ -1018,12 +1026,13 @@ def main() -> None:
   of = lambda name, arm: [
       r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
   ]
+  panels = [
+      (f"{name}{kl}", {a + kl: of(name, a + kl) for a in args.arms})
+      for name in args.settings
+      for kl in ("", "+kl")
+  ]
   study.plot_bands(
-      [
-          (f"{name}{kl}", {a + kl: of(name, a + kl) for a in args.arms})
-          for name in args.settings
-          for kl in ("", "+kl")
-      ],
+      [(title, arms) for title, arms in panels if all(arms.values())],
       "held-out accuracy (validation + test)",
       results / "parity.png",
       record,

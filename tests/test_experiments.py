@@ -541,7 +541,7 @@ def test_async_study_quick(tmp_path):
         ),
         ("parity", ["--lr-grid", "sgd=1e-3"], "unknown arms ['sgd']"),
         ("parity", ["--set", "optimizer.rank=-1"], "optimizer.rank"),
-        ("parity", ["--kl-seeds", "0"], "--kl-seeds must be >= 1"),
+        ("parity", ["--kl-seeds", "-1"], "--kl-seeds must be >= 0"),
         ("ablations", ["--arms", "rank=7"], "unknown arms ['rank=7']"),
         ("ablations", ["--arms", "rank=8"], "must include 'default'"),
         ("kl_control", ["--arms", "sgd+kl"], "unknown arms ['sgd+kl']"),
