@@ -175,8 +175,17 @@ from logra_jax.rollout import engine
 ARMS: dict[str, list[str]] = {
     "adam": ["optimizer.name=adam"],
     "lora": ["optimizer.name=lora", "optimizer.rank=32"],
-    "galore": ["optimizer.name=galore"],
-    "logra": ["optimizer.name=logra"],
+    "galore": ["optimizer.name=galore", "optimizer.rank=32"],
+    # Spelled out, so that the arm stays itself (and its rows' config
+    # hashes theirs) if the library's defaults change.
+    "logra": [
+        "optimizer.name=logra",
+        "optimizer.project_embeddings=false",
+        "optimizer.base_dtype=float32",
+        "optimizer.coords_dtype=float32",
+        "optimizer.rank=32",
+        "optimizer.kind=range",
+    ],
     "logra-small-sync": [
         "optimizer.name=logra",
         "optimizer.project_embeddings=true",
@@ -936,7 +945,7 @@ def report(args, rows, chosen, record) -> str:
     for kl in ("", "+kl"):
       for arm, base in COMPARISONS:
         values = _values(rows, name, arm + kl), _values(rows, name, base + kl)
-        if min(len(v) for v in values) < 2:  # not run (yet)
+        if not all(values):  # an arm not run (yet)
           continue
         c = stats.compare(*values, setting.margin)
         lines.append(
