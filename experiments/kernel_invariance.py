@@ -19,10 +19,12 @@ forward), and whether one sequence's row alone (a batch of one) does:
 - ``RMSNorm``: the decoder's mean of squares over the hidden size (an XLA
   reduction), and the same as a pairwise tree of elementwise additions,
   whose order is fixed by the reduced length alone;
-- ``softmax``: ``jax.nn.softmax`` over S keys per query row.
+- ``softmax``: ``jax.nn.softmax`` over 40 keys per query row and head, as
+  attention takes it (the width's number of query heads).
 
 Each is measured under two XLA:CPU settings, each in a process of its own
-(XLA reads its flags once): ``default``, and ``no-xnnpack``
+(XLA reads its flags once; each replaces any ``XLA_FLAGS`` of the caller's,
+and the JSON records them): ``default``, and ``no-xnnpack``
 (``--xla_cpu_use_xnnpack=false --xla_cpu_experimental_ynn_fusion_type=``:
 dots and fusions from XLA's own emitters and Eigen instead of XNNPACK /
 YNNPACK). Random inputs, float32.
@@ -55,11 +57,11 @@ SETTINGS = {
     ),
 }
 SEQUENCES, POSITIONS = 16, 40
-# (hidden D, query width H*h, kv width K*h, MLP F, vocabulary V)
+# (hidden D, query heads H, head dim h, kv width K*h, MLP F, vocabulary V)
 WIDTHS = {
-    "tiny": (64, 64, 32, 128, 512),
-    "mid": (256, 512, 128, 1024, 2048),
-    "wide": (576, 576, 192, 1536, 2048),
+    "tiny": (64, 4, 16, 32, 128, 512),
+    "mid": (256, 8, 64, 128, 1024, 2048),
+    "wide": (576, 9, 64, 192, 1536, 2048),
 }
 
 
@@ -91,7 +93,8 @@ def _same_rows(fn, x: np.ndarray, *args) -> tuple[float, float]:
 
 def measure(width: str) -> list[dict]:
   """Every operation's row invariance at one model width."""
-  D, q, kv, F, V = WIDTHS[width]
+  D, H, h, kv, F, V = WIDTHS[width]
+  q = H * h
   rng = np.random.default_rng(0)
   normal = lambda *shape: rng.standard_normal(shape, np.float32)
   rows = []
@@ -114,9 +117,11 @@ def measure(width: str) -> list[dict]:
   }.items():
     part, one = _same_rows(fn, hidden)
     rows.append(dict(op=f"{name}, D = {D}", part=part, one=one))
-  scores = normal(SEQUENCES, POSITIONS, POSITIONS)
+  scores = normal(SEQUENCES, POSITIONS, H, POSITIONS)
   part, one = _same_rows(lambda s: jax.nn.softmax(s, axis=-1), scores)
-  rows.append(dict(op=f"softmax over {POSITIONS} keys", part=part, one=one))
+  rows.append(
+      dict(op=f"softmax over {POSITIONS} keys, {H} heads", part=part, one=one)
+  )
   return [dict(row, width=width) for row in rows]
 
 
@@ -135,9 +140,10 @@ def run_setting(setting: str, widths: list[str]) -> list[dict]:
       text=True,
       check=False,
   )
-  if done.returncode:
+  lines = done.stdout.strip().splitlines()
+  if done.returncode or not lines:
     study.fail(f"the {setting} measurement failed:\n{done.stderr[-3000:]}")
-  rows = json.loads(done.stdout.strip().splitlines()[-1])
+  rows = json.loads(lines[-1])
   return [dict(row, setting=setting) for row in rows]
 
 
@@ -187,7 +193,10 @@ def main() -> None:
   text = table(rows, record)
   (results / "kernel_invariance.md").write_text(text)
   (results / "kernel_invariance.json").write_text(
-      json.dumps({"rows": rows, "provenance": record}, indent=1) + "\n"
+      json.dumps(
+          {"rows": rows, "xla_flags": SETTINGS, "provenance": record}, indent=1
+      )
+      + "\n"
   )
   print(text)
 

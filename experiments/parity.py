@@ -86,7 +86,11 @@ Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
 sketch-direct gradients, factored float32 base) and ``logra-small-sync``
 (LoGRA with the embeddings projected, a bfloat16 base, bfloat16
 coordinates, rank 8 and random projectors, which a receiver can regenerate
-from the seed: the configuration of the smallest sync messages).
+from the seed: the configuration of the smallest sync messages). Opt-in
+(``--arms``), the levers of ``logra-small-sync`` each alone on ``logra``, to
+find which one costs accuracy if the configuration does:
+``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
+and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -172,36 +176,63 @@ from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rollout import engine
 
-ARMS: dict[str, list[str]] = {
+# LoGRA's settings in the default arm and in the configuration of the
+# smallest sync messages. Spelled out, so that an arm stays itself (and its
+# rows' config hashes theirs) if the library's defaults change.
+LOGRA_DEFAULT = {
+    "project_embeddings": "false",
+    "base_dtype": "float32",
+    "coords_dtype": "float32",
+    "rank": "32",
+    "kind": "range",
+}
+LOGRA_SMALL_SYNC = {
+    "project_embeddings": "true",
+    "base_dtype": "bfloat16",
+    "coords_dtype": "bfloat16",
+    "rank": "8",
+    "kind": "random",
+}
+# The smallest-sync configuration's levers, each alone on the default: which
+# of them costs accuracy, if the configuration does.
+LEVERS = {
+    "logra-projected": ("project_embeddings",),
+    "logra-bf16": ("base_dtype", "coords_dtype"),
+    "logra-rank8": ("rank",),
+    "logra-random": ("kind",),
+}
+
+
+def _logra(settings: dict[str, str]) -> list[str]:
+  return ["optimizer.name=logra"] + [
+      f"optimizer.{key}={value}" for key, value in settings.items()
+  ]
+
+
+MAIN_ARMS: dict[str, list[str]] = {
     "adam": ["optimizer.name=adam"],
     "lora": ["optimizer.name=lora", "optimizer.rank=32"],
     "galore": ["optimizer.name=galore", "optimizer.rank=32"],
-    # Spelled out, so that the arm stays itself (and its rows' config
-    # hashes theirs) if the library's defaults change.
-    "logra": [
-        "optimizer.name=logra",
-        "optimizer.project_embeddings=false",
-        "optimizer.base_dtype=float32",
-        "optimizer.coords_dtype=float32",
-        "optimizer.rank=32",
-        "optimizer.kind=range",
-    ],
-    "logra-small-sync": [
-        "optimizer.name=logra",
-        "optimizer.project_embeddings=true",
-        "optimizer.base_dtype=bfloat16",
-        "optimizer.coords_dtype=bfloat16",
-        "optimizer.rank=8",
-        "optimizer.kind=random",
-    ],
+    "logra": _logra(LOGRA_DEFAULT),
+    "logra-small-sync": _logra(LOGRA_SMALL_SYNC),
+}
+ARMS: dict[str, list[str]] = {
+    **MAIN_ARMS,
+    **{
+        arm: _logra({**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}})
+        for arm, keys in LEVERS.items()
+    },
 }
 LOGRA_ARMS = ("logra", "logra-small-sync")
 BASELINES = ("adam", "lora")
 # (LoGRA arm, the arm it is tested against): each LoGRA arm against the
-# tuned baselines, and the smallest-sync configuration against the default
-# one (does the 10 MB message cost accuracy?).
-COMPARISONS = tuple((a, b) for a in LOGRA_ARMS for b in BASELINES) + (
-    ("logra-small-sync", "logra"),
+# tuned baselines, the smallest-sync configuration against the default one
+# (does the 10 MB message cost accuracy?), and each of its levers against
+# the default (which one does?).
+COMPARISONS = (
+    tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
+    + (("logra-small-sync", "logra"),)
+    + tuple((lever, "logra") for lever in LEVERS)
 )
 # Half-decade grids: LoRA's best rate sits above full fine-tuning's; dense
 # Adam's pilot (parity-pilot) peaked at 1e-4 and collapsed from 1e-3 on tiny.
@@ -212,6 +243,7 @@ GRIDS = {
     "galore": DENSE_GRID,
     "logra": DENSE_GRID,
     "logra-small-sync": DENSE_GRID,
+    **{lever: DENSE_GRID for lever in LEVERS},
 }
 MIN_GRID = 4
 
@@ -794,7 +826,11 @@ def parse_args():
       help=f"of {list(SETTINGS)} (default {DEFAULT_SETTINGS})",
   )
   parser.add_argument(
-      "--arms", nargs="+", default=list(ARMS), help=f"of {list(ARMS)}"
+      "--arms",
+      nargs="+",
+      default=list(MAIN_ARMS),
+      help=f"of {list(ARMS)} (default {list(MAIN_ARMS)}; the others are "
+      "logra-small-sync's levers, each alone on logra)",
   )
   parser.add_argument(
       "--sweep-seeds", type=int, help="seeds per swept rate (2; 1 --quick)"
@@ -902,7 +938,9 @@ def _values(rows, name, arm, column="test_after") -> list[float]:
 
 def report(args, rows, chosen, record) -> str:
   """The markdown: per setting, the arms' test accuracy with CIs and the
-  tests of each LoGRA arm against the tuned baselines."""
+  tests of :data:`COMPARISONS` (each LoGRA arm against the tuned
+  baselines, logra-small-sync and its levers against logra) among the arms
+  run."""
   lines = [
       "Test accuracy after training: mean [95% CI] over seeds (Student t). "
       "Verdicts: one-sided non-inferiority test at the setting's margin "
@@ -918,8 +956,12 @@ def report(args, rows, chosen, record) -> str:
         "",
         f"Splits: {first['train_prompts']} training prompts, "
         f"{first['validation_prompts']} validation, "
-        f"{first['test_prompts']} test; margin {setting.margin:g}; "
-        f"target KL {args.target_kl:g} for the +kl arms.",
+        f"{first['test_prompts']} test; margin {setting.margin:g}"
+        + (
+            f"; target KL {args.target_kl:g} for the +kl arms."
+            if args.kl_seeds
+            else "."
+        ),
         "",
         "| arm | learning rate | seeds | test before | test after "
         "| validation after | weights + optimizer state, MiB |",
@@ -928,7 +970,7 @@ def report(args, rows, chosen, record) -> str:
     arms = [a + k for k in ("", "+kl") for a in args.arms]
     for arm in arms:
       runs = [r for r in rows if r["setting"] == name and r["arm"] == arm]
-      if not runs:  # --report-only before an arm's (KL-matched) runs
+      if not runs:  # KL-matched arms under --kl-seeds 0
         continue
       lines.append(
           f"| {arm} | {runs[0]['learning_rate']:.3g} | {len(runs)} "

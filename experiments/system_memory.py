@@ -201,7 +201,7 @@ def markdown(rows: list[dict]) -> str:
       lines.append(
           f"| {r['question']} | qwen3-style-27b | {H200_GIB:.2f} | 32 | "
           f"{r['seq']} | {r['micro_batch']} | {ROLLOUT[0]}x{ROLLOUT[1]} | - | "
-          f"skipped: {r['skipped']} |||||||||| `{r['command']}` |"
+          f"skipped: {r['skipped']} ||||||||| `{r['command']}` |"
       )
       continue
     lines.append(

@@ -164,6 +164,25 @@ def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   assert (results / "recipes.png").stat().st_size > 0
 
 
+def test_parity_levers_split_the_small_sync_configuration():
+  """Each lever arm is the default logra with one of logra-small-sync's
+  settings, the levers together change every setting the two differ in,
+  and they run only when asked for."""
+  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
+  default, small = settings("logra"), settings("logra-small-sync")
+  changed = set()
+  for lever in parity.LEVERS:
+    differs = {k for k, v in settings(lever).items() if v != default[k]}
+    assert differs and all(settings(lever)[k] == small[k] for k in differs)
+    assert not differs & changed
+    changed |= differs
+  assert changed == {k for k in default if default[k] != small[k]}
+  assert not set(parity.LEVERS) & set(parity.MAIN_ARMS)
+  assert {(lever, "logra") for lever in parity.LEVERS} <= set(
+      parity.COMPARISONS
+  )
+
+
 def test_parity_report_tests_the_small_sync_arm_against_the_default():
   """The report tests each LoGRA arm against the tuned baselines and the
   smallest-sync configuration against the default LoGRA, from the rows
@@ -186,8 +205,9 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
       for arm in arms
       for seed in range(5)
   ]
-  args = argparse.Namespace(settings=["tiny"], arms=arms, quick=False)
-  args.target_kl = 5e-3
+  args = argparse.Namespace(
+      settings=["tiny"], arms=arms, quick=False, kl_seeds=0, target_kl=5e-3
+  )
   record = provenance.collect("python experiments/parity.py", "ab12")
   table = parity.report(args, rows, {("tiny", "adam"): 1e-4}, record)
   compared = [
@@ -297,6 +317,28 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   mixed = report_only()
   assert mixed.returncode == 2
   assert "several code versions" in mixed.stderr
+  # --kl-seeds 0: the tuned comparison alone, no KL-matched arm or panel.
+  changed.write_text(json.dumps(row))
+  tuned = _study(
+      "parity",
+      "--settings",
+      "tiny",
+      "--arms",
+      "logra",
+      "adam",
+      "--report-only",
+      "--kl-seeds",
+      "0",
+      "--overwrite",
+      f"--out={tmp_path / 'nothing'}",
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert tuned.returncode == 0, tuned.stderr[-3000:]
+  table = (results / "parity.md").read_text()
+  assert "| logra vs adam |" in table and "+kl" not in table
+  assert {r["arm"] for r in _rows(results / "parity.csv")} == {"logra", "adam"}
+  assert (results / "parity.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("module", [provenance, study])
@@ -780,7 +822,9 @@ def test_system_memory_plans_the_issue_command_and_skips_dominated_points():
   assert (
       "| b | qwen3-style-27b | 131.32 | 32 | 4096 | 4 | 64x1024 | - |" in table
   )
-  assert table.splitlines()[-1].endswith("`" + skipped["command"] + "` |")
+  header, row = table.splitlines()[2], table.splitlines()[-1]
+  assert row.endswith("`" + skipped["command"] + "` |")
+  assert row.count("|") == header.count("|")
 
 
 def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
@@ -840,9 +884,10 @@ def test_quick_logprob_agreement_writes_its_table(tmp_path, fingerprints):
 @pytest.mark.slow
 def test_quick_kernel_invariance_measures_both_xla_settings(tmp_path):
   """The kernel row-invariance study at the tiny width: every operation
-  under both XLA settings, fractions in [0, 1], the provenance recorded;
-  the pairwise tree sum (elementwise additions in an order fixed by the
-  reduced length) is row-invariant under either setting on any machine."""
+  under both XLA settings, with the flags and the provenance recorded. The
+  pairwise tree sum is the same elementwise additions in the same order
+  whatever the number of rows, so it comes out row-invariant under either
+  setting."""
   done = subprocess.run(
       [
           sys.executable,
@@ -859,10 +904,13 @@ def test_quick_kernel_invariance_measures_both_xla_settings(tmp_path):
   rows = record["rows"]
   assert {r["setting"] for r in rows} == {"default", "no-xnnpack"}
   assert {r["width"] for r in rows} == {"tiny"}
-  assert len(rows) == 2 * 9
+  assert len(rows) == 2 * 9 and set(record["xla_flags"]) == {
+      "default",
+      "no-xnnpack",
+  }
+  (tree,) = {r["op"] for r in rows if "tree sum" in r["op"]}
   for row in rows:
-    assert 0 <= row["part"] <= 1 and row["one"] in (0.0, 1.0), row
-    if "tree sum" in row["op"]:
+    if row["op"] == tree:
       assert row["part"] == row["one"] == 1.0, row
   assert "--quick" in record["provenance"]["command"]
   table = (tmp_path / "kernel_invariance.md").read_text()
