@@ -1077,17 +1077,18 @@ def main() -> None:
   of = lambda name, arm: [
       r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
   ]
-  panels = [
-      (f"{name}{kl}", {a + kl: of(name, a + kl) for a in args.arms})
-      for name in args.settings
-      for kl in ("", "+kl")
-  ]
+  panels = []
+  for name in args.settings:
+    for kl in ("", "+kl"):
+      arms = {a + kl: of(name, a + kl) for a in args.arms}
+      if all(arms.values()):  # no KL-matched panel under --kl-seeds 0
+        panels.append((f"{name}{kl}", arms))
   study.plot_bands(
-      [(title, arms) for title, arms in panels if all(arms.values())],
+      panels,
       "held-out accuracy (validation + test)",
       results / "parity.png",
       record,
-      columns=2,
+      columns=min(2, len(panels)),
   )
   plot_sweep(args, sweep, chosen, results / "sweep.png", record)
   study.write_provenance(record, results)
