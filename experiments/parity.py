@@ -124,9 +124,8 @@ CPU budget (2 cores): runs per setting = sweep 5 arms x 4 rates x 2 seeds
 (40) + final 5 x 6 new seeds (30) + KL-matched 5 x 5 (25) = 95, and 14
 more per lever arm asked for (8 sweep, 6 final; 19 with its KL-matched
 seeds). A tiny run is the main job plus its held-out evaluations (11 points
-on 700 prompts) and
-export: 200-400 s measured on a 2-core machine not shared with other work
-(the rows' ``wall_seconds``), so 5-10 hours for the tiny setting alone: more
+on 700 prompts) and export: 200-400 s measured on a 2-core machine not
+shared with other work (the rows' ``wall_seconds``), so 5-10 hours for the tiny setting alone: more
 than the ~10 CPU-hours planned for the whole study once a second setting
 qualifies. Whether two invocations at once (other ``--arms`` and ``--out``)
 help depends on the host: on a 2-core AMD EPYC host (2026-12-05) one run
