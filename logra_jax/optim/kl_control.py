@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from logra_jax.lowrank import LowRankDelta
+from logra_jax.lowrank import matmul
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim.state_queries import find_states
 from logra_jax.optim.types import FactoredDelta
@@ -49,17 +50,15 @@ def _factored_tangent(
   )
 
 
-def _materialized(out: Any) -> Any:
-  """The pair form's unembedding as one array: a factored one (a
-  :class:`~logra_jax.lowrank.LowRankDelta`, ``c B + P A``, which the model
-  applies without forming it) is formed here, in its compute dtype, so that
-  its tangent is one ``[D, V]`` array."""
-  if not isinstance(out, (tuple, list)):
-    return out
-  hidden, w = out
-  if isinstance(w, LowRankDelta):
-    w = w.dense().astype(w.dtype)
-  return hidden, w
+def _project(h_BxCxD: jax.Array, w_DxV: Any) -> jax.Array:
+  """``h @ w`` accumulated in float32; a factored ``w`` (a
+  :class:`~logra_jax.lowrank.LowRankDelta`, ``c B + P A``) applied as
+  ``c (h B) + (h P) A``, never formed."""
+  if isinstance(w_DxV, LowRankDelta):
+    return matmul(h_BxCxD, w_DxV, preferred_element_type=jnp.float32)
+  return jnp.einsum(
+      "bcd,dv->bcv", h_BxCxD, w_DxV, preferred_element_type=jnp.float32
+  )
 
 
 def _densify(update: Any, params: Any) -> Any:
@@ -251,7 +250,7 @@ def make_kl_predictor(
   def token_kl(update):
     tangent = _densify(update, params)
     primal_out, tangent_out = jax.jvp(
-        lambda p: _materialized(logits_fn(p, batch)), (params,), (tangent,)
+        lambda p: logits_fn(p, batch), (params,), (tangent,)
     )
     if isinstance(primal_out, (tuple, list)):
       hidden_BxTxD, w_DxV = primal_out
@@ -264,23 +263,29 @@ def make_kl_predictor(
         x_BxTxD = jnp.pad(x_BxTxD, ((0, 0), (0, n * C - T), (0, 0)))
         return x_BxTxD.reshape(B, n, C, D).swapaxes(0, 1)
 
+      def head_term(h_BxCxD):
+        """``h dW``. A factored head's tangent is taken through
+        ``logits_fn`` here, inside the chunk, where the parts of ``W`` that
+        do not move (its base, a fixed projector ``P``) have no tangent at
+        all; outside ``jax.jvp`` they would be zero arrays, and ``h dW``
+        would need ``dW`` formed ``[D, V]``. (The forward pass traced with
+        it is unused and dropped.)"""
+        if not isinstance(w_DxV, LowRankDelta):
+          return _project(h_BxCxD, d_w_DxV)
+        return jax.jvp(
+            lambda p: _project(h_BxCxD, logits_fn(p, batch)[1]),
+            (params,),
+            (tangent,),
+        )[1]
+
       @jax.checkpoint
       def chunk(args):
         h_BxCxD, dh_BxCxD = args
-        logits = jnp.einsum(
-            "bcd,dv->bcv", h_BxCxD, w_DxV, preferred_element_type=jnp.float32
-        )
-        tangent = jnp.einsum(
-            "bcd,dv->bcv", dh_BxCxD, w_DxV, preferred_element_type=jnp.float32
-        )
+        logits_BxCxV = _project(h_BxCxD, w_DxV)
+        d_logits_BxCxV = _project(dh_BxCxD, w_DxV)
         if not frozen_unembedding:
-          tangent += jnp.einsum(
-              "bcd,dv->bcv",
-              h_BxCxD,
-              d_w_DxV,
-              preferred_element_type=jnp.float32,
-          )
-        return _token_variance(logits, tangent)
+          d_logits_BxCxV += head_term(h_BxCxD)
+        return _token_variance(logits_BxCxV, d_logits_BxCxV)
 
       var_nxBxC = jax.lax.map(
           chunk, (to_chunks(hidden_BxTxD), to_chunks(d_hidden_BxTxD))

@@ -588,20 +588,29 @@ def _delta(weights, decay):
   return jax.tree.map(leaf, weights, is_leaf=factored.is_factored)
 
 
+def _hidden_and_head(p, x_NxM):
+  """``_logits`` in the pair form: the hidden states and the head ``v``
+  (a factored one is handed over unformed)."""
+  return jnp.tanh(matmul(x_NxM, p["w"]) + p["b"])[..., :6], p["v"]
+
+
+@pytest.mark.parametrize("form", [_logits, _hidden_and_head])
 @pytest.mark.parametrize("coords_dtype", ["float32", "bfloat16"])
-def test_kl_predictor_on_factored_params_equals_dense(coords_dtype):
+def test_kl_predictor_on_factored_params_equals_dense(coords_dtype, form):
   """kappa of a FactoredDelta on c B + P A equals kappa of a W + P Delta
-  on the dense weights; bfloat16 coordinates do not round the step."""
+  on the dense weights, from the logits or from the pair (hidden states,
+  factored head: its tangent taken without forming it); bfloat16
+  coordinates do not round the step."""
   weights, projectors = _window("float32", coords_dtype=coords_dtype)
   updates = _delta(weights, -LR * 0.5)
   x_BxTxM = _normal(8, (4, 3, 16))
-  logits_f = lambda w, x: _logits(factored_view(w, projectors), x)
+  logits_f = lambda w, x: form(factored_view(w, projectors), x)
 
   @jax.jit
   def both(weights, updates):
     dense = factored.effective_weights(weights, projectors)
     predict_f = logra.make_kl_predictor(logits_f, weights, x_BxTxM)
-    kappa_d = logra.make_kl_predictor(_logits, dense, x_BxTxM)(
+    kappa_d = logra.make_kl_predictor(form, dense, x_BxTxM)(
         _dense_update(updates, weights, projectors)
     )
     is_delta = lambda x: isinstance(x, logra.FactoredDelta)

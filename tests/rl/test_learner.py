@@ -472,9 +472,12 @@ def test_bfloat16_step_with_projected_tied_embeddings_is_finite():
   assert int(non_finite.non_finite_state(state).skipped_steps) == 0
 
 
-def _step_temporaries(vocab: int, hidden: int, projected: bool) -> int:
+def _step_temporaries(
+    vocab: int, hidden: int, projected: bool, kl_control: bool
+) -> int:
   """Temporaries of the compiled sketch-direct train step (one refresh
-  and merge included) of a one-layer decoder with an untied head."""
+  and merge included) of a one-layer decoder with an untied head, with
+  or without predicted-KL step control."""
   model_config = models.DecoderConfig.tiny(
       vocab_size=vocab,
       hidden_size=hidden,
@@ -499,7 +502,8 @@ def _step_temporaries(vocab: int, hidden: int, projected: bool) -> int:
           f"optimizer.project_embeddings={str(projected).lower()}",
           "optimizer.gradient_mode=sketch",
           "micro_batches=1",
-      ],
+      ]
+      + (["optimizer.target_kl=0.01"] if kl_control else []),
   )
   tx = policy_state.make_optimizer(config.optimizer, params)
   weights, state = policy_state.init_train_state(config.optimizer, tx, params)
@@ -509,7 +513,8 @@ def _step_temporaries(vocab: int, hidden: int, projected: bool) -> int:
 
 
 @pytest.mark.slow
-def test_the_sketch_step_never_forms_a_projected_head(monkeypatch):
+@pytest.mark.parametrize("kl_control", [False, True])
+def test_the_sketch_step_never_forms_a_projected_head(monkeypatch, kl_control):
   """With the embeddings projected, the LM head is `c B + P A` and its
   sketch-direct gradient is `(h P)^T dlogits`: doubling the vocabulary
   from V to 2V grows the compiled train step's temporaries (XLA's memory
@@ -518,13 +523,14 @@ def test_the_sketch_step_never_forms_a_projected_head(monkeypatch):
   tokens. With the head and the table dense, their gradients alone grow
   by twice the head: the bound tells the two apart. A refresh merges the
   window into the base in blocks of rows (here of `[D, V] / 32`), each a
-  temporary of its own."""
+  temporary of its own. Under predicted-KL step control the predictor
+  applies the factored head and its tangent unformed too."""
   vocab, hidden = 8192, 512
   head_bytes = hidden * vocab * 4
   monkeypatch.setattr(factored, "MERGE_BLOCK_BYTES", head_bytes // 32)
   growth = {
-      projected: _step_temporaries(2 * vocab, hidden, projected)
-      - _step_temporaries(vocab, hidden, projected)
+      projected: _step_temporaries(2 * vocab, hidden, projected, kl_control)
+      - _step_temporaries(vocab, hidden, projected, kl_control)
       for projected in (True, False)
   }
   assert growth[True] < head_bytes / 2 <= growth[False], (growth, head_bytes)
