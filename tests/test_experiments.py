@@ -60,6 +60,22 @@ def _study(name, *args, tmp_path, cache=None):
   )
 
 
+def _quick_report(name, tmp_path):
+  """A study that takes no runs folder, in its --quick mode, its reports
+  written to ``tmp_path``."""
+  return subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / f"{name}.py"),
+          "--quick",
+          f"--results={tmp_path}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+
+
 def _rows(path):
   with open(path, newline="") as f:
     return list(csv.DictReader(f))
@@ -735,17 +751,7 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
   """The accelerator benchmark's programs at tiny shapes, on this machine:
   every figure finite (MFU, peak memory and the bandwidth bound need a
   known accelerator, so they may be absent here)."""
-  done = subprocess.run(
-      [
-          sys.executable,
-          str(EXPERIMENTS / "gpu_bench.py"),
-          "--quick",
-          f"--results={tmp_path}",
-      ],
-      capture_output=True,
-      text=True,
-      timeout=1200,
-  )
+  done = _quick_report("gpu_bench", tmp_path)
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "gpu_bench.json").read_text())
   assert [r["arm"] for r in results["train"]] == ["adam", "logra-bf16"]
@@ -888,17 +894,7 @@ def test_quick_kernel_invariance_measures_both_xla_settings(tmp_path):
   pairwise tree sum is the same elementwise additions in the same order
   whatever the number of rows, so it comes out row-invariant under either
   setting."""
-  done = subprocess.run(
-      [
-          sys.executable,
-          str(EXPERIMENTS / "kernel_invariance.py"),
-          "--quick",
-          f"--results={tmp_path}",
-      ],
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
+  done = _quick_report("kernel_invariance", tmp_path)
   assert done.returncode == 0, done.stderr[-3000:]
   record = json.loads((tmp_path / "kernel_invariance.json").read_text())
   rows = record["rows"]

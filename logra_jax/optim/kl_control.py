@@ -51,14 +51,10 @@ def _factored_tangent(
 
 
 def _project(h_BxCxD: jax.Array, w_DxV: Any) -> jax.Array:
-  """``h @ w`` accumulated in float32; a factored ``w`` (a
-  :class:`~logra_jax.lowrank.LowRankDelta`, ``c B + P A``) applied as
-  ``c (h B) + (h P) A``, never formed."""
-  if isinstance(w_DxV, LowRankDelta):
-    return matmul(h_BxCxD, w_DxV, preferred_element_type=jnp.float32)
-  return jnp.einsum(
-      "bcd,dv->bcv", h_BxCxD, w_DxV, preferred_element_type=jnp.float32
-  )
+  """``h @ w`` accumulated in float32 (:func:`~logra_jax.lowrank.matmul`:
+  a factored ``w``, ``c B + P A``, is applied as ``c (h B) + (h P) A``,
+  never formed)."""
+  return matmul(h_BxCxD, w_DxV, preferred_element_type=jnp.float32)
 
 
 def _densify(update: Any, params: Any) -> Any:
