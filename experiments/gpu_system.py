@@ -26,7 +26,10 @@ projectors refreshed every 2 steps, bfloat16 compute, block remat.
     learner computing in float32 (the mismatch a bfloat16 sampler brings);
     for the float32 learner, the loss's metrics without a correction and
     with ``loss.rollout_correction`` ``tis`` and ``mis`` at the default cap
-    (``rl.algo.loss_terms``: the clipped fraction, importance weights).
+    (``rl.algo.loss_terms``: the clipped fraction, importance weights);
+    and a second rollout with sampler and learner both under
+    ``DecoderConfig.batch_invariant`` in bfloat16 (bitwise on XLA:CPU;
+    whether the accelerator's kernels keep it).
 (c) **Sync.** A ``PolicySender`` / ``PolicyReceiver`` pair (the process
     engine's, on one device), made after the first train step: the full
     message, then one per later train step (a refresh every 2): bytes, the
@@ -376,7 +379,30 @@ def logprob_agreement(setting: Setting, context) -> dict:
   result["float32_loss"] = _corrections(
       learner_logp, out.logprobs, out.mask.astype(jnp.float32)
   )
+  result["bfloat16_batch_invariant"] = _invariant_gaps(setting, view)
   return result
+
+
+def _invariant_gaps(setting: Setting, view) -> dict:
+  """Sampler and learner both under ``DecoderConfig.batch_invariant``,
+  bfloat16: whether the accelerator's kernels are row-invariant too."""
+  config = _decoder(setting, "bfloat16").replace(batch_invariant=True)
+  abstract = jax.eval_shape(lambda: models.init_model(config, rngs=0))
+  graphdef, _ = models.split_model(abstract)
+  sampler = models.Sampler(
+      abstract, bucket_size=16, max_length=setting.prompt + setting.new_tokens
+  )
+  out = sampler.sample_padded(
+      view,
+      *_prompts(sampler, setting, 2),
+      jax.random.key(2),
+      _sampling(setting),
+  )
+  args = (out.prompt_ids, out.prompt_mask, out.tokens, out.mask)
+  learner_logp = jax.jit(lambda v, *a: models.token_logprobs(graphdef, v, *a))(
+      view, *args
+  )
+  return _gaps(out.logprobs, learner_logp, out.mask)
 
 
 def _corrections(learner_logp, sampler_logp, mask) -> dict:
@@ -486,10 +512,17 @@ def _logprob_lines(record: dict) -> list[str]:
       "| learner dtype | tokens | bitwise equal | max gap | mean gap |",
       "|---|---:|---:|---:|---:|",
   ]
-  for dtype in ("bfloat16", "float32"):
-    row = record["logprobs"][dtype]
+  rows = {
+      "bfloat16": "bfloat16",
+      "float32": "float32",
+      "bfloat16_batch_invariant": "bfloat16, both batch-invariant",
+  }
+  for key, label in rows.items():
+    if key not in record["logprobs"]:  # a run before the row existed
+      continue
+    row = record["logprobs"][key]
     lines.append(
-        f"| {dtype} | {row['tokens']} | {row['bitwise_equal_share']:.1%} | "
+        f"| {label} | {row['tokens']} | {row['bitwise_equal_share']:.1%} | "
         f"{row['max_gap']:.3g} | {row['mean_gap']:.3g} |"
     )
   lines += [

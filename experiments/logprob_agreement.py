@@ -17,14 +17,21 @@ tokens of B random prompts (temperature 1, 24 new tokens):
   fraction of log-probs bitwise equal) and for the sampler (the fraction of
   tokens sampled with the same token and a bitwise-equal log-prob).
 
-Shapes (random weights): ``tiny`` (`DecoderConfig.tiny`, D = 64, vocab 512)
-and ``wide`` (2 layers of SmolLM2-135M's widths: D = 576, 9 heads, 3 kv
-heads, F = 1536, vocab 2048).
+Shapes (random weights): ``tiny`` (`DecoderConfig.tiny`, D = 64, vocab 512),
+``mid`` (D = 256, 4 heads, 2 kv heads, F = 1024, vocab 2048: its
+``down_proj`` reduces over 1024, longer than XLA:CPU keeps in one pass) and
+``wide`` (2 layers of SmolLM2-135M's widths: D = 576, 9 heads, 3 kv heads,
+F = 1536, vocab 2048).
+
+``--batch-invariant`` measures the models with
+``DecoderConfig.batch_invariant`` under ``logra_jax.reduction.CPU_FLAGS``
+(set before JAX starts) and writes ``logprob_agreement-batch-invariant.md``
+and ``.json`` instead.
 
 Writes ``logprob_agreement.md`` and ``.json`` to
 ``experiments/results/logprob_agreement/`` (``--results``).
 
-Run: python experiments/logprob_agreement.py [--quick]
+Run: python experiments/logprob_agreement.py [--quick] [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -38,9 +45,18 @@ import numpy as np
 import provenance
 import study
 from logra_jax import models
+from logra_jax import reduction
 
 SHAPES = {
     "tiny": dict(vocab_size=512),
+    "mid": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+    ),
     "wide": dict(
         vocab_size=2048,
         hidden_size=576,
@@ -53,8 +69,10 @@ SHAPES = {
 ALONE = 8  # rows scored alone for the batch-invariance columns
 
 
-def _model(shape: str, dtype: str):
-  config = models.DecoderConfig.tiny(**SHAPES[shape], dtype=dtype)
+def _model(shape: str, dtype: str, batch_invariant: bool):
+  config = models.DecoderConfig.tiny(
+      **SHAPES[shape], dtype=dtype, batch_invariant=batch_invariant
+  )
   model = models.init_model(config, 0)
   return model, *models.split_model(model)
 
@@ -67,9 +85,15 @@ def _prompts(rows: int, vocab: int) -> list[list[int]]:
   ]
 
 
-def measure(shape: str, dtype: str, rows: int, new_tokens: int) -> dict:
+def measure(
+    shape: str,
+    dtype: str,
+    rows: int,
+    new_tokens: int,
+    batch_invariant: bool = False,
+) -> dict:
   """One row of the table: sampler vs forward, and batch invariance."""
-  model, graphdef, params = _model(shape, dtype)
+  model, graphdef, params = _model(shape, dtype, batch_invariant)
   sampler = models.Sampler(model, max_length=128)
   score = jax.jit(models.token_logprobs, static_argnums=0)
   prompts = _prompts(rows, model.config.vocab_size)
@@ -120,13 +144,19 @@ def measure(shape: str, dtype: str, rows: int, new_tokens: int) -> dict:
   }
 
 
-def table(rows: list[dict], record: dict) -> str:
+def table(rows: list[dict], record: dict, batch_invariant: bool) -> str:
   """The markdown report."""
+  numerics = (
+      "Models with `DecoderConfig.batch_invariant`, XLA flags "
+      f"`{' '.join(reduction.CPU_FLAGS)}`."
+      if batch_invariant
+      else "Default numerics and XLA flags."
+  )
   lines = [
       "Sampler (one token at a time, KV cache) vs learner forward (whole "
       "sequence) token log-probs, same weights and compute dtype, random "
       "prompts, temperature 1. Batch invariance: the first 8 rows alone vs "
-      "inside the batch, fraction of tokens bitwise equal.",
+      "inside the batch, fraction of tokens bitwise equal. " + numerics,
       "",
       "| shape | dtype | batch | tokens | bitwise equal | max gap "
       "| mean gap | forward batch-invariant | sampler batch-invariant |",
@@ -152,9 +182,16 @@ def main() -> None:
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
   parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
   parser.add_argument("--rows", nargs="+", type=int, default=[8, 16, 32, 64])
+  parser.add_argument(
+      "--batch-invariant",
+      action="store_true",
+      help="models with DecoderConfig.batch_invariant, under its CPU flags",
+  )
   parser.add_argument("--results")
   parser.add_argument("--fingerprint-cache", default="runs/fingerprints")
   args = parser.parse_args()
+  if args.batch_invariant:  # before anything starts JAX
+    reduction.use_invariant_kernels("--batch-invariant")
   if args.quick:
     args.shapes, args.dtypes, args.rows = ["tiny"], ["float32"], [ALONE]
   for name in args.shapes:
@@ -169,15 +206,18 @@ def main() -> None:
   record = study.provenance_record(args)  # before the runs: fails early
   new_tokens = 4 if args.quick else 24
   rows = [
-      measure(shape, dtype, n, new_tokens)
+      measure(shape, dtype, n, new_tokens, args.batch_invariant)
       for shape in args.shapes
       for dtype in args.dtypes
       for n in args.rows
   ]
   results.mkdir(parents=True, exist_ok=True)
-  text = table(rows, record)
-  (results / "logprob_agreement.md").write_text(text)
-  (results / "logprob_agreement.json").write_text(
+  text = table(rows, record, args.batch_invariant)
+  name = "logprob_agreement" + (
+      "-batch-invariant" if args.batch_invariant else ""
+  )
+  (results / f"{name}.md").write_text(text)
+  (results / f"{name}.json").write_text(
       json.dumps({"rows": rows, "provenance": record}, indent=1) + "\n"
   )
   print(text)

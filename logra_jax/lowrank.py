@@ -9,7 +9,7 @@ weight (a plain array passes straight through), the sketch-direct gradients of
 :mod:`logra_jax.optim.sketch_grad` and the factored policy hand them
 ``LowRankDelta`` weights, and LoRA's adapters are one too.
 
-This module is a leaf of the package: it imports only JAX.
+This module imports only JAX and :mod:`logra_jax.reduction`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
+from logra_jax.reduction import blocked_dot
 
 # Paths of the projected leaves that the loss multiplied with `matmul` while
 # it was being traced by `value_and_sketch_grad` (None outside of it).
@@ -149,6 +151,7 @@ def matmul(
     w: jax.Array | LowRankDelta,
     dtype: Any = None,
     preferred_element_type: Any = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
   r"""``x @ w`` over the last axis of ``x``, for a weight or a :class:`LowRankDelta`.
 
@@ -179,21 +182,23 @@ def matmul(
     >>> matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
   """
-  dot = lambda a, b: jnp.dot(
-      a, b, preferred_element_type=preferred_element_type
+  product = blocked_dot if batch_invariant else jnp.dot
+  dot = lambda a, b, kind=preferred_element_type: product(
+      a, b, preferred_element_type=kind
   )
   if not isinstance(w, LowRankDelta):
     return dot(x, w if dtype is None else w.astype(dtype))
   _consume(w, "matmul")
   dtype = w.dtype if dtype is None else dtype
   cast = lambda a: a.astype(dtype)
+  base = jax.lax.stop_gradient(w.base)
   y = _scaled(
-      w, matmul(x, jax.lax.stop_gradient(w.base), dtype, preferred_element_type)
+      w, matmul(x, base, dtype, preferred_element_type, batch_invariant)
   )
   if w.rows:
-    term = lambda x, f, z: dot(jnp.dot(x, cast(f)), cast(z))
+    term = lambda x, f, z: dot(dot(x, cast(f), None), cast(z))
   else:
-    term = lambda x, f, z: dot(jnp.dot(x, cast(z)), cast(f).T)
+    term = lambda x, f, z: dot(dot(x, cast(z), None), cast(f).T)
   return _plus_low_rank_term(w, term, y, x)
 
 

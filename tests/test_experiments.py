@@ -12,6 +12,7 @@ import doctest
 import importlib
 import json
 import math
+import os
 import pathlib
 import shutil
 import subprocess
@@ -790,7 +791,7 @@ def test_quick_gpu_system_measures_every_part(tmp_path):
   assert full["full"] and not any(m["full"] for m in steps)
   assert any(m["merge"] for m in steps), "no refresh was sent"
   assert all(m["bytes"] < full["bytes"] for m in steps)
-  for dtype in ("bfloat16", "float32"):
+  for dtype in ("bfloat16", "float32", "bfloat16_batch_invariant"):
     gaps = record["logprobs"][dtype]
     assert gaps["tokens"] == 4 * 48
     assert 0 <= gaps["mean_gap"] <= gaps["max_gap"] < math.inf
@@ -885,6 +886,83 @@ def test_quick_logprob_agreement_writes_its_table(tmp_path, fingerprints):
   assert "--quick" in record["provenance"]["command"]
   table = (tmp_path / "logprob_agreement.md").read_text()
   assert "| tiny | float32 | 8 | 32 |" in table and "Command:" in table
+
+
+@pytest.mark.slow
+def test_batch_invariant_sampler_log_probs_are_the_forwards_bit_for_bit(
+    tmp_path, fingerprints
+):
+  """With `DecoderConfig.batch_invariant` under its XLA flags, the sampler's
+  token log-probs (decoding over a KV cache) equal the learner's forward
+  pass bitwise, in float32 and bfloat16, at D = 256 (whose 1024-long
+  down_proj reduction XLA:CPU splits by the row count; D = 64 runs end to
+  end in tests/rl/test_trainer.py), and the
+  first 8 rows give the same bits alone as inside the batch. At XLA's
+  default optimization level, as users run it (the suite compiles at level
+  0, whose sampler for 8 rows is not the one for 16), from no XLA_FLAGS:
+  the study sets the ones it needs."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / "logprob_agreement.py"),
+          "--batch-invariant",
+          "--shapes",
+          "mid",
+          "--rows",
+          "16",
+          f"--results={tmp_path}",
+          f"--fingerprint-cache={fingerprints}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+      env=dict(os.environ, XLA_FLAGS=""),
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads(
+      (tmp_path / "logprob_agreement-batch-invariant.json").read_text()
+  )
+  assert len(record["rows"]) == 2
+  for row in record["rows"]:
+    where = (row["shape"], row["dtype"])
+    assert row["tokens"] == 16 * 24, where
+    assert row["bitwise"] == 1.0 and row["max_gap"] == 0.0, where
+    assert row["forward_batch_invariant"] == 1.0, where
+    assert row["sampler_batch_invariant"] == 1.0, where
+
+
+@pytest.mark.slow
+def test_quick_batch_invariance_cost_times_both_numerics(
+    tmp_path, fingerprints
+):
+  """The cost study on the smoke preset: one run per numerics, times
+  positive, and every batch-invariant step's rollout log-probs the
+  learner's (the smoke preset merges a window every 2 steps)."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          str(EXPERIMENTS / "batch_invariance_cost.py"),
+          "--quick",
+          f"--results={tmp_path}",
+          f"--fingerprint-cache={fingerprints}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=1200,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads((tmp_path / "batch_invariance_cost.json").read_text())
+  rows = {r["mode"]: r for r in record["rows"]}
+  assert set(rows) == {"default", "batch-invariant"}
+  for row in rows.values():
+    assert row["steps"] == 3
+    assert all(row[key] > 0 for key in ("time/step_s", "time/train_s"))
+  assert rows["batch-invariant"]["bitwise_steps"] == 1.0
+  assert rows["batch-invariant"]["max_gap"] == 0.0
+  assert (
+      "| batch-invariant | 1 |"
+      in (tmp_path / "batch_invariance_cost.md").read_text()
+  )
 
 
 @pytest.mark.slow

@@ -3,10 +3,11 @@
 The parts of ``logra_jax`` (a subpackage or a top-level module) stand in the
 order of :data:`LAYERS`, bottom up; a part may import only itself and parts
 below it, so no import cycle between parts can exist. A few parts are
-stricter than their place: ``lowrank``, ``random_bits`` and ``data`` import
-nothing of the package, ``optim/`` only ``lowrank`` and ``random_bits`` (it is
-usable alone as an optax extension), ``models/`` only ``lowrank``, ``parallel`` and
-``staging`` (never the optimizer). No import hides inside a function, except of the optional
+stricter than their place: ``reduction``, ``random_bits`` and ``data`` import
+nothing of the package, ``lowrank`` only ``reduction``, ``optim/`` only
+``lowrank`` and ``random_bits`` (it is usable alone as an optax extension),
+``models/`` only ``lowrank``, ``reduction``, ``parallel`` and ``staging``
+(never the optimizer). No import hides inside a function, except of the optional
 dependencies in :data:`OPTIONAL`.
 """
 
@@ -21,6 +22,7 @@ LAYERS = (
     "checks",
     "deadlines",
     "staging",
+    "reduction",
     "lowrank",
     "random_bits",
     "data",
@@ -45,11 +47,12 @@ ONLY = {
     "checks": set(),
     "deadlines": set(),
     "staging": set(),
-    "lowrank": set(),
+    "reduction": set(),
+    "lowrank": {"reduction"},
     "random_bits": set(),
     "data": set(),
     "optim": {"lowrank", "random_bits"},
-    "models": {"lowrank", "parallel", "staging"},
+    "models": {"lowrank", "reduction", "parallel", "staging"},
 }
 
 # Third-party packages that are extras, imported where they are used.

@@ -245,6 +245,12 @@ class PolicyConfig:
       ``"dots_saveable"`` also keeps the weight projections' outputs
       (attention is recomputed), ``"none"`` keeps everything. It may change
       on resume (the saved state means the same under each).
+    batch_invariant: compute the policy with every sum in an order fixed by
+      one row's shapes (``DecoderConfig.batch_invariant``), so that the
+      colocated sampler's token log-probs are bitwise the learner's
+      (``rollout/logprob_gap_max`` 0) in matching dtypes; on CPU the run
+      sets ``logra_jax.reduction.CPU_FLAGS`` (XLA:CPU's kernels without
+      XNNPACK) before JAX starts. Forces the chunked attention.
   """
 
   path: str = ""
@@ -262,9 +268,16 @@ class PolicyConfig:
   reference_dtype: str = "bfloat16"
   attention: str = "auto"
   remat: str = "block"
+  batch_invariant: bool = False
 
   def __post_init__(self):
     check_choice("policy.dtype", self.dtype, ("float32", "bfloat16"))
+    if self.batch_invariant and self.attention not in ("auto", "chunked"):
+      raise ValueError(
+          "policy.batch_invariant computes attention with the chunked "
+          f"einsums; policy.attention={self.attention!r} asks for a fused "
+          "kernel"
+      )
     check_choice("policy.attention", self.attention, ATTENTION)
     check_choice("policy.remat", self.remat, REMAT)
     check_choice(

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import jax
 
 from logra_jax.memory import targets
+from logra_jax.reduction import backend_started
 
 # XLA:CPU computes bfloat16 dots in float32: it upcasts bfloat16 weights and
 # hoists the converts out of the layer loop (loop-invariant code motion), so a
@@ -71,7 +72,7 @@ def ensure_devices(
       devices exist and JAX's backend has already started, or the GPU cannot
       be compiled for.
   """
-  started = _backend_started()
+  started = backend_started()
   if compile_for:
     if not started:
       jax.config.update("jax_platforms", "cpu")
@@ -94,13 +95,6 @@ def ensure_devices(
         f"XLA_FLAGS=--xla_force_host_platform_device_count={count}"
     )
   return devices[:count]
-
-
-def _backend_started() -> bool:
-  try:
-    return bool(jax._src.xla_bridge._backends)  # noqa: SLF001
-  except AttributeError:
-    return True
 
 
 def _ensure_cpu_devices(count: int) -> None:

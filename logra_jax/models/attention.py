@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.reduction import BLOCK, pairwise_sum, tree_sum
+
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -31,6 +33,7 @@ def attention(
     chunk: int,
     implementation: str = "chunked",
     lengths_B: jax.Array | None = None,
+    batch_invariant_at: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   r"""Causal grouped-query attention of new queries over past and new keys.
 
@@ -55,6 +58,12 @@ def attention(
       implementation (used when ``T > 1``).
     lengths_B: packed rows (real tokens first, no cache): attention is
       causal over each row's first ``lengths_B`` keys.
+    batch_invariant_at: the batch-invariant path
+      (``DecoderConfig.batch_invariant``), with the slot of the past blocks
+      where the new keys go (0 without a cache): the new keys and values are
+      written there first and the queries attend over that one block, as
+      the same tokens do in a forward pass; the softmax is a tree sum and
+      the value sum a pairwise sum over blocks of 256 keys.
 
   Returns:
     ``(attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh)``: the attention output and the
@@ -79,7 +88,10 @@ def attention(
   blocks = [(k_BxKxTxh, v_BxKxTxh)]
   if past_k_BxKxSxh is not None:
     blocks.insert(0, (past_k_BxKxSxh.astype(dt), past_v_BxKxSxh.astype(dt)))
-  if implementation != "chunked" and T > 1:
+  if batch_invariant_at is not None:
+    blocks, mask_BxTxS = _written_first(blocks, mask_BxTxS, batch_invariant_at)
+    products = _invariant_products()
+  elif implementation != "chunked" and T > 1:
     attn_BxTxKxGxh = _fused_attention(
         q_BxTxHxh,
         blocks,
@@ -88,7 +100,8 @@ def attention(
         implementation,
     ).reshape(B, T, K, H // K, h)
     return attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh
-  products = _decode_products() if T == 1 else _prefill_products()
+  else:
+    products = _decode_products() if T == 1 else _prefill_products()
 
   def attend(q_BxKxGxTxh, mask_BxTxS):
     return _attend(q_BxKxGxTxh, blocks, mask_BxTxS, *products)
@@ -99,6 +112,49 @@ def attention(
     attn_BxKxGxTxh = _by_query_blocks(attend, q_BxKxGxTxh, mask_BxTxS, chunk)
   attn_BxTxKxGxh = attn_BxKxGxTxh.transpose(0, 3, 1, 2, 4)
   return attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh
+
+
+def _written_first(blocks, mask_BxTxS, at):
+  """``[past; new]`` as one block: the new keys and values (and their mask
+  columns) written into the past block at slot ``at``."""
+  if len(blocks) == 1:
+    return blocks, mask_BxTxS
+  (past_k, past_v), (new_k, new_v) = blocks
+  S = past_k.shape[2]
+  write = lambda past, new: jax.lax.dynamic_update_slice_in_dim(
+      past, new, at, axis=2
+  )
+  keys, values = write(past_k, new_k), write(past_v, new_v)
+  mask_BxTxS = jax.lax.dynamic_update_slice_in_dim(
+      mask_BxTxS[..., :S], mask_BxTxS[..., S:], at, axis=2
+  )
+  return [(keys, values)], mask_BxTxS
+
+
+def _invariant_products():
+  """``(qk, pv, softmax)`` of the batch-invariant path: the score
+  matmul's reduction (the head dim) is short; the value sum is a pairwise
+  sum of matmuls over blocks of ``BLOCK`` keys and the softmax's sum a
+  tree sum, so a longer, masked key axis gives the same bits."""
+  qk, matmul_pv = _prefill_products()
+
+  def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
+    S = values_BxKxSxh.shape[2]
+    parts = [
+        matmul_pv(
+            probs_BxKxGxTxS[..., i : i + BLOCK],
+            values_BxKxSxh[:, :, i : i + BLOCK],
+            jnp.float32,
+        )
+        for i in range(0, S, BLOCK)
+    ]
+    return pairwise_sum(parts).astype(dtype)
+
+  def softmax(scores):
+    exp = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
+    return exp / tree_sum(exp, keepdims=True)
+
+  return qk, pv, softmax
 
 
 def _decode_products():
@@ -148,7 +204,7 @@ def _prefill_products():
   return qk, pv
 
 
-def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv):
+def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv, softmax=jax.nn.softmax):
   """Softmax attention of the queries over the key/value blocks."""
   h = q_BxKxGxTxh.shape[-1]
   dt = q_BxKxGxTxh.dtype
@@ -158,7 +214,7 @@ def _attend(q_BxKxGxTxh, blocks, mask_BxTxS, qk, pv):
   scores_BxKxGxTxS = jnp.where(
       mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASK_VALUE
   )
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+  probs_BxKxGxTxS = softmax(scores_BxKxGxTxS).astype(dt)
   # Several blocks are summed in float32 and rounded once; a single block is
   # rounded by its matmul (training's backward stays in the compute dtype).
   out_dtype = jnp.float32 if len(blocks) > 1 else dt

@@ -104,6 +104,15 @@ class DecoderConfig:
       under ``jax_enable_x64`` for reference computations); logits are
       always float32 or wider.
     param_dtype: storage dtype of parameters.
+    batch_invariant: every sum in an order fixed by one row's shapes
+      (:mod:`logra_jax.reduction`): matmuls as pairwise sums of products
+      over 256-long slices, RMSNorm and the attention softmax as tree sums,
+      attention's value sum over 256-key blocks, and a decoded token's key
+      written into the cache before it is attended over with the forward's
+      matmuls (the chunked attention path, always). With kernels that are
+      row-invariant for such slices (XLA:CPU with
+      `logra_jax.reduction.CPU_FLAGS`) a sampler's log-probs are then bitwise
+      a forward pass's, whatever the batch.
 
   Example:
     >>> cfg = DecoderConfig.tiny(vocab_size=128)
@@ -136,6 +145,7 @@ class DecoderConfig:
   attention: str = "auto"
   dtype: str = "float32"
   param_dtype: str = "float32"
+  batch_invariant: bool = False
 
   def __post_init__(self):
     for name in (
@@ -171,6 +181,11 @@ class DecoderConfig:
     if self.attention not in ATTENTION:
       raise ValueError(
           f"attention must be one of {ATTENTION}, got {self.attention!r}."
+      )
+    if self.batch_invariant and self.attention not in ("auto", "chunked"):
+      raise ValueError(
+          "batch_invariant computes attention with the chunked einsums; "
+          f"attention={self.attention!r} asks for a fused kernel"
       )
     if self.attention_chunk < 1:
       raise ValueError(

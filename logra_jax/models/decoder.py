@@ -17,17 +17,19 @@ from typing import Any
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from logra_jax.models.attention import attention
 from logra_jax.models.cache import KVCache
 from logra_jax.models.cache import write_cache
 from logra_jax.models.config import attention_implementation
 from logra_jax.models.config import DecoderConfig
+from logra_jax.models.rope import apply_rope
+from logra_jax.models.rope import rope_inv_freq
 from logra_jax.parallel.sharding import constrain
 from logra_jax.lowrank import LowRankDelta
 from logra_jax.lowrank import matmul
 from logra_jax.lowrank import take
+from logra_jax.reduction import tree_sum
 
 # Logical axis names of every parameter, by path (the sharding hook). The
 # vocabulary tables are split along the vocabulary only (see PARTITION_RULES).
@@ -108,59 +110,16 @@ def param_shapes(
   return shapes
 
 
-def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
-  """Inverse RoPE frequencies `[h/2]` (float32), with linear/llama3 scaling.
-
-  Mirrors `transformers.modeling_rope_utils` so logits agree with HF.
-
-  Args:
-    config: the decoder config.
-
-  Returns:
-    The frequencies.
-
-  Example:
-    >>> rope_inv_freq(DecoderConfig.tiny()).shape
-    (8,)
-  """
-  h = config.head_dim
-  inv_freq = 1.0 / (
-      np.float32(config.rope_theta)
-      ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h))
-  )
-  inv_freq = inv_freq.astype(np.float32)
-  s = config.rope_scaling
-  if s is None:
-    return inv_freq
-  if s.kind == "linear":
-    return (inv_freq / np.float32(s.factor)).astype(np.float32)
-  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-  wavelen = 2 * np.pi / inv_freq
-  scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-  smooth = (
-      s.original_max_position_embeddings / wavelen - s.low_freq_factor
-  ) / (s.high_freq_factor - s.low_freq_factor)
-  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last axis in float32, cast back, times `weight`."""
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight.astype(x.dtype) * x32.astype(x.dtype)
-
-
-def _apply_rope(
-    x_BxTxNxh: jax.Array, cos_BxTxr: jax.Array, sin_BxTxr: jax.Array
+def _rms_norm(
+    x: jax.Array, weight: jax.Array, eps: float, batch_invariant: bool = False
 ) -> jax.Array:
-  """Rotates halves (HF `rotate_half` convention); r = h / 2."""
-  x1, x2 = jnp.split(x_BxTxNxh.astype(jnp.float32), 2, axis=-1)
-  cos, sin = cos_BxTxr[:, :, None], sin_BxTxr[:, :, None]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxh.dtype)
+  """RMSNorm over the last axis in float32, cast back, times `weight`; the
+  mean of squares a `tree_sum` when `batch_invariant`."""
+  x32 = x.astype(jnp.float32)
+  sum_of_squares = tree_sum if batch_invariant else jnp.sum
+  mean_square = sum_of_squares(x32 * x32, axis=-1, keepdims=True) / x.shape[-1]
+  x32 = x32 * jax.lax.rsqrt(mean_square + eps)
+  return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
 def _pack(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -200,22 +159,28 @@ def _block(
     past_v_BxKxSxh: jax.Array | None,
     implementation: str = "chunked",
     lengths_B: jax.Array | None = None,
+    batch_invariant_at: jax.Array | None = None,
 ):
   """One pre-norm block; returns (x, new keys `[B, K, T, h]`, new values).
 
   The mask covers `[past; new]` keys: S = past length + T. With
   `lengths_B` (no cache), the rows are packed (real tokens first, in order)
   and attention is causal over the first `lengths_B` tokens of each row.
+  `batch_invariant_at`: as in `attention` (`config.batch_invariant`).
   """
   c = config
   dt = x_BxTxD.dtype
   B, T, _ = x_BxTxD.shape
   H, K, h = c.num_heads, c.num_kv_heads, c.head_dim
+  invariant = c.batch_invariant
 
   def dense(x, name):
-    return matmul(x, w[name], dt)
+    return matmul(x, w[name], dt, batch_invariant=invariant)
 
-  hn_BxTxD = _rms_norm(x_BxTxD, w["attn_norm"], c.rms_norm_eps)
+  def norm(x, name):
+    return _rms_norm(x, w[name], c.rms_norm_eps, invariant)
+
+  hn_BxTxD = norm(x_BxTxD, "attn_norm")
   q = dense(hn_BxTxD, "q_proj")
   k = dense(hn_BxTxD, "k_proj")
   v = dense(hn_BxTxD, "v_proj")
@@ -227,10 +192,10 @@ def _block(
   k_BxTxKxh = k.reshape(B, T, K, h)
   v_BxTxKxh = v.reshape(B, T, K, h)
   if c.qk_norm:
-    q_BxTxHxh = _rms_norm(q_BxTxHxh, w["q_norm"], c.rms_norm_eps)
-    k_BxTxKxh = _rms_norm(k_BxTxKxh, w["k_norm"], c.rms_norm_eps)
-  q_BxTxHxh = _apply_rope(q_BxTxHxh, cos_BxTxr, sin_BxTxr)
-  k_BxTxKxh = _apply_rope(k_BxTxKxh, cos_BxTxr, sin_BxTxr)
+    q_BxTxHxh = norm(q_BxTxHxh, "q_norm")
+    k_BxTxKxh = norm(k_BxTxKxh, "k_norm")
+  q_BxTxHxh = apply_rope(q_BxTxHxh, cos_BxTxr, sin_BxTxr)
+  k_BxTxKxh = apply_rope(k_BxTxKxh, cos_BxTxr, sin_BxTxr)
 
   attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh = attention(
       q_BxTxHxh,
@@ -242,13 +207,14 @@ def _block(
       chunk=c.attention_chunk,
       implementation=implementation,
       lengths_B=lengths_B,
+      batch_invariant_at=batch_invariant_at,
   )
   out_BxTxD = dense(attn_BxTxKxGxh.reshape(B, T, H * h), "o_proj")
   if c.attention_out_bias:
     out_BxTxD = out_BxTxD + w["o_bias"].astype(dt)
   x_BxTxD = x_BxTxD + out_BxTxD
 
-  hn_BxTxD = _rms_norm(x_BxTxD, w["mlp_norm"], c.rms_norm_eps)
+  hn_BxTxD = norm(x_BxTxD, "mlp_norm")
   act_BxTxF = jax.nn.silu(dense(hn_BxTxD, "gate_proj")) * dense(
       hn_BxTxD, "up_proj"
   )
@@ -327,7 +293,16 @@ def forward_hidden(
   x_BxTxD = constrain(
       take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
   )
-  implementation, _ = attention_implementation(c.attention, c.dtype)
+  implementation, _ = (
+      ("chunked", None)
+      if c.batch_invariant
+      else attention_implementation(c.attention, c.dtype)
+  )
+  # Batch-invariant attention writes the new keys into the cache first, at
+  # its index (a forward pass without a cache: one block, slot 0).
+  at = None
+  if c.batch_invariant:
+    at = jnp.zeros((), jnp.int32) if attended is None else attended.index
   # Fused attention without a cache: each row's real tokens packed to its
   # front (positions are already taken), so causal attention over their
   # count is exact for any padding; the hidden states are unpacked after.
@@ -354,6 +329,7 @@ def forward_hidden(
         past_v,
         implementation,
         lengths_B,
+        at,
     )
     new_kv = None if cache is None else (k_BxKxTxh, v_BxKxTxh)
     return x_BxTxD, new_kv
@@ -363,7 +339,9 @@ def forward_hidden(
   x_BxTxD, new_kv = jax.lax.scan(body, x_BxTxD, (weights["layers"], *past))
   if packed:
     x_BxTxD = _gather_rows(x_BxTxD, unpack_BxT)
-  hidden_BxTxD = _rms_norm(x_BxTxD, weights["final_norm"], c.rms_norm_eps)
+  hidden_BxTxD = _rms_norm(
+      x_BxTxD, weights["final_norm"], c.rms_norm_eps, c.batch_invariant
+  )
   if cache is None:
     return hidden_BxTxD, None
   return hidden_BxTxD, write_cache(cache, *new_kv, attention_mask_BxT)
@@ -393,15 +371,18 @@ def unembedding(
 
 
 def project_logits(
-    hidden_BxTxD: jax.Array, w_DxV: jax.Array | LowRankDelta
+    hidden_BxTxD: jax.Array,
+    w_DxV: jax.Array | LowRankDelta,
+    batch_invariant: bool = False,
 ) -> jax.Array:
   """`hidden @ W` in the hidden states' dtype, accumulated and returned in
-  float32."""
+  float32 (as `DecoderConfig.batch_invariant` computes it, when given)."""
   return matmul(
       hidden_BxTxD,
       w_DxV,
       hidden_BxTxD.dtype,
       preferred_element_type=jnp.float32,
+      batch_invariant=batch_invariant,
   )
 
 
@@ -516,7 +497,9 @@ class Decoder(nnx.Module):
         attention_mask=attention_mask,
         cache=cache,
     )
-    logits_BxTxV = project_logits(hidden_BxTxD, self.unembedding())
+    logits_BxTxV = project_logits(
+        hidden_BxTxD, self.unembedding(), self.config.batch_invariant
+    )
     return logits_BxTxV if cache is None else (logits_BxTxV, new_cache)
 
 

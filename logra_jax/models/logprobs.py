@@ -41,6 +41,28 @@ def completion_hidden_states(
     `(hidden_BxNxD, w_DxV)` in the compute dtype; `w_DxV` is a factored
     `LowRankDelta` for a factored head (`project_logits` applies it).
   """
+  hidden_BxNxD, model = _completion_forward(
+      graphdef,
+      params,
+      prompt_ids_BxP,
+      prompt_mask_BxP,
+      completion_ids_BxN,
+      completion_mask_BxN,
+      context_mask_BxN,
+  )
+  return hidden_BxNxD, model.unembedding()
+
+
+def _completion_forward(
+    graphdef,
+    params,
+    prompt_ids_BxP,
+    prompt_mask_BxP,
+    completion_ids_BxN,
+    completion_mask_BxN,
+    context_mask_BxN,
+):
+  """`completion_hidden_states`'s hidden states, and the merged model."""
   B, P = prompt_ids_BxP.shape
   N = completion_ids_BxN.shape[1]
   if P < 1:
@@ -60,10 +82,8 @@ def completion_hidden_states(
   hidden_BxTxD, _ = model.hidden_states(
       ids_BxT.astype(jnp.int32), attention_mask=mask_BxT
   )
-  return (
-      constrain(hidden_BxTxD[:, P - 1 : P + N - 1], ("batch", None, None)),
-      model.unembedding(),
-  )
+  hidden_BxNxD = hidden_BxTxD[:, P - 1 : P + N - 1]
+  return constrain(hidden_BxNxD, ("batch", None, None)), model
 
 
 def token_logprobs(
@@ -125,7 +145,7 @@ def token_logprobs(
   B, N = completion_ids_BxN.shape
   if completion_mask_BxN is None:
     completion_mask_BxN = jnp.ones((B, N), bool)
-  hidden_BxNxD, w_DxV = completion_hidden_states(
+  hidden_BxNxD, model = _completion_forward(
       graphdef,
       params,
       prompt_ids_BxP,
@@ -134,6 +154,8 @@ def token_logprobs(
       completion_mask_BxN,
       context_mask_BxN,
   )
+  w_DxV = model.unembedding()
+  batch_invariant = model.config.batch_invariant
   scale = completion_logits_scale(temperature)
 
   C = min(chunk_size, N)
@@ -156,7 +178,7 @@ def token_logprobs(
     # weight's gradient) for all of them.
     hidden_BxCxD = constrain(hidden_BxCxD, ("vocab_batch", None, None))
     logits_BxCxV = constrain(
-        project_logits(hidden_BxCxD, w_DxV) / scale,
+        project_logits(hidden_BxCxD, w_DxV, batch_invariant) / scale,
         ("vocab_batch", None, "vocab"),
     )
     logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)

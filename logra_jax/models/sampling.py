@@ -446,7 +446,8 @@ class Sampler:
         cache=cache,
         prefill=True,
     )
-    logits_BxV = project_logits(hidden_BxPxD[:, -1:], w_DxV)[:, 0]
+    invariant = self.config.batch_invariant
+    logits_BxV = project_logits(hidden_BxPxD[:, -1:], w_DxV, invariant)[:, 0]
 
     def body(state: _Decoding) -> _Decoding:
       state, token_B, live_B = _emit(
@@ -455,7 +456,7 @@ class Sampler:
       hidden_Bx1xD, cache = model.hidden_states(
           token_B[:, None], attention_mask=live_B[:, None], cache=state.cache
       )
-      logits_BxV = project_logits(hidden_Bx1xD, w_DxV)[:, 0]
+      logits_BxV = project_logits(hidden_Bx1xD, w_DxV, invariant)[:, 0]
       return state._replace(
           step=state.step + 1, cache=cache, logits_BxV=logits_BxV
       )

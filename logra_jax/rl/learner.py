@@ -101,6 +101,33 @@ def make_train_step(
   )
 
 
+def make_merge_ahead(
+    config: TrainConfig, shardings: tuple[Any, Any] | None = None
+) -> Callable | None:
+  """Builds the jitted ``(weights, opt_state) -> weights`` that merges a
+  factored policy's window (:func:`factored.merge_at_refresh`) when the
+  next update will refresh its projectors, and leaves the weights as they
+  are otherwise (weights donated: in place). That update's own merge, which
+  it begins with, then finds the coordinates zero and the scale one, and
+  leaves every value as it is. None for weights that are not factored.
+
+  With ``shardings = (weights, opt_state)`` the weights keep their layout.
+  """
+  if not policy_state.factored_policy(config.optimizer):
+    return None
+  merge = lambda weights, opt_state: factored_lib.merge_at_refresh(
+      weights, opt_state, seed=config.seed
+  )
+  if shardings is None:
+    return jax.jit(merge, donate_argnums=0)
+  return jax.jit(
+      merge,
+      donate_argnums=0,
+      in_shardings=shardings,
+      out_shardings=shardings[0],
+  )
+
+
 def make_proximal_logprobs(
     graphdef: nnx.GraphDef,
     config: TrainConfig,

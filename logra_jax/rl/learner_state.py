@@ -34,6 +34,7 @@ class _Placement(NamedTuple):
   fill_reference: Optional[Callable]  # reference log-probs (loss.beta > 0)
   fill_proximal: Optional[Callable]  # learner_lib.make_proximal_logprobs
   params_sharding: Any  # of the dense params
+  merge_ahead: Optional[Callable]  # learner_lib.make_merge_ahead
 
 
 class Update(NamedTuple):
@@ -72,6 +73,7 @@ def _single_device_placement(
       fill_reference=fill_reference,
       fill_proximal=learner_lib.make_proximal_logprobs(policy.graphdef, config),
       params_sharding=sharding,
+      merge_ahead=learner_lib.make_merge_ahead(config),
   )
 
 
@@ -145,6 +147,9 @@ def _mesh_placement(
       fill_reference=fill_reference,
       fill_proximal=fill_proximal,
       params_sharding=params_sharding,
+      merge_ahead=learner_lib.make_merge_ahead(
+          config, (weights_sharding, state_sharding)
+      ),
   )
 
 
@@ -268,6 +273,18 @@ class Learner:
       guard = non_finite.non_finite_state(self.opt_state)
       skipped.update(non_finite.non_finite_reasons(guard.reason))
     return Update(metrics, guard, skipped)
+
+  def merge_ahead(self) -> bool:
+    """Merges a factored policy's window now when the next update will
+    refresh its projectors (:func:`learner_lib.make_merge_ahead`: the merge
+    that update begins with, the same values), so that the next rollout is
+    sampled from the weights that update differentiates; whether the
+    weights are factored (the merge may have been due or not). Engines'
+    copies do the same (``merge_ahead_every``)."""
+    if self._placement.merge_ahead is None:
+      return False
+    self.weights = self._placement.merge_ahead(self.weights, self.opt_state)
+    return True
 
   def save(
       self,

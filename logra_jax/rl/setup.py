@@ -248,6 +248,7 @@ def load_policy(
       system_prompt=config.task.system_prompt,
       attention=config.policy.attention,
       remat=config.policy.remat,
+      batch_invariant=config.policy.batch_invariant,
   )
   _, notice = models.attention_implementation(
       config.policy.attention, config.policy.dtype, setting="policy.attention"

@@ -22,6 +22,7 @@ import jax
 from logra_jax import checkpoint
 from logra_jax import envs
 from logra_jax import parallel
+from logra_jax import reduction
 from logra_jax import sync
 from logra_jax.configs import TrainConfig, load_config, to_yaml
 from logra_jax.data import tasks as tasks_lib
@@ -103,6 +104,8 @@ def train(
   """
   start_time = time.perf_counter()
   out = pathlib.Path(out_dir)
+  if config.policy.batch_invariant:  # XLA reads its flags as JAX starts
+    reduction.use_invariant_kernels()
   if jax.process_count() > 1:
     mesh = mesh or parallel.MeshConfig(fsdp=jax.device_count())
     # Every process runs the same command; a different config, mesh or
@@ -375,6 +378,11 @@ def _run_steps(run: _Run) -> None:
       rollout_seconds = time.perf_counter() - step_start
       update = learner.update(batch)
       synced = pipeline.sync(learner.state, done)
+      # Engines sample the next rollout from the weights the next update
+      # differentiates: a window due to be merged is merged now, by the
+      # learner and by each engine's copy (the message just sent).
+      if learner.merge_ahead():
+        pipeline.follow(learner.state)
     metrics = run_log.step_metrics(
         rollout.metrics, update, done, pipeline.sync_metrics(synced)
     )

@@ -147,17 +147,23 @@ class Policy:
       system_prompt: Optional[str] = None,
       attention: str = PolicyConfig.attention,
       remat: str = PolicyConfig.remat,
+      batch_invariant: bool = PolicyConfig.batch_invariant,
   ) -> "Policy":
     """Loads an HF folder; under ``mesh``, the weights are placed by the
     partition rules and the sampler is compiled for the mesh.
 
     ``chat_template`` (``task.chat_template``): ``"auto"`` applies the
     tokenizer's chat template when it has one, ``"none"`` never does.
-    ``attention``, ``remat``: ``policy.attention``, ``policy.remat``
-    (``DecoderConfig.attention``, ``DecoderConfig.remat``)."""
+    ``attention``, ``remat``, ``batch_invariant``: ``policy.attention``,
+    ``policy.remat``, ``policy.batch_invariant`` (the
+    ``DecoderConfig`` fields of these names)."""
     folder = check_policy_folder(folder)
     model = models.load_pretrained(
-        folder, dtype=dtype, attention=attention, remat=remat
+        folder,
+        dtype=dtype,
+        attention=attention,
+        remat=remat,
+        batch_invariant=batch_invariant,
     )
     tokenizer = models.load_tokenizer(folder)
     graphdef, params = models.split_model(model)
@@ -258,6 +264,15 @@ def sync_fields(
   other's messages."""
   model = json.loads((pathlib.Path(folder) / "config.json").read_text())
   return {"model": model, "optimizer": to_dict(config)["optimizer"]}
+
+
+def merge_ahead_every(config: TrainConfig) -> Optional[int]:
+  """A run's engines' ``merge_ahead_every``: its learner merges a factored
+  policy's window ahead of each refresh (``Learner.merge_ahead``), every
+  ``optimizer.refresh_every`` updates; None for other weights."""
+  if policy_state.factored_policy(config.optimizer):
+    return config.optimizer.refresh_every
+  return None
 
 
 class Engine:
@@ -415,6 +430,8 @@ class RolloutEngine(Engine):
     projectors: regenerates ``kind="random"`` projectors by window
       (``policy_state.projector_source``), so that refresh messages need
       not carry them; None for other kinds.
+    merge_ahead_every: as :class:`sync.PolicyReceiver`'s (a run's learner
+      merges ahead: ``optimizer.refresh_every``).
     **fields: the signature fields the learner's :class:`sync.PolicySender`
       uses (:func:`sync_fields`).
   """
@@ -428,11 +445,16 @@ class RolloutEngine(Engine):
       shardings: Any = None,
       dtype: Any = jnp.float32,
       projectors: Optional[Callable[[int], Any]] = None,
+      merge_ahead_every: Optional[int] = None,
       **fields: Any,
   ):
     self.policy = policy
     self.receiver = sync.PolicyReceiver(
-        template, seed=seed, projectors=projectors, **fields
+        template,
+        seed=seed,
+        projectors=projectors,
+        merge_ahead_every=merge_ahead_every,
+        **fields,
     )
     self.signature = self.receiver.signature
     dense = jax.eval_shape(sync.materialize, template)

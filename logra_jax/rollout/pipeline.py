@@ -113,6 +113,7 @@ def start_engine(
         shardings=params_sharding,
         dtype=engine_lib.sampling_dtype(config.rollout.dtype),
         projectors=policy_state.projector_source(opt_state),
+        merge_ahead_every=engine_lib.merge_ahead_every(config),
         **sync_fields,
     )
   closing.callback(engine.close)
@@ -265,6 +266,19 @@ class RolloutPipeline:
     self._synced: Optional[engine_lib.SyncStats] = None
 
   @property
+  def shares_weights(self) -> bool:
+    """Whether the engine samples with the learner's own arrays (a
+    :class:`~engine_lib.SharedEngine`)."""
+    return isinstance(self.engine, engine_lib.SharedEngine)
+
+  def follow(self, state: tuple[Any, Any]) -> None:
+    """A shared engine samples from now on with the learner's ``state``,
+    which replaced the one it was synced to in place (the learner's merge
+    ahead); an engine with its own copy merged it itself."""
+    if self.shares_weights:
+      self.engine.follow(state)
+
+  @property
   def asynchronous(self) -> bool:
     """Whether a worker thread serves the engine (``max_staleness > 0``)."""
     return self._worker is not None
@@ -368,7 +382,7 @@ class RolloutPipeline:
     ``step`` (1-based) to the engine (a full message every
     ``sync.resync_every`` steps); the figures of the latest sync that
     finished."""
-    if isinstance(self.engine, engine_lib.SharedEngine):
+    if self.shares_weights:
       self._engine_version = step
       return self.engine.follow(state)
     weights, opt_state = state

@@ -186,6 +186,7 @@ class _Server:
           dtype=jnp.dtype(config.policy.dtype),
           attention=config.policy.attention,
           remat=config.policy.remat,
+          batch_invariant=config.policy.batch_invariant,
       )
       # The learner's layout and projector source, from the config alone.
       template, projectors = policy_state.abstract_receiver(
@@ -198,6 +199,7 @@ class _Server:
           seed=config.seed,
           dtype=engine_lib.sampling_dtype(config.rollout.dtype),
           projectors=projectors,
+          merge_ahead_every=engine_lib.merge_ahead_every(config),
           **engine_lib.sync_fields(config, folder),
       )
       return _OK, _pack({"signature": self.engine.receiver.signature})

@@ -213,6 +213,12 @@ class PolicyReceiver:
       projectors (:func:`~logra_jax.policy_state.projector_source`), so
       that a refresh's message need not carry them; without it such a
       message is refused (and a full one, which carries them, heals it).
+    merge_ahead_every: the learner's ``refresh_every`` when it merges ahead
+      of each refresh (``Learner.merge_ahead``, after the message of the
+      update before it): after applying a message of version ``v`` (the
+      ``project`` stage's count) with ``v % merge_ahead_every == 0``, the
+      receiver merges its window too, with the same rounding key, and holds
+      the learner's weights again. None: the learner does not.
     **fields: as given to the sender (model config, rank, ...).
 
   Attributes:
@@ -228,12 +234,14 @@ class PolicyReceiver:
       *,
       seed: int,
       projectors: Optional[Callable[[int], Any]] = None,
+      merge_ahead_every: Optional[int] = None,
       **fields: Any,
   ):
     self.state = template
     self.signature = signature(template, seed=seed, **fields)
     self.seed = seed
     self._projectors = projectors
+    self._merge_ahead_every = merge_ahead_every
     self._window = -1  # the window of the random projectors held
     self.sequence = -1
     self.version = -1
@@ -277,6 +285,17 @@ class PolicyReceiver:
           f"message {message.sequence}: checksum mismatch after applying it "
           f"for {len(wrong)} array(s), e.g. {wrong[:3]}; the weights are "
           "kept (a full resync heals them)"
+      )
+    every = self._merge_ahead_every
+    if every and message.version > 0 and message.version % every == 0:
+      state = dict(
+          state,
+          weights=_merge(
+              state["weights"],
+              state["projectors"],
+              jnp.asarray(message.version, jnp.int32),
+              seed=self.seed,
+          ),
       )
     self.state = state
     self.sequence = message.sequence

@@ -67,3 +67,39 @@ def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
       for line in (out / "metrics.jsonl").read_text().splitlines()
   ]
   assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))
+
+
+@pytest.mark.slow
+def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
+    policy_folder, tmp_path
+):
+  """`policy.batch_invariant`: the run sets its XLA flags before JAX starts
+  (a fresh process), and every step's rollout log-probs equal the
+  learner's bitwise, the steps after a window merge too (the smoke preset
+  refreshes every 2 steps: the learner merges ahead of the refresh, so the
+  shared engine samples the merged weights)."""
+  out = tmp_path / "run"
+  done = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "logra_jax.cli",
+          "train",
+          "--preset=smoke",
+          "--no-progress",
+          f"--out={out}",
+          f"--set=policy.path={policy_folder}",
+          "--set=policy.batch_invariant=true",
+          "--set=steps=5",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  metrics = [
+      json.loads(line)
+      for line in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert len(metrics) == 5
+  assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics

@@ -60,8 +60,9 @@ def _same_bits(a, b):
 def _learn(config, policy, engines, steps, messages=None, synced=None):
   """Runs ``steps`` learner steps on one rollout batch (its advantages
   redrawn each step), syncing ``engines`` after each of the first
-  ``synced`` (default all); returns the learner's ``(weights, opt_state,
-  sender)``."""
+  ``synced`` (default all) and then merging ahead of a refresh, as a run's
+  learner does (``Learner.merge_ahead``); returns the learner's
+  ``(weights, opt_state, sender)``."""
   params = jax.tree.map(jnp.copy, policy.params)  # the step donates them
   tx = policy_state.make_optimizer(config.optimizer, params)
   weights, opt_state = policy_state.init_train_state(
@@ -82,6 +83,7 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
       jax.random.key(1),
   )
   train_step = learner.make_train_step(policy.graphdef, tx, config)
+  merge_ahead = learner.make_merge_ahead(config)
   for i in range(steps):
     advantages = jax.random.normal(jax.random.key(i), (batch.batch_size,))
     weights, opt_state, _ = train_step(
@@ -95,6 +97,8 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
     ]:
       stats = engine.sync(message)
       assert not stats.resynced
+    if merge_ahead is not None:
+      weights = merge_ahead(weights, opt_state)
   return weights, opt_state, sender
 
 
@@ -122,6 +126,7 @@ def test_engines_in_and_out_of_process_follow_the_learner(
       policy_state.synced_state(weights, opt_state),
       seed=config.seed,
       projectors=policy_state.projector_source(opt_state),
+      merge_ahead_every=engine_lib.merge_ahead_every(config),
       **fields,
   )
   messages = []

@@ -1,0 +1,135 @@
+r"""Sums whose order is fixed by the shapes of one row (batch invariance).
+
+XLA chooses its matmul and reduction kernels by the whole operand's shape, so
+a row's result may depend on how many rows share the call: a sampler decoding
+16 rows and a learner scoring thousands then get other bits for the same
+token. The sums here fix the order instead: a pairwise tree over slices of
+at most :data:`BLOCK` elements, so a row's bits depend on its own shapes only,
+on kernels that are row-invariant for a reduced length up to ``BLOCK``
+(XLA:CPU with XNNPACK off: ``experiments/kernel_invariance.py``).
+``DecoderConfig.batch_invariant`` computes the decoder with them.
+
+Appending zeros to what is summed never changes the bits (``x + 0 = x``), so
+a longer, masked key axis gives the same attention output.
+
+This module is a leaf of the package: it imports only JAX.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# The longest reduction one kernel call may do: XLA:CPU's matmul (XNNPACK off)
+# splits a longer reduced axis into blocks whose boundaries depend on the
+# number of rows, and keeps a reduction of up to 256 in one pass.
+BLOCK = 256
+
+# The XLA:CPU flags under which each row of a matmul of up to `BLOCK` reduced
+# elements gets the same bits for any number of rows (XNNPACK and YNNPACK
+# choose kernels by the row count).
+CPU_FLAGS = (
+    "--xla_cpu_use_xnnpack=false",
+    "--xla_cpu_experimental_ynn_fusion_type=",
+)
+
+
+def backend_started() -> bool:
+  """Whether JAX has started a backend: it reads ``XLA_FLAGS`` no more."""
+  try:
+    return bool(jax._src.xla_bridge._backends)  # noqa: SLF001
+  except AttributeError:
+    return True
+
+
+def use_invariant_kernels(setting: str = "policy.batch_invariant") -> None:
+  """Adds :data:`CPU_FLAGS` to ``XLA_FLAGS`` before JAX starts its backend
+  (a process's children inherit them).
+
+  Raises:
+    ValueError: JAX has started without them, naming ``setting`` and the
+      flags to set before it starts.
+  """
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  missing = [flag for flag in CPU_FLAGS if flag not in flags]
+  if not missing:
+    return
+  if backend_started():
+    raise ValueError(
+        f"{setting} needs XLA:CPU's row-invariant kernels, chosen when JAX "
+        f"starts, and JAX has started without them: set XLA_FLAGS="
+        f"'{' '.join(CPU_FLAGS)}' before the first computation"
+    )
+  os.environ["XLA_FLAGS"] = " ".join(flags + missing)
+
+
+def pairwise_sum(parts: Sequence[jax.Array]) -> jax.Array:
+  r"""``((p_0 + p_1) + (p_2 + p_3)) + \dots``: neighbours added level by level.
+
+  An odd last part moves up a level unchanged, as if a zero were added to
+  it, so trailing parts that are zero never change the bits.
+
+  Example:
+    >>> float(pairwise_sum([jnp.float32(1), 2.0, 3.0]))
+    6.0
+  """
+  parts = list(parts)
+  if not parts:
+    raise ValueError("pairwise_sum needs at least one part")
+  while len(parts) > 1:
+    pairs = zip(parts[0::2], parts[1::2])
+    parts = [a + b for a, b in pairs] + parts[len(parts) // 2 * 2 :]
+  return parts[0]
+
+
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False):
+  r"""The sum over ``axis`` as a tree of halves: ``x`` padded with zeros to a
+  power-of-two length ``n``, then ``x[:n/2] + x[n/2:]`` until one element.
+
+  Elementwise adds only, so each row's order is fixed by its own length,
+  and zeros appended to ``x`` do not change the bits.
+
+  Example:
+    >>> tree_sum(jnp.arange(5.0)).item()
+    10.0
+  """
+  x = jnp.moveaxis(x, axis, -1)
+  n = x.shape[-1]
+  padded = 1 << max(n - 1, 0).bit_length()
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  x = jnp.moveaxis(x, -1, axis)
+  return x if keepdims else jnp.squeeze(x, axis)
+
+
+def blocked_dot(
+    a: jax.Array,
+    b: jax.Array,
+    preferred_element_type: Any = None,
+    block: int = BLOCK,
+) -> jax.Array:
+  r"""``a @ b`` (``a``'s last axis against ``b``'s first) as
+  :func:`pairwise_sum` of the products over ``block``-long slices:
+
+  .. math:: a b = \sum_j a_{[:, jK:(j+1)K]}\, b_{[jK:(j+1)K]},\quad K = \text{block}.
+
+  Example:
+    >>> a, b = jnp.ones((2, 600)), jnp.ones((600, 3))
+    >>> blocked_dot(a, b).tolist()[0]
+    [600.0, 600.0, 600.0]
+  """
+  dot = lambda a, b: jnp.dot(
+      a, b, preferred_element_type=preferred_element_type
+  )
+  length = a.shape[-1]
+  return pairwise_sum(
+      [
+          dot(a[..., i : i + block], b[i : i + block])
+          for i in range(0, length, block)
+      ]
+  )

@@ -1,0 +1,106 @@
+"""The batch-invariant numerics (`logra_jax.reduction`,
+`DecoderConfig.batch_invariant`): the sums' documented order, their
+invariance to appended zeros, and the same math as the default numerics.
+Bitwise sampler-vs-learner equality needs XLA flags set before JAX starts:
+`tests/test_experiments.py` and `tests/rl/test_trainer.py` run it in fresh
+processes."""
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+from logra_jax import configs
+from logra_jax import models
+from logra_jax import reduction
+import numpy as np
+import pytest
+from tolerances import decoder_reduction_length
+from tolerances import float_tolerance
+
+_floats = st.lists(
+    st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=40
+)
+
+
+def test_the_sums_add_in_their_documented_order():
+  """In float32, 1e8 + 1 rounds to 1e8, so the order decides the result:
+  neighbours first gives (1e8 + 1) + (-1e8 + 1) = 0; halves first gives
+  [1e8 + -1e8, 1 + 1] = 2; left to right would give 1."""
+  x = jnp.asarray([1e8, 1.0, -1e8, 1.0], jnp.float32)
+  assert float(reduction.pairwise_sum(list(x))) == 0.0
+  assert float(reduction.tree_sum(x)) == 2.0
+  with pytest.raises(ValueError, match="at least one part"):
+    reduction.pairwise_sum([])
+
+
+@settings(max_examples=40, deadline=None)
+@given(_floats, st.integers(1, 40))
+def test_appended_zeros_leave_the_bits(values, zeros):
+  x = np.asarray(values, np.float32)
+  padded = np.concatenate([x, np.zeros(zeros, np.float32)])
+  np.testing.assert_array_equal(
+      reduction.tree_sum(jnp.asarray(padded)), reduction.tree_sum(x)
+  )
+  np.testing.assert_array_equal(
+      reduction.pairwise_sum(list(jnp.asarray(padded))),
+      reduction.pairwise_sum(list(jnp.asarray(x))),
+  )
+
+
+def test_blocked_dot_is_the_product():
+  a = jax.random.normal(jax.random.key(0), (5, 600))
+  b = jax.random.normal(jax.random.key(1), (600, 7))
+  tol = 2 * float_tolerance(jnp.float32, 600)
+  magnitude = np.abs(np.asarray(a)) @ np.abs(np.asarray(b))
+  got = reduction.blocked_dot(a, b)
+  np.testing.assert_array_less(
+      np.abs(np.asarray(got) - np.asarray(a) @ np.asarray(b)), tol * magnitude
+  )
+
+
+def test_batch_invariant_decoder_computes_the_same_logits():
+  """Blocked down_proj (F = 640 > 256), tree-sum norms and softmax,
+  write-first decoding: the default forward's logits, to the bound of two
+  summation orders, in a forward pass and decoding over a cache."""
+  config = models.DecoderConfig.tiny(vocab_size=64, intermediate_size=640)
+  invariant = config.replace(batch_invariant=True)
+  ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 64)
+  graphdef, params = models.split_model(models.init_model(config, 0))
+  logits = lambda c: models.logits_fn(c, params, ids)
+  plain = np.asarray(jax.jit(logits, static_argnums=0)(graphdef))
+  graphdef_inv, _ = models.split_model(models.init_model(invariant, 0))
+  ours = np.asarray(jax.jit(logits, static_argnums=0)(graphdef_inv))
+  tol = 2 * float_tolerance(jnp.float32, decoder_reduction_length(config, 12))
+  np.testing.assert_allclose(
+      ours, plain, rtol=0, atol=tol * np.abs(plain).max()
+  )
+  model = models.init_model(invariant, 0)
+  cache = models.init_cache(invariant, batch_size=2, max_length=12)
+  step = jax.jit(lambda m, x, c: m(x, cache=c))
+  chunks = []
+  for start, stop in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
+    out, cache = step(model, ids[:, start:stop], cache)
+    chunks.append(np.asarray(out))
+  np.testing.assert_allclose(
+      np.concatenate(chunks, 1), plain, rtol=0, atol=tol * np.abs(plain).max()
+  )
+
+
+def test_batch_invariance_refuses_a_fused_attention_and_a_started_backend(
+    monkeypatch,
+):
+  with pytest.raises(ValueError, match="batch_invariant computes attention"):
+    models.DecoderConfig.tiny(batch_invariant=True, attention="xla")
+  with pytest.raises(ValueError, match="policy.batch_invariant computes"):
+    configs.load_config(
+        "smoke", [], ["policy.batch_invariant=true", "policy.attention=cudnn"]
+    )
+  jax.numpy.zeros(1).block_until_ready()  # the backend has started
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_xnnpack=true")
+  with pytest.raises(
+      ValueError, match="XLA_FLAGS='--xla_cpu_use_xnnpack=false"
+  ):
+    reduction.use_invariant_kernels()
+  monkeypatch.setenv("XLA_FLAGS", " ".join(reduction.CPU_FLAGS))
+  reduction.use_invariant_kernels()  # present: nothing to do
