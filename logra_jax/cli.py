@@ -16,6 +16,7 @@ from logra_jax import checkpoint
 from logra_jax import configs
 from logra_jax import memory
 from logra_jax import parallel
+from logra_jax import reduction
 from logra_jax.models import config as models_config
 from logra_jax.models import gguf_io
 from logra_jax.rl import compilation_cache
@@ -113,6 +114,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
   config = _config(args)
+  if config.policy.batch_invariant:  # XLA reads its flags as JAX starts
+    reduction.use_invariant_kernels()
   compilation_cache.enable_compilation_cache()
   # Several processes: each samples the examples on its own devices and
   # scores its share of them; process 0 prints the result.
@@ -125,6 +128,7 @@ def _eval(args: argparse.Namespace) -> int:
       chat_template=config.task.chat_template,
       system_prompt=config.task.system_prompt,
       attention=config.policy.attention,
+      batch_invariant=config.policy.batch_invariant,
   )
   result = scoring.evaluate(
       policy,

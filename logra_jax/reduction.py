@@ -46,16 +46,25 @@ def backend_started() -> bool:
 
 
 def use_invariant_kernels(setting: str = "policy.batch_invariant") -> None:
-  """Adds :data:`CPU_FLAGS` to ``XLA_FLAGS`` before JAX starts its backend
-  (a process's children inherit them).
+  """Sets :data:`CPU_FLAGS` in ``XLA_FLAGS`` before JAX starts its backend
+  (a process's children inherit them), replacing other values of the same
+  flags.
 
   Raises:
-    ValueError: JAX has started without them, naming ``setting`` and the
-      flags to set before it starts.
+    ValueError: JAX has started without them, or its version (before
+      0.10, which these flags and the measurements are of) may not know
+      them: naming ``setting`` and what to do.
   """
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  missing = [flag for flag in CPU_FLAGS if flag not in flags]
-  if not missing:
+  version = tuple(int(part) for part in jax.__version__.split(".")[:2])
+  if version < (0, 10):
+    raise ValueError(
+        f"{setting} needs jax >= 0.10 (its XLA:CPU flags), found "
+        f"{jax.__version__}"
+    )
+  items = os.environ.get("XLA_FLAGS", "").split()
+  wanted = dict(flag.split("=", 1) for flag in CPU_FLAGS)
+  held = dict(item.partition("=")[::2] for item in items)
+  if all(_same(held.get(name), value) for name, value in wanted.items()):
     return
   if backend_started():
     raise ValueError(
@@ -63,7 +72,15 @@ def use_invariant_kernels(setting: str = "policy.batch_invariant") -> None:
         f"starts, and JAX has started without them: set XLA_FLAGS="
         f"'{' '.join(CPU_FLAGS)}' before the first computation"
     )
-  os.environ["XLA_FLAGS"] = " ".join(flags + missing)
+  kept = [item for item in items if item.partition("=")[0] not in wanted]
+  os.environ["XLA_FLAGS"] = " ".join(kept + list(CPU_FLAGS))
+
+
+def _same(held: str | None, wanted: str) -> bool:
+  """Whether a flag's value is the wanted one (booleans in any spelling)."""
+  booleans = {"0": "false", "1": "true"}
+  norm = lambda value: booleans.get(value.lower(), value.lower())
+  return held is not None and norm(held) == norm(wanted)
 
 
 def pairwise_sum(parts: Sequence[jax.Array]) -> jax.Array:

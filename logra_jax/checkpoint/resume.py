@@ -35,6 +35,7 @@ RESUMABLE_FIELDS = (
     "policy.path",
     "policy.cache_dir",
     "policy.remat",
+    "policy.batch_invariant",
     "rollout.engine",
     "sync",
 )

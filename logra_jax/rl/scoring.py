@@ -271,8 +271,13 @@ def trimmed_with_metrics(
   """The batch cut to its widths, and the rollout's metrics."""
   # The learner's batch is no wider than its longest prompt and completion,
   # rounded up to one of a few widths (each compiles the train step once).
+  # Batch-invariant numerics keep the sampler's prompt width: cutting left
+  # padding moves every key, and with it the blocks attention sums over.
+  prompt_width = batch.prompt_tokens_BxP.shape[1]
+  if not config.policy.batch_invariant:
+    prompt_width = algo.bucket_width(longest_prompt, prompt_width)
   batch = batch.trimmed(
-      algo.bucket_width(longest_prompt, batch.prompt_tokens_BxP.shape[1]),
+      prompt_width,
       algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
   )
   metrics = report.metrics()

@@ -253,7 +253,7 @@ def load_policy(
   _, notice = models.attention_implementation(
       config.policy.attention, config.policy.dtype, setting="policy.attention"
   )
-  if notice:
+  if notice and not config.policy.batch_invariant:  # chunked, always
     log(notice)
   return policy
 

@@ -272,11 +272,14 @@ class RolloutPipeline:
     return isinstance(self.engine, engine_lib.SharedEngine)
 
   def follow(self, state: tuple[Any, Any]) -> None:
-    """A shared engine samples from now on with the learner's ``state``,
-    which replaced the one it was synced to in place (the learner's merge
-    ahead); an engine with its own copy merged it itself."""
+    """The learner's ``state`` replaced the one last synced, in place (its
+    merge ahead donated those arrays): a shared engine samples with it
+    from now on, and a restarted engine starts from it (an engine with its
+    own copy merged that copy itself)."""
     if self.shares_weights:
       self.engine.follow(state)
+    elif self._state is not None:
+      self._state = state
 
   @property
   def asynchronous(self) -> bool:

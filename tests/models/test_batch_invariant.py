@@ -5,6 +5,8 @@ Bitwise sampler-vs-learner equality needs XLA flags set before JAX starts:
 `tests/test_experiments.py` and `tests/rl/test_trainer.py` run it in fresh
 processes."""
 
+import os
+
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -104,3 +106,16 @@ def test_batch_invariance_refuses_a_fused_attention_and_a_started_backend(
     reduction.use_invariant_kernels()
   monkeypatch.setenv("XLA_FLAGS", " ".join(reduction.CPU_FLAGS))
   reduction.use_invariant_kernels()  # present: nothing to do
+  # Another spelling of the same values is theirs too.
+  spelled = "--xla_cpu_use_xnnpack=0 --xla_cpu_experimental_ynn_fusion_type="
+  monkeypatch.setenv("XLA_FLAGS", spelled)
+  reduction.use_invariant_kernels()
+  monkeypatch.setattr(reduction, "backend_started", lambda: False)
+  monkeypatch.setenv(
+      "XLA_FLAGS", "--xla_cpu_use_xnnpack=true --xla_dump_to=/tmp/x"
+  )
+  reduction.use_invariant_kernels()  # before JAX starts: replaced
+  assert os.environ["XLA_FLAGS"].split() == [
+      "--xla_dump_to=/tmp/x",
+      *reduction.CPU_FLAGS,
+  ]

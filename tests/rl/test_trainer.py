@@ -103,3 +103,5 @@ def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
   ]
   assert len(metrics) == 5
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
+  # The learner keeps the sampler's prompt width (its bucket of 16).
+  assert all(m["batch/prompt_width"] % 16 == 0 for m in metrics), metrics

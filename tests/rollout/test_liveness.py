@@ -225,6 +225,21 @@ def test_a_lost_engine_is_restarted_and_samples_the_same_batches(staleness):
   assert _Message("full", "weights") in engine.synced
 
 
+def test_a_restarted_engine_starts_from_the_state_merged_ahead():
+  """The learner merges ahead after a sync, donating the synced arrays:
+  ``follow`` hands the pipeline the merged state, and a restart sends that
+  one in full (the synced one no longer exists)."""
+  engine, lines = _FlakyEngine(0, failing_call=1), []
+  pipeline = _pipeline(engine, 1, 0, lines)
+  pipeline.next_rollout(0)
+  pipeline.sync(("synced", None), 1)
+  pipeline.follow(("merged ahead", None))
+  pipeline.next_rollout(1)  # fails once: the engine is restarted
+  pipeline.close()
+  assert engine.restarts == 1
+  assert engine.synced[-1] == _Message("full", "merged ahead")
+
+
 def test_a_lost_engine_without_restarts_left_is_raised_and_resumes_before():
   engine, lines = _FlakyEngine(0), []
   pipeline = _pipeline(engine, 0, 0, lines)
