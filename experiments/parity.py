@@ -583,10 +583,20 @@ class Evaluator:
     }
 
 
+# Config fields added after rows were made, at the default that does what
+# runs did before the field existed: left out of the hash at that default,
+# so a row made before the field existed keeps its hash.
+LATER_FIELDS = {("policy", "batch_invariant"): False}
+
+
 def config_hash(config) -> str:
   """SHA-256 (16 hex digits) of a run's config, its starting policy named
-  by its weights (:func:`policy_digest`), not by where they lie."""
+  by its weights (:func:`policy_digest`), not by where they lie, and the
+  :data:`LATER_FIELDS` at their defaults left out."""
   described = configs.to_dict(config)
+  for (section, name), default in LATER_FIELDS.items():
+    if described[section][name] == default:
+      del described[section][name]
   if config.policy.path:
     described["policy"]["path"] = "weights " + policy_digest(config.policy.path)
   text = json.dumps(described, sort_keys=True)

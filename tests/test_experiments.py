@@ -181,6 +181,19 @@ def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   assert (results / "recipes.png").stat().st_size > 0
 
 
+def test_a_later_config_field_at_its_default_keeps_the_rows_hashes():
+  """Rows made before ``policy.batch_invariant`` existed keep their config
+  hashes at its default; turning it on is another config."""
+  config = configs.get_preset("smoke")
+  described = configs.to_dict(config)
+  del described["policy"]["batch_invariant"]
+  text = json.dumps(described, sort_keys=True)
+  before = parity.hashlib.sha256(text.encode()).hexdigest()[:16]
+  assert parity.config_hash(config) == before
+  on = configs.apply_overrides(config, ["policy.batch_invariant=true"])
+  assert parity.config_hash(on) != before
+
+
 def test_parity_levers_split_the_small_sync_configuration():
   """Each lever arm is the default logra with one of logra-small-sync's
   settings, the levers together change every setting the two differ in,
