@@ -2,10 +2,12 @@
 rollout's log-probs then equal the learner's bitwise.
 
 Runs `logra train` on the main job's setting (the ``tiny`` preset, ``--quick``:
-the ``smoke`` preset) for ``--steps`` steps with the default numerics and
-with ``policy.batch_invariant=true``, alternating, ``--repeats`` times each,
-every run in a fresh process started without ``XLA_FLAGS`` (the batch-invariant
-run sets its own: XLA:CPU without XNNPACK). From each run's
+the ``smoke`` preset) for ``--steps`` steps with the default numerics, with
+the default numerics under the batch-invariant mode's XLA flags (XLA:CPU
+without XNNPACK: which share of the cost is the flags'), and with
+``policy.batch_invariant=true``, alternating, ``--repeats`` times each, every
+run in a fresh process started with no other ``XLA_FLAGS`` (the
+batch-invariant run sets its own). From each run's
 ``metrics.jsonl``, after the first ``--warmup`` steps (compilation): the
 median step, rollout and train seconds; and over all steps the fraction
 whose ``rollout/logprob_gap_max`` is 0 and the largest gap. The ratio of the
@@ -30,12 +32,24 @@ import tempfile
 
 import provenance
 import study
+from logra_jax import reduction
 
-MODES = {"default": [], "batch-invariant": ["policy.batch_invariant=true"]}
+# numerics -> (config overrides, XLA_FLAGS the run starts with)
+MODES = {
+    "default": ([], ""),
+    "default, XNNPACK off": ([], " ".join(reduction.CPU_FLAGS)),
+    "batch-invariant": (["policy.batch_invariant=true"], ""),
+}
 TIMES = ("time/step_s", "time/rollout_s", "time/train_s")
 
 
-def run(preset: str, steps: int, overrides: list[str], out: pathlib.Path):
+def run(
+    preset: str,
+    steps: int,
+    overrides: list[str],
+    xla_flags: str,
+    out: pathlib.Path,
+):
   """One ``logra train`` run in a fresh process; its metrics rows."""
   command = [
       sys.executable,
@@ -50,7 +64,7 @@ def run(preset: str, steps: int, overrides: list[str], out: pathlib.Path):
   ]
   done = subprocess.run(
       command,
-      env=dict(os.environ, XLA_FLAGS=""),
+      env=dict(os.environ, XLA_FLAGS=xla_flags),
       capture_output=True,
       text=True,
       check=False,
@@ -84,7 +98,8 @@ def table(rows: list[dict], record: dict, preset: str, warmup: int) -> str:
 
   lines = [
       f"`logra train --preset {preset}`, {rows[0]['steps']} steps per run, "
-      f"the default numerics vs `policy.batch_invariant=true`, runs "
+      f"the default numerics (with XLA's default flags, and with the "
+      f"batch-invariant mode's) vs `policy.batch_invariant=true`, runs "
       f"alternating; times are the median over steps after the first "
       f"{warmup} (compilation), then over runs; the ratio is the mode's "
       "over the default's. Bitwise steps: the fraction of steps whose "
@@ -130,9 +145,9 @@ def main() -> None:
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for repeat in range(args.repeats):
-      for mode, overrides in MODES.items():
-        out = pathlib.Path(tmp) / f"{mode}-{repeat}"
-        metrics = run(preset, args.steps, overrides, out)
+      for i, (mode, (overrides, xla_flags)) in enumerate(MODES.items()):
+        out = pathlib.Path(tmp) / f"{i}-{repeat}"
+        metrics = run(preset, args.steps, overrides, xla_flags, out)
         rows.append(summarize(mode, repeat, metrics, args.warmup))
   results.mkdir(parents=True, exist_ok=True)
   text = table(rows, record, preset, args.warmup)
