@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax import parallel
+from logra_jax import reduction
 from logra_jax.configs import TrainConfig
 from logra_jax.rl import algo
 from logra_jax.rl import losses
@@ -260,6 +261,27 @@ def _sample_and_score(
   )
 
 
+def learner_prompt_width(
+    sampler_width: int, longest_prompt: int, config: TrainConfig
+) -> int:
+  """The learner's prompt width: ``algo.bucket_width`` of the longest
+  prompt, or the sampler's own under ``policy.batch_invariant`` when a row
+  may reach beyond one block of keys (``reduction.BLOCK``): cutting left
+  padding moves every key, and beyond one block that moves keys between the
+  blocks attention sums its values over.
+
+  Example:
+    >>> from logra_jax import configs
+    >>> config = configs.get_preset("smoke")
+    >>> learner_prompt_width(16, 5, config)
+    6
+  """
+  reaches = sampler_width + config.rollout.max_new_tokens > reduction.BLOCK
+  if config.policy.batch_invariant and reaches:
+    return sampler_width
+  return algo.bucket_width(longest_prompt, sampler_width)
+
+
 def trimmed_with_metrics(
     batch: algo.RolloutBatch,
     config: TrainConfig,
@@ -271,13 +293,10 @@ def trimmed_with_metrics(
   """The batch cut to its widths, and the rollout's metrics."""
   # The learner's batch is no wider than its longest prompt and completion,
   # rounded up to one of a few widths (each compiles the train step once).
-  # Batch-invariant numerics keep the sampler's prompt width: cutting left
-  # padding moves every key, and with it the blocks attention sums over.
-  prompt_width = batch.prompt_tokens_BxP.shape[1]
-  if not config.policy.batch_invariant:
-    prompt_width = algo.bucket_width(longest_prompt, prompt_width)
   batch = batch.trimmed(
-      prompt_width,
+      learner_prompt_width(
+          batch.prompt_tokens_BxP.shape[1], longest_prompt, config
+      ),
       algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
   )
   metrics = report.metrics()

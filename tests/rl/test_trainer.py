@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
+from logra_jax import configs
 from logra_jax.cli import main as cli_main
+from logra_jax.rl import scoring
 
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
 
@@ -103,5 +105,17 @@ def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
   ]
   assert len(metrics) == 5
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
-  # The learner keeps the sampler's prompt width (its bucket of 16).
-  assert all(m["batch/prompt_width"] % 16 == 0 for m in metrics), metrics
+
+
+def test_batch_invariant_learners_keep_the_sampler_prompt_width_past_a_block():
+  """Beyond one block of 256 keys the learner keeps the sampler's prompt
+  width under policy.batch_invariant (cutting left padding would move keys
+  between attention's value blocks); within one it trims as always."""
+  smoke = configs.get_preset("smoke")
+  invariant = configs.apply_overrides(smoke, ["policy.batch_invariant=true"])
+  long = configs.apply_overrides(invariant, ["rollout.max_new_tokens=250"])
+  assert scoring.learner_prompt_width(16, 5, smoke) == 6
+  assert scoring.learner_prompt_width(16, 5, invariant) == 6
+  assert scoring.learner_prompt_width(16, 5, long) == 16
+  plain_long = configs.apply_overrides(long, ["policy.batch_invariant=false"])
+  assert scoring.learner_prompt_width(16, 5, plain_long) == 6
