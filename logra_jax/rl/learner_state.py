@@ -14,6 +14,7 @@ from logra_jax import parallel
 from logra_jax import policy_state
 from logra_jax.configs import TrainConfig
 from logra_jax.optim import non_finite
+from logra_jax.optim import sketch_grad
 from logra_jax.rl import algo
 from logra_jax.rl import learner as learner_lib
 from logra_jax.rl import reference as reference_lib
@@ -278,11 +279,14 @@ class Learner:
     """Merges a factored policy's window now when the next update will
     refresh its projectors (:func:`learner_lib.make_merge_ahead`: the merge
     that update begins with, the same values), so that the next rollout is
-    sampled from the weights that update differentiates; whether the
-    weights are factored (the merge may have been due or not). Engines'
-    copies do the same (``merge_ahead_every``)."""
+    sampled from the weights that update differentiates; whether it merged
+    (the weights are then new arrays). Engines' copies do the same
+    (``merge_ahead_every``)."""
     if self._placement.merge_ahead is None:
       return False
+    project = sketch_grad.project_state(self.opt_state)
+    if int(project.count) % project.spec.config.refresh_every:
+      return False  # no refresh next: no program, no donated arrays
     self.weights = self._placement.merge_ahead(self.weights, self.opt_state)
     return True
 

@@ -380,7 +380,7 @@ def _run_steps(run: _Run) -> None:
       synced = pipeline.sync(learner.state, done)
       # Engines sample the next rollout from the weights the next update
       # differentiates: a window due to be merged is merged now, by the
-      # learner and by each engine's copy (the message just sent).
+      # learner and by each engine's copy (after the message just sent).
       if learner.merge_ahead():
         pipeline.follow(learner.state)
     metrics = run_log.step_metrics(
