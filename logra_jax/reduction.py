@@ -17,10 +17,12 @@ This module is a leaf of the package: it imports only JAX.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Sequence
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 import jax.numpy as jnp
 
 # The longest reduction one kernel call may do: XLA:CPU's matmul (XNNPACK off)
@@ -135,18 +137,47 @@ def blocked_dot(
 
   .. math:: a b = \sum_j a_{[:, jK:(j+1)K]}\, b_{[jK:(j+1)K]},\quad K = \text{block}.
 
+  Only the value needs the fixed order: its derivatives are ``jnp.dot``'s,
+  :math:`\dot a\, b + a\, \dot b` (so a gradient costs what the plain
+  product's does, not a transpose per slice).
+
   Example:
     >>> a, b = jnp.ones((2, 600)), jnp.ones((600, 3))
     >>> blocked_dot(a, b).tolist()[0]
     [600.0, 600.0, 600.0]
   """
-  dot = lambda a, b: jnp.dot(
-      a, b, preferred_element_type=preferred_element_type
-  )
-  length = a.shape[-1]
+  if a.shape[-1] <= block:
+    return jnp.dot(a, b, preferred_element_type=preferred_element_type)
+  return _blocked_dot(a, b, preferred_element_type, block)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _blocked_dot(a, b, preferred_element_type, block):
+  """:func:`blocked_dot`'s value, for a reduced axis longer than ``block``."""
   return pairwise_sum(
       [
-          dot(a[..., i : i + block], b[i : i + block])
-          for i in range(0, length, block)
+          jnp.dot(
+              a[..., i : i + block],
+              b[i : i + block],
+              preferred_element_type=preferred_element_type,
+          )
+          for i in range(0, a.shape[-1], block)
       ]
   )
+
+
+@functools.partial(_blocked_dot.defjvp, symbolic_zeros=True)
+def _blocked_dot_jvp(preferred_element_type, block, primals, tangents):
+  """The product rule with ``jnp.dot``; a zero tangent (a frozen weight's)
+  adds no product."""
+  (a, b), (a_dot, b_dot) = primals, tangents
+  dot = functools.partial(
+      jnp.dot, preferred_element_type=preferred_element_type
+  )
+  value = _blocked_dot(a, b, preferred_element_type, block)
+  terms = [
+      dot(x, y)
+      for x, y, tangent in ((a_dot, b, a_dot), (a, b_dot, b_dot))
+      if not isinstance(tangent, SymbolicZero)
+  ]
+  return value, sum(terms[1:], terms[0]) if terms else jnp.zeros_like(value)

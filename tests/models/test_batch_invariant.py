@@ -61,6 +61,34 @@ def test_blocked_dot_is_the_product():
   )
 
 
+def test_blocked_dot_differentiates_as_the_plain_product():
+  """Only the value has the fixed order: a linear loss's gradient and a
+  forward-mode tangent are `jnp.dot`'s, bit for bit (the same cotangent goes
+  through the same transposed products), also with a frozen operand."""
+  keys = jax.random.split(jax.random.key(4), 4)
+  a, a_dot = (jax.random.normal(k, (3, 5, 600)) for k in keys[:2])
+  b, b_dot = (jax.random.normal(k, (600, 7)) for k in keys[2:])
+  weights = jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7)
+  for product in (reduction.blocked_dot, jnp.dot):
+    assert product(a, b).shape == (3, 5, 7)
+  linear = lambda product: lambda a, b: jnp.sum(product(a, b) * weights)
+  plain = jax.grad(linear(jnp.dot), (0, 1))(a, b)
+  for got, want in zip(
+      jax.grad(linear(reduction.blocked_dot), (0, 1))(a, b), plain
+  ):
+    np.testing.assert_array_equal(got, want)
+  frozen = lambda product: lambda a: linear(product)(
+      a, jax.lax.stop_gradient(b)
+  )
+  np.testing.assert_array_equal(
+      jax.grad(frozen(reduction.blocked_dot))(a), plain[0]
+  )
+  tangent = lambda product: jax.jvp(product, (a, b), (a_dot, b_dot))[1]
+  np.testing.assert_array_equal(
+      tangent(reduction.blocked_dot), tangent(jnp.dot)
+  )
+
+
 def test_batch_invariant_decoder_computes_the_same_logits():
   """Blocked down_proj (F = 640 > 256), tree-sum norms and softmax,
   write-first decoding: the default forward's logits, to the bound of two
