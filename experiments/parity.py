@@ -655,9 +655,9 @@ def committed_row(path: pathlib.Path, config) -> dict[str, Any]:
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   """The provenance of a ``--report-only`` report: the rows' numerics
   fingerprints, which must name one code (:func:`same_code` as the first
-  row's; else exit, status 2: a report mixes no numerics), and the commits
-  that made them (a study
-  spans commits that leave the numerics alone), with this invocation's
+  row's; else exit, status 2: a report mixes no numerics) and the commits
+  that made them (``rows_commits``: a study spans commits that leave the
+  numerics alone), with this invocation's commit (the report's code),
   command, date and machine."""
   fingerprints = sorted({r["fingerprint"] for r in rows})
   if not all(same_code(rows[0], r) for r in rows):
@@ -670,7 +670,7 @@ def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   record = provenance.collect(
       provenance.this_command(), " = ".join(fingerprints)
   )
-  record.update(commit=" ".join(commits), dirty=False)
+  record["rows_commits"] = " ".join(commits)
   return record
 
 

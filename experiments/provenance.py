@@ -405,7 +405,8 @@ def collect(command: str, fingerprint_value: str) -> dict[str, Any]:
 
 def footer(record: dict[str, Any]) -> str:
   """The line under every table: command, commit, fingerprint, date,
-  machine and versions.
+  machine and versions (and the commits that made a report's rows, where
+  they were made earlier).
 
   Example:
     >>> footer(collect("python x.py", "ab12")).startswith(
@@ -413,10 +414,13 @@ def footer(record: dict[str, Any]) -> str:
     True
   """
   m, v = record["machine"], record["versions"]
-  commits = " ".join(c[:12] for c in record["commit"].split())
+  short = lambda commits: " ".join(c[:12] for c in commits.split())
+  rows = record.get("rows_commits")
   return (
-      f"Command: `{record['command']}`; commit {commits}"
-      f"{' (dirty tree)' if record['dirty'] else ''}, numerics fingerprint "
+      f"Command: `{record['command']}`; commit {short(record['commit'])}"
+      f"{' (dirty tree)' if record['dirty'] else ''}"
+      + (f", rows made at commit {short(rows)}" if rows else "")
+      + ", numerics fingerprint "
       f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
       f"{m['cpu_count']} CPUs ("
       + ", ".join(m[k] for k in ("cpu_model", "cpu_isa") if k in m)

@@ -332,14 +332,18 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   assert again.returncode == 0, again.stderr[-3000:]
   assert _rows(results / "parity.csv") == rows
   assert not list((tmp_path / "nothing").rglob("*.json"))
-  # ... names every commit of rows that share the numerics ...
+  # ... names every commit of rows that share the numerics, and its own ...
   changed = row_files[0]
   row = json.loads(changed.read_text())
   changed.write_text(json.dumps(dict(row, commit="f" * 40)))
   spanning = report_only()
   assert spanning.returncode == 0, spanning.stderr[-3000:]
-  commits = json.loads((results / "provenance.json").read_text())["commit"]
-  assert sorted(commits.split()) == sorted({row["commit"], "f" * 40})
+  record = json.loads((results / "provenance.json").read_text())
+  assert sorted(record["rows_commits"].split()) == sorted(
+      {row["commit"], "f" * 40}
+  )
+  assert record["commit"] == provenance.commit()[0]
+  assert "rows made at commit " in (results / "parity.md").read_text()
   # ... and refuses rows of two numerics fingerprints.
   changed.write_text(
       json.dumps(dict(row, fingerprint="0" * 16, package="f" * 40))
