@@ -20,7 +20,14 @@ forward), and whether one sequence's row alone (a batch of one) does:
   reduction), and the same as a pairwise tree of elementwise additions,
   whose order is fixed by the reduced length alone;
 - ``softmax``: ``jax.nn.softmax`` over 40 keys per query row and head, as
-  attention takes it (the width's number of query heads).
+  attention takes it (the width's number of query heads);
+- ``attention scores``: a decoded query's scores over 40 keys (its
+  sequence's, one query head per kv head), as the forward pass computes
+  them (a batched matmul over all positions' queries) against three ways a
+  decode step can: the same batched matmul for the one query row, the same
+  with a zero row appended (what ``DecoderConfig.batch_invariant`` decodes
+  with), and the default decoding path's elementwise products summed over
+  the head dim (which reads the cache in place).
 
 Each is measured under two XLA:CPU settings, each in a process of its own
 (XLA reads its flags once; each replaces any ``XLA_FLAGS`` of the caller's,
@@ -122,7 +129,45 @@ def measure(width: str) -> list[dict]:
   rows.append(
       dict(op=f"softmax over {POSITIONS} keys, {H} heads", part=part, one=one)
   )
+  rows += _decoded_scores(normal(SEQUENCES, POSITIONS, H, h), h)
   return [dict(row, width=width) for row in rows]
+
+
+def _decoded_scores(q_SxTxHxh: np.ndarray, h: int) -> list[dict]:
+  """The last position's attention scores over its sequence's 40 keys (in
+  the decoder's heads-major layout, one query head per kv head; random
+  keys: the kernels see only shapes), computed for that query alone in each
+  way of decoding, against the forward's batched matmul over all positions'
+  queries: the fractions of sequences bitwise equal, and whether the first
+  sequence alone is."""
+  q = q_SxTxHxh.transpose(0, 2, 1, 3)[:, :, None]  # [S, H, 1, T, h]
+  keys = np.ascontiguousarray(q[:, :, 0, ::-1])  # [S, H, T, h]
+  matmul = lambda q, k: jnp.einsum("skgth,sknh->skgtn", q, k)
+  zero_row = ((0, 0),) * 3 + ((0, 1), (0, 0))
+  ways = {
+      "a matmul of one row": matmul,
+      "a matmul, a zero row appended": lambda q, k: matmul(
+          jnp.pad(q, zero_row), k
+      )[:, :, :, :1],
+      "elementwise products": lambda q, k: jnp.sum(
+          q[..., None, :] * k[:, :, None, None], -1
+      ),
+  }
+  whole = np.asarray(jax.jit(matmul)(q, keys))[:, :, :, -1]
+  equal = lambda a, b: (a == b).reshape(len(a), -1).all(axis=1)
+  rows = []
+  for name, fn in ways.items():
+    run = jax.jit(fn)
+    part = np.asarray(run(q[:, :, :, -1:], keys))[:, :, :, 0]
+    one = np.asarray(run(q[:1, :, :, -1:], keys[:1]))[:, :, :, 0]
+    rows.append(
+        dict(
+            op=f"attention scores, h = {h}: decoded by {name}",
+            part=float(equal(part, whole).mean()),
+            one=float(equal(one, whole[:1]).mean()),
+        )
+    )
+  return rows
 
 
 def child(widths: list[str]) -> None:

@@ -19,7 +19,9 @@ tokens of B random prompts (temperature 1, 24 new tokens):
 
 Shapes (random weights): ``tiny`` (`DecoderConfig.tiny`, D = 64, vocab 512),
 ``mid`` (D = 256, 4 heads, 2 kv heads, F = 1024, vocab 2048: its
-``down_proj`` reduces over 1024, longer than XLA:CPU keeps in one pass) and
+``down_proj`` reduces over 1024, longer than XLA:CPU keeps in one pass),
+``mid-mha`` (``mid`` with 4 kv heads: multi-head attention, one query head
+per kv head, so a decoded token's attention is a product of one row) and
 ``wide`` (2 layers of SmolLM2-135M's widths: D = 576, 9 heads, 3 kv heads,
 F = 1536, vocab 2048).
 
@@ -54,6 +56,14 @@ SHAPES = {
         hidden_size=256,
         num_heads=4,
         num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+    ),
+    "mid-mha": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
         head_dim=64,
         intermediate_size=1024,
     ),

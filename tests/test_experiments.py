@@ -913,7 +913,8 @@ def test_batch_invariant_sampler_log_probs_are_the_forwards_bit_for_bit(
   token log-probs (decoding over a KV cache) equal the learner's forward
   pass bitwise, in float32 and bfloat16, at D = 256 (whose 1024-long
   down_proj reduction XLA:CPU splits by the row count; D = 64 runs end to
-  end in tests/rl/test_trainer.py), and the
+  end in tests/rl/test_trainer.py), with grouped and with multi-head
+  attention (a decoded token's one query row per kv head), and the
   first 8 rows give the same bits alone as inside the batch. At XLA's
   default optimization level, as users run it (the suite compiles at level
   0, whose sampler for 8 rows is not the one for 16), from no XLA_FLAGS:
@@ -925,6 +926,7 @@ def test_batch_invariant_sampler_log_probs_are_the_forwards_bit_for_bit(
           "--batch-invariant",
           "--shapes",
           "mid",
+          "mid-mha",
           "--rows",
           "16",
           f"--results={tmp_path}",
@@ -939,7 +941,7 @@ def test_batch_invariant_sampler_log_probs_are_the_forwards_bit_for_bit(
   record = json.loads(
       (tmp_path / "logprob_agreement-batch-invariant.json").read_text()
   )
-  assert len(record["rows"]) == 2
+  assert len(record["rows"]) == 4
   for row in record["rows"]:
     where = (row["shape"], row["dtype"])
     assert row["tokens"] == 16 * 24, where

@@ -136,12 +136,16 @@ def _invariant_products():
   matmul's reduction (the head dim) is short; the value sum is a pairwise
   sum of matmuls over blocks of ``BLOCK`` keys and the softmax's sum a
   tree sum, so a longer, masked key axis gives the same bits."""
-  qk, matmul_pv = _prefill_products()
+  matmul_qk, matmul_pv = _prefill_products()
+
+  def qk(q_BxKxGxTxh, keys_BxKxSxh):
+    return _as_matrix_product(matmul_qk, q_BxKxGxTxh, keys_BxKxSxh)
 
   def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
     S = values_BxKxSxh.shape[2]
     parts = [
-        matmul_pv(
+        _as_matrix_product(
+            matmul_pv,
             probs_BxKxGxTxS[..., i : i + BLOCK],
             values_BxKxSxh[:, :, i : i + BLOCK],
             jnp.float32,
@@ -155,6 +159,19 @@ def _invariant_products():
     return exp / tree_sum(exp, keepdims=True)
 
   return qk, pv, softmax
+
+
+def _as_matrix_product(product, x_BxKxGxTxn, *operands):
+  """``product(x, *operands)`` with ``x``'s ``G x T`` rows made at least
+  two: a single row (a decoded token where each KV head has one query head)
+  XLA:CPU multiplies with a matrix-vector kernel whose bits differ from the
+  matrix product the forward pass runs (measured:
+  ``experiments/kernel_invariance.py``); a zero row appended keeps it a
+  matrix product, and is dropped from the result."""
+  if x_BxKxGxTxn.shape[2] * x_BxKxGxTxn.shape[3] > 1:
+    return product(x_BxKxGxTxn, *operands)
+  x_BxKxGx2xn = jnp.pad(x_BxKxGxTxn, ((0, 0),) * 3 + ((0, 1), (0, 0)))
+  return product(x_BxKxGx2xn, *operands)[:, :, :, :1]
 
 
 def _decode_products():
