@@ -416,6 +416,7 @@ def footer(record: dict[str, Any]) -> str:
   m, v = record["machine"], record["versions"]
   short = lambda commits: " ".join(c[:12] for c in commits.split())
   rows = record.get("rows_commits")
+  rows = None if rows == record["commit"] else rows
   return (
       f"Command: `{record['command']}`; commit {short(record['commit'])}"
       f"{' (dirty tree)' if record['dirty'] else ''}"

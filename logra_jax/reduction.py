@@ -151,8 +151,7 @@ def blocked_dot(
   return _blocked_dot(a, b, preferred_element_type, block)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _blocked_dot(a, b, preferred_element_type, block):
+def _pairwise_products(a, b, preferred_element_type, block):
   """:func:`blocked_dot`'s value, for a reduced axis longer than ``block``."""
   return pairwise_sum(
       [
@@ -166,18 +165,23 @@ def _blocked_dot(a, b, preferred_element_type, block):
   )
 
 
+# Its rule computes the value with the slices' products in plain sight, so a
+# rematerialization policy that saves dots (``dots_saveable``) still sees them.
+_blocked_dot = jax.custom_jvp(_pairwise_products, nondiff_argnums=(2, 3))
+
+
 @functools.partial(_blocked_dot.defjvp, symbolic_zeros=True)
 def _blocked_dot_jvp(preferred_element_type, block, primals, tangents):
   """The product rule with ``jnp.dot``; a zero tangent (a frozen weight's)
-  adds no product."""
+  adds no product (JAX calls the rule only when one is not zero)."""
   (a, b), (a_dot, b_dot) = primals, tangents
   dot = functools.partial(
       jnp.dot, preferred_element_type=preferred_element_type
   )
-  value = _blocked_dot(a, b, preferred_element_type, block)
+  value = _pairwise_products(a, b, preferred_element_type, block)
   terms = [
       dot(x, y)
       for x, y, tangent in ((a_dot, b, a_dot), (a, b_dot, b_dot))
       if not isinstance(tangent, SymbolicZero)
   ]
-  return value, sum(terms[1:], terms[0]) if terms else jnp.zeros_like(value)
+  return value, sum(terms[1:], terms[0])
