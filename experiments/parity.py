@@ -147,7 +147,7 @@ learning rate, seed, split sizes, validation and test accuracy before and
 after, memory, commit, fingerprint), ``sweep.csv``, ``parity.md`` (tables
 with CIs and tests), ``parity.png`` (held-out accuracy during training with
 95% CI bands), ``sweep.png`` (validation accuracy against the learning
-rate, chosen rates marked) and ``provenance.json`` to
+rate, each run a dot, chosen rates marked) and ``provenance.json`` to
 ``experiments/results/parity/`` (``--results``).
 
 Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
@@ -1017,8 +1017,9 @@ def report(args, rows, chosen, record) -> str:
 
 
 def plot_sweep(args, sweep, chosen, path, record) -> None:
-  """Validation accuracy against the learning rate, one panel per setting,
-  mean with its 95% CI over the sweep's seeds, the chosen rate marked."""
+  """Validation accuracy against the learning rate, one panel per setting:
+  each sweep run a dot, the mean over its seeds a line, the chosen rate a
+  star (a confidence band from two seeds would span most of the axis)."""
   import matplotlib  # noqa: PLC0415
 
   matplotlib.use("Agg")
@@ -1034,24 +1035,22 @@ def plot_sweep(args, sweep, chosen, path, record) -> None:
     for arm in args.arms:
       runs = [r for r in sweep if r["setting"] == name and r["arm"] == arm]
       rates = sorted({r["learning_rate"] for r in runs})
-      cis = [
-          stats.mean_ci(
-              [r["validation_after"] for r in runs if r["learning_rate"] == x]
-          )
-          for x in rates
+      at = lambda x: [
+          r["validation_after"] for r in runs if r["learning_rate"] == x
       ]
-      (line,) = ax.plot(rates, [c.mean for c in cis], marker="o", label=arm)
-      ax.fill_between(
-          rates,
-          [c.low if math.isfinite(c.low) else c.mean for c in cis],
-          [c.high if math.isfinite(c.high) else c.mean for c in cis],
+      means = [statistics.fmean(at(x)) for x in rates]
+      (line,) = ax.plot(rates, means, marker="o", label=arm)
+      ax.scatter(
+          [r["learning_rate"] for r in runs],
+          [r["validation_after"] for r in runs],
+          s=12,
           color=line.get_color(),
-          alpha=0.15,
+          alpha=0.5,
       )
       best = chosen[name, arm]
       ax.plot(
           [best],
-          [cis[rates.index(best)].mean],
+          [means[rates.index(best)]],
           marker="*",
           markersize=14,
           color=line.get_color(),
