@@ -18,6 +18,7 @@ This module is a leaf of the package: it imports only JAX.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Sequence
 
@@ -29,6 +30,12 @@ import jax.numpy as jnp
 # splits a longer reduced axis into blocks whose boundaries depend on the
 # number of rows, and keeps a reduction of up to 256 in one pass.
 BLOCK = 256
+
+# XLA:CPU multiplies a matrix of fewer columns than this (a rank-4 factor),
+# or a single row, with kernels whose bits depend on the number of rows;
+# zero columns or a zero row appended keep it the row-invariant matrix
+# product (experiments/kernel_invariance.py).
+MIN_COLUMNS = 16
 
 # The XLA:CPU flags under which each row of a matmul of up to `BLOCK` reduced
 # elements gets the same bits for any number of rows (XNNPACK and YNNPACK
@@ -139,20 +146,33 @@ def blocked_dot(
 
   Only the value needs the fixed order: its derivatives are ``jnp.dot``'s,
   :math:`\dot a\, b + a\, \dot b` (so a gradient costs what the plain
-  product's does, not a transpose per slice).
+  product's does, not a transpose per slice). A ``b`` of fewer than
+  :data:`MIN_COLUMNS` columns gets zero columns, and a single row of ``a``
+  a zero row, for the product (dropped from the result): XLA:CPU computes
+  such products with kernels of other bits.
 
   Example:
     >>> a, b = jnp.ones((2, 600)), jnp.ones((600, 3))
     >>> blocked_dot(a, b).tolist()[0]
     [600.0, 600.0, 600.0]
   """
-  if a.shape[-1] <= block:
-    return jnp.dot(a, b, preferred_element_type=preferred_element_type)
   return _blocked_dot(a, b, preferred_element_type, block)
 
 
+def _fixed_order_product(a, b, preferred_element_type, block):
+  """:func:`blocked_dot`'s value: operands padded where XLA:CPU would
+  pick another kernel, then the pairwise sum of the slices' products."""
+  rows, columns = math.prod(a.shape[:-1]), b.shape[-1]
+  if b.ndim != 2 or (rows > 1 and columns >= MIN_COLUMNS):
+    return _pairwise_products(a, b, preferred_element_type, block)
+  a_MxK = jnp.pad(a.reshape(rows, a.shape[-1]), ((0, int(rows == 1)), (0, 0)))
+  b = jnp.pad(b, ((0, 0), (0, max(MIN_COLUMNS - columns, 0))))
+  out = _pairwise_products(a_MxK, b, preferred_element_type, block)
+  return out[:rows, :columns].reshape(*a.shape[:-1], columns)
+
+
 def _pairwise_products(a, b, preferred_element_type, block):
-  """:func:`blocked_dot`'s value, for a reduced axis longer than ``block``."""
+  """The pairwise sum of the products over ``block``-long slices."""
   return pairwise_sum(
       [
           jnp.dot(
@@ -167,7 +187,7 @@ def _pairwise_products(a, b, preferred_element_type, block):
 
 # Its rule computes the value with the slices' products in plain sight, so a
 # rematerialization policy that saves dots (``dots_saveable``) still sees them.
-_blocked_dot = jax.custom_jvp(_pairwise_products, nondiff_argnums=(2, 3))
+_blocked_dot = jax.custom_jvp(_fixed_order_product, nondiff_argnums=(2, 3))
 
 
 @functools.partial(_blocked_dot.defjvp, symbolic_zeros=True)
@@ -178,7 +198,7 @@ def _blocked_dot_jvp(preferred_element_type, block, primals, tangents):
   dot = functools.partial(
       jnp.dot, preferred_element_type=preferred_element_type
   )
-  value = _pairwise_products(a, b, preferred_element_type, block)
+  value = _fixed_order_product(a, b, preferred_element_type, block)
   terms = [
       dot(x, y)
       for x, y, tangent in ((a_dot, b, a_dot), (a, b_dot, b_dot))

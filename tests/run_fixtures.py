@@ -25,12 +25,14 @@ QUIET = lambda s: None
 def make_policy(folder, **overrides):
   tokenizer = char_tokenizer()
   config = models.DecoderConfig.tiny(
-      vocab_size=len(tokenizer),
-      max_position_embeddings=64,
-      eos_token_ids=(tokenizer.eos_token_id,),
-      bos_token_id=tokenizer.bos_token_id,
-      pad_token_id=tokenizer.pad_token_id,
-      **overrides,
+      **{
+          "vocab_size": len(tokenizer),
+          "max_position_embeddings": 64,
+          "eos_token_ids": (tokenizer.eos_token_id,),
+          "bos_token_id": tokenizer.bos_token_id,
+          "pad_token_id": tokenizer.pad_token_id,
+          **overrides,
+      }
   )
   models.save_pretrained(models.init_model(config, rngs=0), folder)
   tokenizer.save_pretrained(folder)

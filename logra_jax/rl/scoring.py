@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -229,11 +230,15 @@ def _sample_and_score(
     config: TrainConfig,
     rewards: list[tuple[Callable, float]],
     key: jax.Array,
+    longest_prompt: int | None = None,
 ) -> _Scored:
-  """Samples ``num_generations`` completions per example and scores them."""
+  """Samples ``num_generations`` completions per example and scores them
+  (prompts padded as for ``longest_prompt`` tokens, where given: see
+  ``Sampler.sample``)."""
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
   prompt_ids = policy.encode(prompts)
+  width = {} if longest_prompt is None else {"longest_prompt": longest_prompt}
   out = sample(
       prompt_ids,
       key,
@@ -241,6 +246,7 @@ def _sample_and_score(
       temperature=config.rollout.temperature,
       top_p=config.rollout.top_p,
       top_k=config.rollout.top_k,
+      **width,
   )
   completions = policy.decode(parallel.host_value(out.tokens))
   columns = example_columns(examples, group)
@@ -331,7 +337,10 @@ def dynamic_rollout(
   or ``rollout.max_resample_rounds`` rounds are spent; the places left are
   filled with equal-reward groups whose completions are masked from the
   loss. Rewards and accuracy metrics are round 0's (the stream's prompts);
-  ``observe`` sees round 0.
+  ``observe`` sees round 0. Under ``policy.batch_invariant`` every round's
+  prompts are padded to the width of the longest prompt of all the rounds
+  that may run (their draws are known in advance), so that the merged
+  batch moves no row's keys (see :func:`learner_prompt_width`).
 
   Example:
     >>> rewards_PxG = np.array([[1., 0.], [1., 1.]])
@@ -343,16 +352,25 @@ def dynamic_rollout(
         "rollout.dynamic_sampling needs the training prompts to draw from"
     )
   group, wanted = config.rollout.num_generations, len(examples)
+  draws = itertools.chain(
+      [(examples, key)],
+      (
+          _round_draw(pool, wanted, key, r)
+          for r in range(1, config.rollout.max_resample_rounds + 1)
+      ),
+  )
+  longest = None
+  if config.policy.batch_invariant:  # every round as wide as the widest
+    draws = list(draws)
+    longest = max(
+        len(ids)
+        for batch_examples, _ in draws
+        for ids in policy.encode([e["prompt"] for e in batch_examples])
+    )
   rounds, kept, equal = [], [], []
-  for r in range(config.rollout.max_resample_rounds + 1):
-    if r == 0:
-      batch_examples, sample_key = examples, key
-    else:
-      draw_key, sample_key = jax.random.split(jax.random.fold_in(key, r))
-      picks = jax.random.choice(draw_key, len(pool), (wanted,), replace=False)
-      batch_examples = [pool[int(i)] for i in np.asarray(picks)]
+  for r, (batch_examples, sample_key) in enumerate(draws):
     scored = _sample_and_score(
-        policy, sample, batch_examples, config, rewards, sample_key
+        policy, sample, batch_examples, config, rewards, sample_key, longest
     )
     rounds.append(scored)
     rewards_PxG = np.asarray(scored.rewards_N).reshape(-1, group)
@@ -378,6 +396,16 @@ def dynamic_rollout(
   metrics["rollout/dropped_groups"] = float(len(equal))
   metrics["rollout/masked_groups"] = float(masked)
   return batch, metrics
+
+
+def _round_draw(
+    pool: Sequence[dict], wanted: int, key: jax.Array, r: int
+) -> tuple[list[dict], jax.Array]:
+  """Round ``r``'s prompts, ``wanted`` drawn from ``pool`` without
+  replacement by ``fold_in(key, r)``, and its sampling key."""
+  draw_key, sample_key = jax.random.split(jax.random.fold_in(key, r))
+  picks = jax.random.choice(draw_key, len(pool), (wanted,), replace=False)
+  return [pool[int(i)] for i in np.asarray(picks)], sample_key
 
 
 def _merged_batch(

@@ -163,3 +163,48 @@ def test_it_runs_with_the_engine_in_a_process_one_step_off_policy(
   assert [row["rollout/version_lag"] for row in rows] == [0.0, 1.0]
   assert all(row["rollout/resample_rounds"] == 3 for row in rows)
   assert all(np.isfinite(row["loss"]) for row in rows)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batch_invariant_rounds_are_padded_alike(
+    policy_folder, batch_invariant
+):
+  """Under `policy.batch_invariant` every round's prompts are padded to the
+  width of the longest prompt of all the rounds that may run (the merged
+  batch then moves no row's keys); otherwise each round is as narrow as its
+  own prompts. Short prompts first, long ones drawn later; flat groups, so
+  every round runs."""
+  policy = engine.Policy.load(policy_folder)
+  config = configs.apply_overrides(
+      SMOKE,
+      [
+          "rollout.dynamic_sampling=true",
+          "rollout.max_resample_rounds=2",
+          f"policy.batch_invariant={str(batch_invariant).lower()}",
+      ],
+  )
+  widths = []
+
+  def sample(prompt_ids, key, **settings):
+    out = policy.sampler.sample(policy.params, prompt_ids, key, **settings)
+    widths.append(out.prompt_ids.shape[1])
+    return out
+
+  long = [
+      {"prompt": f"{'1' * 20}+{i}=", "answer": "0", "flat": True}
+      for i in range(8)
+  ]
+  scoring.rollout_with(
+      policy,
+      sample,
+      _examples(True, PROMPTS),
+      config,
+      [(flat_or_parity, 1.0)],
+      jax.random.key(3),
+      pool=long,
+  )
+  assert len(widths) == 3  # round 0 and both resampling rounds
+  if batch_invariant:
+    assert widths == [32, 32, 32]
+  else:
+    assert widths == [16, 32, 32]
