@@ -203,7 +203,10 @@ def matmul(
 
 
 def take(
-    w: jax.Array | LowRankDelta, ids: jax.Array, dtype: Any = None
+    w: jax.Array | LowRankDelta,
+    ids: jax.Array,
+    dtype: Any = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
   r"""Rows ``w[ids]`` of an embedding table or a :class:`LowRankDelta`.
 
@@ -220,6 +223,8 @@ def take(
     w: ``[V, D]`` table or ``LowRankDelta``.
     ids: integer indices, any shape.
     dtype: dtype of the result; default: the table's.
+    batch_invariant: the low-rank term's product as
+      ``reduction.blocked_dot`` (as :func:`matmul`'s).
 
   Returns:
     ``[*ids.shape, D]``.
@@ -235,10 +240,11 @@ def take(
   _consume(w, "take")
   rows = lambda a, ids: jnp.take(a, ids, axis=0).astype(dtype)
   y = _scaled(w, take(jax.lax.stop_gradient(w.base), ids, dtype))
+  dot = blocked_dot if batch_invariant else jnp.dot
   if w.rows:
-    term = lambda ids, f, z: jnp.dot(rows(f, ids), z.astype(dtype))
+    term = lambda ids, f, z: dot(rows(f, ids), z.astype(dtype))
   else:
-    term = lambda ids, f, z: jnp.dot(rows(z, ids), f.astype(dtype).T)
+    term = lambda ids, f, z: dot(rows(z, ids), f.astype(dtype).T)
   return _plus_low_rank_term(w, term, y, ids)
 
 

@@ -291,7 +291,8 @@ def forward_hidden(
   mask_BxTxS = _attention_mask(attention_mask_BxT, attended)
 
   x_BxTxD = constrain(
-      take(weights["embed"], input_ids_BxT, dt), ("batch", None, None)
+      take(weights["embed"], input_ids_BxT, dt, c.batch_invariant),
+      ("batch", None, None),
   )
   implementation, _ = (
       ("chunked", None)

@@ -337,10 +337,11 @@ def dynamic_rollout(
   or ``rollout.max_resample_rounds`` rounds are spent; the places left are
   filled with equal-reward groups whose completions are masked from the
   loss. Rewards and accuracy metrics are round 0's (the stream's prompts);
-  ``observe`` sees round 0. Under ``policy.batch_invariant`` every round's
-  prompts are padded to the width of the longest prompt of all the rounds
-  that may run (their draws are known in advance), so that the merged
-  batch moves no row's keys (see :func:`learner_prompt_width`).
+  ``observe`` sees round 0. Under ``policy.batch_invariant``, where a row
+  may reach past one block of keys, every round's prompts are padded to
+  the width of the longest prompt of all the rounds that may run (their
+  draws are known in advance), so that the merged batch moves no row's
+  keys (see :func:`learner_prompt_width`).
 
   Example:
     >>> rewards_PxG = np.array([[1., 0.], [1., 1.]])
@@ -360,13 +361,9 @@ def dynamic_rollout(
       ),
   )
   longest = None
-  if config.policy.batch_invariant:  # every round as wide as the widest
+  if config.policy.batch_invariant and len(pool) >= wanted:
     draws = list(draws)
-    longest = max(
-        len(ids)
-        for batch_examples, _ in draws
-        for ids in policy.encode([e["prompt"] for e in batch_examples])
-    )
+    longest = _planned_width(policy, draws, config)
   rounds, kept, equal = [], [], []
   for r, (batch_examples, sample_key) in enumerate(draws):
     scored = _sample_and_score(
@@ -396,6 +393,23 @@ def dynamic_rollout(
   metrics["rollout/dropped_groups"] = float(len(equal))
   metrics["rollout/masked_groups"] = float(masked)
   return batch, metrics
+
+
+def _planned_width(
+    policy: Policy, draws: list[tuple[list[dict], jax.Array]], config
+) -> int | None:
+  """The longest prompt of every round that may run, where a row may reach
+  past one block of attention's keys (:func:`learner_prompt_width`): every
+  round is then sampled as wide, so merging rounds moves no row's keys
+  between blocks; None (each round as narrow as its own prompts)
+  otherwise."""
+  longest = max(
+      len(ids)
+      for batch_examples, _ in draws
+      for ids in policy.encode([e["prompt"] for e in batch_examples])
+  )
+  reaches = longest + config.rollout.max_new_tokens > reduction.BLOCK
+  return longest if reaches else None
 
 
 def _round_draw(
