@@ -997,10 +997,15 @@ def test_quick_kernel_invariance_measures_both_xla_settings(tmp_path):
   rows = record["rows"]
   assert {r["setting"] for r in rows} == {"default", "no-xnnpack"}
   assert {r["width"] for r in rows} == {"tiny"}
-  assert len(rows) == 2 * 9 and set(record["xla_flags"]) == {
+  # 6 matmuls, a rank-4 factor as is and padded, 2 RMSNorms, the softmax
+  # and 3 ways of decoding attention scores, under each setting.
+  assert len(rows) == 2 * 14 and set(record["xla_flags"]) == {
       "default",
       "no-xnnpack",
   }
+  ops = {r["op"] for r in rows}
+  assert sum("rank-4 factor" in op for op in ops) == 2
+  assert sum("attention scores" in op for op in ops) == 3
   (tree,) = {r["op"] for r in rows if "tree sum" in r["op"]}
   for row in rows:
     if row["op"] == tree:
