@@ -17,9 +17,9 @@ forward), and whether one sequence's row alone (a batch of one) does:
   (`DecoderConfig.tiny`, D = 64), ``mid`` (D = 256) and ``wide``
   (SmolLM2-135M's D = 576, F = 1536), vocabulary 512 / 2048 / 2048;
 - ``matmul D x 4``: a rank-4 factor's product ``x P`` (LoGRA's factored
-  weights at rank 4), as is and with 12 zero columns appended (what
-  ``DecoderConfig.batch_invariant`` multiplies products of fewer than 16
-  columns with, a lone row getting a zero row too);
+  weights at rank 4), as is and as ``reduction.blocked_dot``
+  (``DecoderConfig.batch_invariant``) computes it: zero columns up to 16,
+  a lone row a zero row;
 - ``RMSNorm``: the decoder's mean of squares over the hidden size (an XLA
   reduction), and the same as a pairwise tree of elementwise additions,
   whose order is fixed by the reduced length alone;
@@ -60,6 +60,7 @@ import numpy as np
 
 import provenance
 import study
+from logra_jax import reduction
 
 SETTINGS = {
     "default": "",
@@ -124,7 +125,7 @@ def measure(width: str) -> list[dict]:
   factor = normal(D, 4)  # x P of a rank-4 factored weight
   for name, fn in {
       "": jnp.matmul,
-      ", 12 zero columns (and a lone row a zero row) appended": _padded,
+      ", padded as reduction.blocked_dot pads it": reduction.blocked_dot,
   }.items():
     part, one = _same_rows(fn, normal(SEQUENCES, POSITIONS, D), factor)
     rows.append(
@@ -144,15 +145,6 @@ def measure(width: str) -> list[dict]:
   )
   rows += _decoded_scores(normal(SEQUENCES, POSITIONS, H, h), h)
   return [dict(row, width=width) for row in rows]
-
-
-def _padded(x: jax.Array, w: jax.Array) -> jax.Array:
-  """``x @ w`` with ``w`` given 12 zero columns and, where ``x`` is one row,
-  ``x`` a zero row, both dropped from the result."""
-  rows = int(np.prod(x.shape[:-1]))
-  x_MxK = jnp.pad(x.reshape(rows, -1), ((0, int(rows == 1)), (0, 0)))
-  out = jnp.matmul(x_MxK, jnp.pad(w, ((0, 0), (0, 12))))
-  return out[:rows, : w.shape[1]].reshape(*x.shape[:-1], w.shape[1])
 
 
 def _decoded_scores(q_SxTxHxh: np.ndarray, h: int) -> list[dict]:

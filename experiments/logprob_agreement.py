@@ -49,24 +49,18 @@ import study
 from logra_jax import models
 from logra_jax import reduction
 
+MID = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=1024,
+)
 SHAPES = {
     "tiny": dict(vocab_size=512),
-    "mid": dict(
-        vocab_size=2048,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=1024,
-    ),
-    "mid-mha": dict(
-        vocab_size=2048,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=64,
-        intermediate_size=1024,
-    ),
+    "mid": MID,
+    "mid-mha": dict(MID, num_kv_heads=4),
     "wide": dict(
         vocab_size=2048,
         hidden_size=576,

@@ -73,16 +73,10 @@ def test_second_run_in_a_folder_is_refused_and_sigterm_exits_143(
   assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))
 
 
-@pytest.mark.slow
-def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
-    policy_folder, tmp_path
-):
-  """`policy.batch_invariant`: the run sets its XLA flags before JAX starts
-  (a fresh process), and every step's rollout log-probs equal the
-  learner's bitwise, the steps after a window merge too (the smoke preset
-  refreshes every 2 steps: the learner merges ahead of the refresh, so the
-  shared engine samples the merged weights)."""
-  out = tmp_path / "run"
+def _invariant_run(out, *overrides, env=None) -> list[dict]:
+  """``logra train --preset smoke`` with ``policy.batch_invariant`` and
+  ``overrides`` in a fresh process (its XLA flags are set as JAX starts);
+  the metrics of its steps."""
   done = subprocess.run(
       [
           sys.executable,
@@ -92,19 +86,32 @@ def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
           "--preset=smoke",
           "--no-progress",
           f"--out={out}",
-          f"--set=policy.path={policy_folder}",
           "--set=policy.batch_invariant=true",
-          "--set=steps=5",
+          *(f"--set={o}" for o in overrides),
       ],
       capture_output=True,
       text=True,
-      timeout=600,
+      timeout=900,
+      env=env,
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  metrics = [
+  return [
       json.loads(line)
       for line in (out / "metrics.jsonl").read_text().splitlines()
   ]
+
+
+@pytest.mark.slow
+def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
+    policy_folder, tmp_path
+):
+  """`policy.batch_invariant`: every step's rollout log-probs equal the
+  learner's bitwise, the steps after a window merge too (the smoke preset
+  refreshes every 2 steps: the learner merges ahead of the refresh, so the
+  shared engine samples the merged weights)."""
+  metrics = _invariant_run(
+      tmp_path / "run", f"policy.path={policy_folder}", "steps=5"
+  )
   assert len(metrics) == 5
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
 
@@ -121,34 +128,16 @@ def test_batch_invariant_dynamic_sampling_rounds_score_bitwise(tmp_path):
   run's log-probs are not all bitwise: measured, like the sampler's batch
   invariance in docs/rl.md)."""
   policy = make_policy(tmp_path / "policy", max_position_embeddings=512)
-  out = tmp_path / "run"
-  done = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "logra_jax.cli",
-          "train",
-          "--preset=smoke",
-          "--no-progress",
-          f"--out={out}",
-          "--set=policy.batch_invariant=true",
-          f"--set=policy.path={policy}",
-          "--set=rollout.dynamic_sampling=true",
-          "--set=rollout.max_new_tokens=100",
-          "--set=task.terms=60",
-          "--set=task.max_digits=2",
-          "--set=steps=2",
-      ],
-      capture_output=True,
-      text=True,
-      timeout=900,
-      env=dict(os.environ, XLA_FLAGS=""),  # XLA's default level, as users run
+  metrics = _invariant_run(
+      tmp_path / "run",
+      f"policy.path={policy}",
+      "rollout.dynamic_sampling=true",
+      "rollout.max_new_tokens=100",
+      "task.terms=60",
+      "task.max_digits=2",
+      "steps=2",
+      env=dict(os.environ, XLA_FLAGS=""),  # XLA's default level
   )
-  assert done.returncode == 0, done.stderr[-3000:]
-  metrics = [
-      json.loads(line)
-      for line in (out / "metrics.jsonl").read_text().splitlines()
-  ]
   assert sum(m["rollout/resample_rounds"] for m in metrics) > 0, metrics
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
 
