@@ -116,7 +116,11 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False):
   power-of-two length ``n``, then ``x[:n/2] + x[n/2:]`` until one element.
 
   Elementwise adds only, so each row's order is fixed by its own length,
-  and zeros appended to ``x`` do not change the bits.
+  and zeros appended to ``x`` do not change the bits. Nor does where the
+  terms sit among zeros: slot ``i`` meets slot ``i + n/2``, so the tree sums
+  classes of slots modulo ``n/2, n/4, ...``, which a shift only renames
+  (and float addition commutes): a row's keys at another offset of a
+  masked key axis give the same sum.
 
   Example:
     >>> tree_sum(jnp.arange(5.0)).item()

@@ -50,6 +50,23 @@ def test_appended_zeros_leave_the_bits(values, zeros):
   )
 
 
+@settings(max_examples=40, deadline=None)
+@given(_floats, st.integers(0, 40), st.integers(0, 40))
+def test_tree_sum_ignores_where_the_terms_sit(values, before, after):
+  """The halves-first tree adds slot ``i`` to slot ``i + n/2``: it sums the
+  classes of slots modulo ``n/2, n/4, ...``, which a shift only renames, so
+  terms moved along a zero-padded axis (a row's keys at another offset, as
+  a multi-turn episode's are in the sampler's turn and in the learner's
+  row) add to the same bits (float addition commutes)."""
+  x = np.asarray(values, np.float32)
+  placed = np.concatenate(
+      [np.zeros(before, np.float32), x, np.zeros(after, np.float32)]
+  )
+  np.testing.assert_array_equal(
+      reduction.tree_sum(jnp.asarray(placed)), reduction.tree_sum(x)
+  )
+
+
 def test_blocked_dot_is_the_product():
   a = jax.random.normal(jax.random.key(0), (5, 600))
   b = jax.random.normal(jax.random.key(1), (600, 7))

@@ -116,6 +116,61 @@ def test_batch_invariant_rollouts_score_bitwise_as_the_learner(
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
 
 
+# Each episode's environment answers with one to four words, so the rows'
+# histories differ in length from the second turn on: the sampler pads each
+# turn to its longest history, and the learner lays the whole episode after
+# its prompt, so a row's keys sit at other positions in the two.
+UNEVEN_ENVIRONMENT = """
+import itertools
+
+from logra_jax import envs
+
+_EPISODES = itertools.count()
+
+
+class Uneven:
+  def __init__(self):
+    self.words = 1 + next(_EPISODES) % 4
+
+  def reset(self, example):
+    return [{"role": "user", "content": example["prompt"]}]
+
+  def step(self, model_message):
+    return envs.StepResult(
+        [{"role": "user", "content": " again" * self.words}], reward=0.5
+    )
+
+
+def uneven():
+  return Uneven()
+"""
+
+
+@pytest.mark.slow
+def test_batch_invariant_multi_turn_episodes_score_bitwise(
+    policy_folder, tmp_path
+):
+  """Multi-turn episodes whose environment answers differ in length, so each
+  row's keys sit at another offset in the sampler's turn than in the
+  learner's row: within one block of 256 keys the fixed-order sums do not
+  depend on a row's offset (``test_tree_sum_ignores_where_the_terms_sit``),
+  and every step's rollout log-probs are the learner's bitwise."""
+  environment = tmp_path / "uneven.py"
+  environment.write_text(UNEVEN_ENVIRONMENT)
+  metrics = _invariant_run(
+      tmp_path / "run",
+      f"policy.path={policy_folder}",
+      f"task.environment={environment}:uneven",
+      "rollout.max_turns=3",
+      "rollout.prompts_per_step=4",
+      "task.eval_size=4",
+      "steps=3",
+  )
+  assert len(metrics) == 3
+  assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
+  assert max(m["env/turns_per_episode"] for m in metrics) > 1, metrics
+
+
 @pytest.mark.slow
 def test_batch_invariant_dynamic_sampling_rounds_score_bitwise(tmp_path):
   """`policy.batch_invariant` end to end with rows beyond one block of 256
