@@ -90,7 +90,10 @@ from the seed: the configuration of the smallest sync messages). Opt-in
 (``--arms``), the levers of ``logra-small-sync`` each alone on ``logra``, to
 find which one costs accuracy if the configuration does:
 ``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
-and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors).
+and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
+and a follow-up on a lever that does, ``logra-rank8-refresh10`` (rank 8
+with a projector window of 10 steps instead of 50: does a shorter window
+recover what rank 8 loses?), tested against ``logra-rank8``.
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -122,8 +125,8 @@ runs unchanged on an accelerator (the runs use the JAX backend).
 
 CPU budget (2 cores): runs per setting = sweep 5 arms x 4 rates x 2 seeds
 (40) + final 5 x 6 new seeds (30) + KL-matched 5 x 5 (25) = 95, and 14
-more per lever arm asked for (8 sweep, 6 final; 19 with its KL-matched
-seeds). A tiny run is the main job plus its held-out evaluations (11 points
+more per lever or follow-up arm asked for (8 sweep, 6 final; 19 with its
+KL-matched seeds). A tiny run is the main job plus its held-out evaluations (11 points
 on 700 prompts) and export: 200-400 s measured on a 2-core machine not
 shared with other work (the rows' ``wall_seconds``), so 5-10 hours for the tiny setting alone: more
 than the ~10 CPU-hours planned for the whole study once a second setting
@@ -203,6 +206,14 @@ LEVERS = {
     "logra-random": ("kind",),
 }
 
+# Follow-ups that ask why a lever costs accuracy, each an arm with one more
+# setting, tested against it: rank 8 with a projector window of 10 steps
+# instead of 50, so that a run's updates span more directions (with random
+# projectors a refresh sends no bytes).
+FOLLOW_UPS = {
+    "logra-rank8-refresh10": ("logra-rank8", {"refresh_every": "10"}),
+}
+
 
 def _logra(settings: dict[str, str]) -> list[str]:
   return ["optimizer.name=logra"] + [
@@ -217,11 +228,16 @@ MAIN_ARMS: dict[str, list[str]] = {
     "logra": _logra(LOGRA_DEFAULT),
     "logra-small-sync": _logra(LOGRA_SMALL_SYNC),
 }
+LEVER_SETTINGS = {
+    arm: {**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}}
+    for arm, keys in LEVERS.items()
+}
 ARMS: dict[str, list[str]] = {
     **MAIN_ARMS,
+    **{arm: _logra(settings) for arm, settings in LEVER_SETTINGS.items()},
     **{
-        arm: _logra({**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}})
-        for arm, keys in LEVERS.items()
+        arm: _logra({**LEVER_SETTINGS[lever], **changes})
+        for arm, (lever, changes) in FOLLOW_UPS.items()
     },
 }
 LOGRA_ARMS = ("logra", "logra-small-sync")
@@ -229,11 +245,12 @@ BASELINES = ("adam", "lora")
 # (LoGRA arm, the arm it is tested against): each LoGRA arm against the
 # tuned baselines, the smallest-sync configuration against the default one
 # (does the 10 MB message cost accuracy?), and each of its levers against
-# the default (which one does?).
+# the default (which one does?), and each follow-up against its lever.
 COMPARISONS = (
     tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
     + (("logra-small-sync", "logra"),)
     + tuple((lever, "logra") for lever in LEVERS)
+    + tuple((arm, lever) for arm, (lever, _) in FOLLOW_UPS.items())
 )
 # Half-decade grids: LoRA's best rate sits above full fine-tuning's; dense
 # Adam's pilot (parity-pilot) peaked at 1e-4 and collapsed from 1e-3 on tiny.
@@ -244,7 +261,7 @@ GRIDS = {
     "galore": DENSE_GRID,
     "logra": DENSE_GRID,
     "logra-small-sync": DENSE_GRID,
-    **{lever: DENSE_GRID for lever in LEVERS},
+    **{arm: DENSE_GRID for arm in (*LEVERS, *FOLLOW_UPS)},
 }
 MIN_GRID = 4
 

@@ -213,6 +213,20 @@ def test_parity_levers_split_the_small_sync_configuration():
   )
 
 
+def test_parity_follow_ups_add_one_setting_to_their_lever():
+  """A follow-up arm is its lever's settings with one more changed, tested
+  against the lever, on the levers' grid, and runs only when asked for."""
+  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
+  for arm, (lever, changes) in parity.FOLLOW_UPS.items():
+    assert lever in parity.LEVERS and arm not in parity.MAIN_ARMS
+    new = {
+        k: v for k, v in settings(arm).items() if settings(lever).get(k) != v
+    }
+    assert new == {f"optimizer.{k}": v for k, v in changes.items()}
+    assert (arm, lever) in parity.COMPARISONS
+    assert parity.GRIDS[arm] == parity.GRIDS[lever]
+
+
 def test_parity_report_tests_the_small_sync_arm_against_the_default():
   """The report tests each LoGRA arm against the tuned baselines and the
   smallest-sync configuration against the default LoGRA, from the rows
