@@ -21,17 +21,19 @@ forward), and whether one sequence's row alone (a batch of one) does:
   (``DecoderConfig.batch_invariant``) computes it: zero columns up to 16,
   a lone row a zero row;
 - ``RMSNorm``: the decoder's mean of squares over the hidden size (an XLA
-  reduction), and the same as a pairwise tree of elementwise additions,
-  whose order is fixed by the reduced length alone;
+  reduction), and the same as a pairwise tree of elementwise additions
+  (``reduction.tree_sum``), whose order is fixed by the reduced length
+  alone;
 - ``softmax``: ``jax.nn.softmax`` over 40 keys per query row and head, as
   attention takes it (the width's number of query heads);
 - ``attention scores``: a decoded query's scores over 40 keys (its
   sequence's, one query head per kv head), as the forward pass computes
   them (a batched matmul over all positions' queries) against three ways a
   decode step can: the same batched matmul for the one query row, the same
-  with a zero row appended (what ``DecoderConfig.batch_invariant`` decodes
-  with), and the default decoding path's elementwise products summed over
-  the head dim (which reads the cache in place).
+  with a zero row appended (``reduction.with_matrix_rows``, what
+  ``DecoderConfig.batch_invariant`` decodes with), and the default decoding
+  path's elementwise products summed over the head dim (which reads the
+  cache in place).
 
 Each is measured under two XLA:CPU settings, each in a process of its own
 (XLA reads its flags once; each replaces any ``XLA_FLAGS`` of the caller's,
@@ -75,18 +77,6 @@ WIDTHS = {
     "mid": (256, 8, 64, 128, 1024, 2048),
     "wide": (576, 9, 64, 192, 1536, 2048),
 }
-
-
-def tree_sum(x: jax.Array) -> jax.Array:
-  """Sum over the last axis as a pairwise tree of elementwise additions
-  (zero-padded to a power of two): the same order for any leading shape."""
-  n = x.shape[-1]
-  width = 1 << (n - 1).bit_length()
-  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-  while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
-  return x[..., 0]
 
 
 def _same_rows(fn, x: np.ndarray, *args) -> tuple[float, float]:
@@ -134,7 +124,9 @@ def measure(width: str) -> list[dict]:
   hidden = normal(SEQUENCES, POSITIONS, D)
   for name, fn in {
       "RMSNorm mean of squares (XLA reduce)": lambda x: jnp.mean(x * x, -1),
-      "RMSNorm mean of squares (tree sum)": lambda x: tree_sum(x * x) / D,
+      "RMSNorm mean of squares (tree sum)": (
+          lambda x: reduction.tree_sum(x * x) / D
+      ),
   }.items():
     part, one = _same_rows(fn, hidden)
     rows.append(dict(op=f"{name}, D = {D}", part=part, one=one))
@@ -157,12 +149,11 @@ def _decoded_scores(q_SxTxHxh: np.ndarray, h: int) -> list[dict]:
   q = q_SxTxHxh.transpose(0, 2, 1, 3)[:, :, None]  # [S, H, 1, T, h]
   keys = np.ascontiguousarray(q[:, :, 0, ::-1])  # [S, H, T, h]
   matmul = lambda q, k: jnp.einsum("skgth,sknh->skgtn", q, k)
-  zero_row = ((0, 0),) * 3 + ((0, 1), (0, 0))
   ways = {
       "a matmul of one row": matmul,
-      "a matmul, a zero row appended": lambda q, k: matmul(
-          jnp.pad(q, zero_row), k
-      )[:, :, :, :1],
+      "a matmul, a zero row appended": lambda q, k: reduction.with_matrix_rows(
+          matmul, q, (2, 3), k
+      ),
       "elementwise products": lambda q, k: jnp.sum(
           q[..., None, :] * k[:, :, None, None], -1
       ),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.custom_derivatives import SymbolicZero
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 # number of rows, and keeps a reduction of up to 256 in one pass.
 BLOCK = 256
 
-# XLA:CPU multiplies a matrix of fewer columns than this (a rank-4 factor),
-# or a single row, with kernels whose bits depend on the number of rows;
-# zero columns or a zero row appended keep it the row-invariant matrix
-# product (experiments/kernel_invariance.py).
+# XLA:CPU multiplies a matrix of fewer columns than this (a rank-4 factor)
+# with kernels whose bits depend on the number of rows; zero columns
+# appended keep it the row-invariant matrix product (a single row likewise
+# needs a zero row: `with_matrix_rows`; experiments/kernel_invariance.py).
 MIN_COLUMNS = 16
 
 # The XLA:CPU flags under which each row of a matmul of up to `BLOCK` reduced
@@ -163,16 +163,43 @@ def blocked_dot(
   return _blocked_dot(a, b, preferred_element_type, block)
 
 
+def with_matrix_rows(
+    product: Callable[..., jax.Array],
+    x: jax.Array,
+    row_axes: Sequence[int],
+    *operands: Any,
+) -> jax.Array:
+  """``product(x, *operands)``, where ``x``'s ``row_axes`` are the rows of a
+  matrix product: a single row (every row axis of length 1) gets a zero row
+  appended along the last row axis, dropped from the result at that axis.
+  XLA:CPU multiplies a single row with a matrix-vector kernel whose bits
+  differ from the matrix product's (``experiments/kernel_invariance.py``).
+
+  Example:
+    >>> x, w = jnp.ones((1, 3)), jnp.ones((3, 2))
+    >>> with_matrix_rows(jnp.dot, x, (0,), w).tolist()
+    [[3.0, 3.0]]
+  """
+  if math.prod(x.shape[axis] for axis in row_axes) > 1:
+    return product(x, *operands)
+  axis = row_axes[-1]
+  padding = [(0, int(i == axis)) for i in range(x.ndim)]
+  out = product(jnp.pad(x, padding), *operands)
+  return jax.lax.slice_in_dim(out, 0, 1, axis=axis)
+
+
 def _fixed_order_product(a, b, preferred_element_type, block):
   """:func:`blocked_dot`'s value: operands padded where XLA:CPU would
   pick another kernel, then the pairwise sum of the slices' products."""
   rows, columns = math.prod(a.shape[:-1]), b.shape[-1]
   if b.ndim != 2 or (rows > 1 and columns >= MIN_COLUMNS):
     return _pairwise_products(a, b, preferred_element_type, block)
-  a_MxK = jnp.pad(a.reshape(rows, a.shape[-1]), ((0, int(rows == 1)), (0, 0)))
   b = jnp.pad(b, ((0, 0), (0, max(MIN_COLUMNS - columns, 0))))
-  out = _pairwise_products(a_MxK, b, preferred_element_type, block)
-  return out[:rows, :columns].reshape(*a.shape[:-1], columns)
+  product = lambda a_MxK: _pairwise_products(
+      a_MxK, b, preferred_element_type, block
+  )
+  out = with_matrix_rows(product, a.reshape(rows, a.shape[-1]), (0,))
+  return out[:, :columns].reshape(*a.shape[:-1], columns)
 
 
 def _pairwise_products(a, b, preferred_element_type, block):

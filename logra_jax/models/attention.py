@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.reduction import BLOCK, pairwise_sum, tree_sum
+from logra_jax.reduction import BLOCK, pairwise_sum, tree_sum, with_matrix_rows
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -135,18 +135,21 @@ def _invariant_products():
   """``(qk, pv, softmax)`` of the batch-invariant path: the score
   matmul's reduction (the head dim) is short; the value sum is a pairwise
   sum of matmuls over blocks of ``BLOCK`` keys and the softmax's sum a
-  tree sum, so a longer, masked key axis gives the same bits."""
+  tree sum, so a longer, masked key axis gives the same bits. A decoded
+  token's ``G x T`` query rows (one where each KV head has one query head)
+  stay a matrix product (``with_matrix_rows``)."""
   matmul_qk, matmul_pv = _prefill_products()
 
   def qk(q_BxKxGxTxh, keys_BxKxSxh):
-    return _as_matrix_product(matmul_qk, q_BxKxGxTxh, keys_BxKxSxh)
+    return with_matrix_rows(matmul_qk, q_BxKxGxTxh, (2, 3), keys_BxKxSxh)
 
   def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
     S = values_BxKxSxh.shape[2]
     parts = [
-        _as_matrix_product(
+        with_matrix_rows(
             matmul_pv,
             probs_BxKxGxTxS[..., i : i + BLOCK],
+            (2, 3),
             values_BxKxSxh[:, :, i : i + BLOCK],
             jnp.float32,
         )
@@ -159,19 +162,6 @@ def _invariant_products():
     return exp / tree_sum(exp, keepdims=True)
 
   return qk, pv, softmax
-
-
-def _as_matrix_product(product, x_BxKxGxTxn, *operands):
-  """``product(x, *operands)`` with ``x``'s ``G x T`` rows made at least
-  two: a single row (a decoded token where each KV head has one query head)
-  XLA:CPU multiplies with a matrix-vector kernel whose bits differ from the
-  matrix product the forward pass runs (measured:
-  ``experiments/kernel_invariance.py``); a zero row appended keeps it a
-  matrix product, and is dropped from the result."""
-  if x_BxKxGxTxn.shape[2] * x_BxKxGxTxn.shape[3] > 1:
-    return product(x_BxKxGxTxn, *operands)
-  x_BxKxGx2xn = jnp.pad(x_BxKxGxTxn, ((0, 0),) * 3 + ((0, 1), (0, 0)))
-  return product(x_BxKxGx2xn, *operands)[:, :, :, :1]
 
 
 def _decode_products():
