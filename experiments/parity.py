@@ -92,8 +92,9 @@ find which one costs accuracy if the configuration does:
 ``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
 and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
 and a follow-up on a lever that does, ``logra-rank8-refresh10`` (rank 8
-with a projector window of 10 steps instead of 50: does a shorter window
-recover what rank 8 loses?), tested against ``logra-rank8``.
+with a projector window of 10 steps instead of the default 50: does a
+shorter window gain on ``logra-rank8`` and recover ``logra``, against both
+of which it is tested? Refused on smollm2, whose window is 8).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -207,9 +208,11 @@ LEVERS = {
 }
 
 # Follow-ups that ask why a lever costs accuracy, each an arm with one more
-# setting, tested against it: rank 8 with a projector window of 10 steps
-# instead of 50, so that a run's updates span more directions (with random
-# projectors a refresh sends no bytes).
+# setting, tested against the lever (does it gain?) and the default (does it
+# recover?): rank 8 with a projector window of 10 steps instead of the
+# default 50, so that a run's updates span more directions (at 7B, random
+# projectors would make the extra refreshes free to send). Refused on a
+# setting that sets the follow-up's setting itself (smollm2's window is 8).
 FOLLOW_UPS = {
     "logra-rank8-refresh10": ("logra-rank8", {"refresh_every": "10"}),
 }
@@ -250,7 +253,11 @@ COMPARISONS = (
     tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
     + (("logra-small-sync", "logra"),)
     + tuple((lever, "logra") for lever in LEVERS)
-    + tuple((arm, lever) for arm, (lever, _) in FOLLOW_UPS.items())
+    + tuple(
+        (arm, base)
+        for arm, (lever, _) in FOLLOW_UPS.items()
+        for base in (lever, "logra")
+    )
 )
 # Half-decade grids: LoRA's best rate sits above full fine-tuning's; dense
 # Adam's pilot (parity-pilot) peaked at 1e-4 and collapsed from 1e-3 on tiny.
@@ -858,7 +865,8 @@ def parse_args():
       nargs="+",
       default=list(MAIN_ARMS),
       help=f"of {list(ARMS)} (default {list(MAIN_ARMS)}; the others are "
-      "logra-small-sync's levers, each alone on logra)",
+      "logra-small-sync's levers, each alone on logra, and follow-ups, "
+      "each a lever with one more setting)",
   )
   parser.add_argument(
       "--sweep-seeds", type=int, help="seeds per swept rate (2; 1 --quick)"
@@ -894,6 +902,7 @@ def parse_args():
   args = parser.parse_args()
   study.check_names(parser, "settings", args.settings, SETTINGS)
   study.check_names(parser, "arms", args.arms, ARMS)
+  check_follow_ups(args.settings, args.arms)
   args.lr_grid = parse_grids(parser, args.lr_grid, args.quick)
   quick = args.quick
   for flag, default, least in (
@@ -914,6 +923,21 @@ def parse_args():
     if not (math.isfinite(value) and value > 0):
       study.fail(f"--{name} must be a finite number > 0, got {value}")
   return args
+
+
+def check_follow_ups(settings: list[str], arms: list[str]) -> None:
+  """Exit 2 where a follow-up arm would change a setting that the setting
+  under study sets itself (its question assumes the library default)."""
+  for name in settings:
+    own = dict(o.split("=", 1) for o in SETTINGS[name].overrides)
+    for arm in set(arms) & set(FOLLOW_UPS):
+      for key in FOLLOW_UPS[arm][1]:
+        if f"optimizer.{key}" in own:
+          study.fail(
+              f"--arms {arm} changes optimizer.{key}, which setting {name} "
+              f"sets itself ({own[f'optimizer.{key}']}): the follow-up asks "
+              "about a change from the library default"
+          )
 
 
 def seeds(args, name: str) -> int:
@@ -967,8 +991,8 @@ def _values(rows, name, arm, column="test_after") -> list[float]:
 def report(args, rows, chosen, record) -> str:
   """The markdown: per setting, the arms' test accuracy with CIs and the
   tests of :data:`COMPARISONS` (each LoGRA arm against the tuned
-  baselines, logra-small-sync and its levers against logra) among the arms
-  run."""
+  baselines, logra-small-sync and its levers against logra, each follow-up
+  against its lever and logra) among the arms run."""
   lines = [
       "Test accuracy after training: mean [95% CI] over seeds (Student t). "
       "Verdicts: one-sided non-inferiority test at the setting's margin "

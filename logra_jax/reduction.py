@@ -9,8 +9,9 @@ on kernels that are row-invariant for a reduced length up to ``BLOCK``
 (XLA:CPU with XNNPACK off: ``experiments/kernel_invariance.py``).
 ``DecoderConfig.batch_invariant`` computes the decoder with them.
 
-Appending zeros to what is summed never changes the bits (``x + 0 = x``), so
-a longer, masked key axis gives the same attention output.
+Appending zeros to what is summed does not change the bits (``x + 0 = x``
+for a finite ``x`` other than ``-0``; XLA:CPU flushes a subnormal it adds),
+so a longer, masked key axis gives the same attention output.
 
 This module is a leaf of the package: it imports only JAX.
 """
@@ -120,7 +121,9 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False):
   terms sit among zeros: slot ``i`` meets slot ``i + n/2``, so the tree sums
   classes of slots modulo ``n/2, n/4, ...``, which a shift only renames
   (and float addition commutes): a row's keys at another offset of a
-  masked key axis give the same sum.
+  masked key axis give the same sum. Both hold for finite terms other than
+  ``-0`` (``-0 + 0`` is ``+0``), and for a lone term not subnormal (XLA:CPU
+  flushes one it adds to zero), as attention's ``exp`` terms are.
 
   Example:
     >>> tree_sum(jnp.arange(5.0)).item()
@@ -171,7 +174,9 @@ def with_matrix_rows(
 ) -> jax.Array:
   """``product(x, *operands)``, where ``x``'s ``row_axes`` are the rows of a
   matrix product: a single row (every row axis of length 1) gets a zero row
-  appended along the last row axis, dropped from the result at that axis.
+  appended along the last row axis, dropped from the result at that axis,
+  so ``product`` must keep that axis where ``x`` has it (as ``jnp.dot``
+  keeps a row axis and ``"bkgth,bksh->bkgts"`` keeps ``g`` and ``t``).
   XLA:CPU multiplies a single row with a matrix-vector kernel whose bits
   differ from the matrix product's (``experiments/kernel_invariance.py``).
 
@@ -180,12 +185,14 @@ def with_matrix_rows(
     >>> with_matrix_rows(jnp.dot, x, (0,), w).tolist()
     [[3.0, 3.0]]
   """
-  if math.prod(x.shape[axis] for axis in row_axes) > 1:
+  if not row_axes:
+    raise ValueError("with_matrix_rows needs at least one row axis")
+  axes = [axis % x.ndim for axis in row_axes]
+  if math.prod(x.shape[axis] for axis in axes) != 1:
     return product(x, *operands)
-  axis = row_axes[-1]
-  padding = [(0, int(i == axis)) for i in range(x.ndim)]
+  padding = [(0, int(i == axes[-1])) for i in range(x.ndim)]
   out = product(jnp.pad(x, padding), *operands)
-  return jax.lax.slice_in_dim(out, 0, 1, axis=axis)
+  return jax.lax.slice_in_dim(out, 0, 1, axis=axes[-1])
 
 
 def _fixed_order_product(a, b, preferred_element_type, block):

@@ -215,7 +215,9 @@ def test_parity_levers_split_the_small_sync_configuration():
 
 def test_parity_follow_ups_add_one_setting_to_their_lever():
   """A follow-up arm is its lever's settings with one more changed, tested
-  against the lever, on the levers' grid, and runs only when asked for."""
+  against the lever (a gain?) and the default (a recovery?), on the levers'
+  grid, and runs only when asked for. Resolved on a setting that keeps the
+  library's default of that setting, it changes it."""
   settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
   for arm, (lever, changes) in parity.FOLLOW_UPS.items():
     assert lever in parity.LEVERS and arm not in parity.MAIN_ARMS
@@ -223,8 +225,20 @@ def test_parity_follow_ups_add_one_setting_to_their_lever():
         k: v for k, v in settings(arm).items() if settings(lever).get(k) != v
     }
     assert new == {f"optimizer.{k}": v for k, v in changes.items()}
-    assert (arm, lever) in parity.COMPARISONS
+    assert {(arm, lever), (arm, "logra")} <= set(parity.COMPARISONS)
     assert parity.GRIDS[arm] == parity.GRIDS[lever]
+    tiny = parity.SETTINGS["tiny"]
+    resolved = {
+        name: configs.load_config(
+            tiny.preset, overrides=[*tiny.overrides, *parity.ARMS[name]]
+        ).optimizer
+        for name in (arm, lever)
+    }
+    for key, value in changes.items():
+      assert str(getattr(resolved[arm], key)) == value
+      assert getattr(resolved[lever], key) == getattr(
+          configs.OptimizerConfig(), key
+      )
 
 
 def test_parity_report_tests_the_small_sync_arm_against_the_default():
@@ -632,6 +646,11 @@ def test_async_study_quick(tmp_path):
         ("parity", ["--lr-grid", "sgd=1e-3"], "unknown arms ['sgd']"),
         ("parity", ["--set", "optimizer.rank=-1"], "optimizer.rank"),
         ("parity", ["--kl-seeds", "-1"], "--kl-seeds must be >= 0"),
+        (
+            "parity",
+            ["--settings", "smollm2", "--arms", "logra-rank8-refresh10"],
+            "which setting smollm2 sets itself (8)",
+        ),
         ("ablations", ["--arms", "rank=7"], "unknown arms ['rank=7']"),
         ("ablations", ["--arms", "rank=8"], "must include 'default'"),
         ("kl_control", ["--arms", "sgd+kl"], "unknown arms ['sgd+kl']"),
