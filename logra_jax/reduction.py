@@ -125,10 +125,18 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False):
   ``-0`` (``-0 + 0`` is ``+0``), and for a lone term not subnormal (XLA:CPU
   flushes one it adds to zero), as attention's ``exp`` terms are.
 
+  Only the value needs the order: the derivative is ``jnp.sum``'s (whose
+  gradient, a broadcast, is the tree's exactly, without a pad per level).
+
   Example:
     >>> tree_sum(jnp.arange(5.0)).item()
     10.0
   """
+  return _tree_sum(x, axis, keepdims)
+
+
+def _halves_first_sum(x: jax.Array, axis: int, keepdims: bool) -> jax.Array:
+  """:func:`tree_sum`'s value."""
   x = jnp.moveaxis(x, axis, -1)
   n = x.shape[-1]
   padded = 1 << max(n - 1, 0).bit_length()
@@ -138,6 +146,17 @@ def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False):
     x = x[..., :half] + x[..., half:]
   x = jnp.moveaxis(x, -1, axis)
   return x if keepdims else jnp.squeeze(x, axis)
+
+
+_tree_sum = jax.custom_jvp(_halves_first_sum, nondiff_argnums=(1, 2))
+
+
+@_tree_sum.defjvp
+def _tree_sum_jvp(axis, keepdims, primals, tangents):
+  """The value in the tree's order, the tangent as ``jnp.sum``."""
+  (x,), (x_dot,) = primals, tangents
+  value = _halves_first_sum(x, axis, keepdims)
+  return value, jnp.sum(x_dot, axis=axis, keepdims=keepdims)
 
 
 def blocked_dot(

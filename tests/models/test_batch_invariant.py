@@ -114,6 +114,35 @@ def test_blocked_dot_is_the_product():
   )
 
 
+def test_tree_sum_differentiates_as_the_plain_tree():
+  """Only the value has the fixed order: through a nonlinear use (an RMS
+  norm) the gradient is the one autodiff gives the tree of halves itself,
+  bit for bit (a sum's gradient is a broadcast either way), and a
+  forward-mode tangent is ``jnp.sum``'s."""
+  x, x_dot = jax.random.normal(jax.random.key(5), (2, 3, 7, 300))
+  for axis, keepdims in ((-1, True), (1, False)):
+    norm = lambda total: lambda x: jnp.sum(
+        jnp.tanh(x)
+        * jax.lax.rsqrt(
+            total(x * x, axis, keepdims).reshape(
+                x.shape[: axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1 :]
+            )
+            + 1e-6
+        )
+    )
+    np.testing.assert_array_equal(
+        bits(jax.grad(norm(reduction.tree_sum))(x)),
+        bits(jax.grad(norm(reduction._halves_first_sum))(x)),
+    )
+    tangent = lambda total: jax.jvp(
+        lambda x: total(x, axis, keepdims), (x,), (x_dot,)
+    )[1]
+    np.testing.assert_array_equal(
+        tangent(reduction.tree_sum),
+        tangent(lambda x, a, k: jnp.sum(x, axis=a, keepdims=k)),
+    )
+
+
 def test_blocked_dot_differentiates_as_the_plain_product():
   """Only the value has the fixed order: a linear loss's gradient and a
   forward-mode tangent are `jnp.dot`'s, bit for bit (the same cotangent goes
