@@ -127,17 +127,17 @@ runs unchanged on an accelerator (the runs use the JAX backend).
 CPU budget (2 cores): runs per setting = sweep 5 arms x 4 rates x 2 seeds
 (40) + final 5 x 6 new seeds (30) + KL-matched 5 x 5 (25) = 95, and 14
 more per lever or follow-up arm asked for (8 sweep, 6 final; 19 with its
-KL-matched seeds). A tiny run is the main job plus its held-out evaluations (11 points
-on 700 prompts) and export: 200-400 s measured on a 2-core machine not
-shared with other work (the rows' ``wall_seconds``), so 5-10 hours for the tiny setting alone: more
-than the ~10 CPU-hours planned for the whole study once a second setting
-qualifies. Whether two invocations at once (other ``--arms`` and ``--out``)
-help depends on the host: on a 2-core AMD EPYC host (2026-12-05) one run
-alone took 1.5-1.8 s a step, two at once 3.3 and 4.3 s each (no gain); on
-a 2-core Intel Xeon host the same day, one run used 1.4 cores, and two at
-once took 334-347 s each with nothing else running (rows' ``wall_seconds``),
-two runs in the time of one alone above. smollm2 is
-excluded (on CPU one run takes about 30 minutes).
+KL-matched seeds). A tiny run is the main job plus its held-out evaluations
+(11 points on 700 prompts) and export: 200-400 s measured on a 2-core
+machine not shared with other work (the rows' ``wall_seconds``), so 5-10
+hours for the tiny setting alone: more than the ~10 CPU-hours planned for
+the whole study once a second setting qualifies. Whether two invocations at
+once (other ``--arms`` and ``--out``) help depends on the host: on a 2-core
+AMD EPYC host (2026-12-05) one run alone took 1.5-1.8 s a step, two at once
+3.3 and 4.3 s each (no gain); on a 2-core Intel Xeon host the same day, one
+run used 1.4 cores, and two at once took 334-347 s each with nothing else
+running (rows' ``wall_seconds``), two runs in the time of one alone above.
+smollm2 is excluded (on CPU one run takes about 30 minutes).
 
 ``--report-only`` writes the reports from the committed rows alone (each
 found by its setting, arm, rate and seed, of the config the study would run
@@ -248,7 +248,8 @@ BASELINES = ("adam", "lora")
 # (LoGRA arm, the arm it is tested against): each LoGRA arm against the
 # tuned baselines, the smallest-sync configuration against the default one
 # (does the 10 MB message cost accuracy?), and each of its levers against
-# the default (which one does?), and each follow-up against its lever.
+# the default (which one does?), and each follow-up against its lever (a
+# gain?) and the default (a recovery?).
 COMPARISONS = (
     tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
     + (("logra-small-sync", "logra"),)
@@ -928,16 +929,21 @@ def parse_args():
 def check_follow_ups(settings: list[str], arms: list[str]) -> None:
   """Exit 2 where a follow-up arm would change a setting that the setting
   under study sets itself (its question assumes the library default)."""
+  changed = [
+      (arm, f"optimizer.{key}")
+      for arm in arms
+      if arm in FOLLOW_UPS
+      for key in FOLLOW_UPS[arm][1]
+  ]
   for name in settings:
     own = dict(o.split("=", 1) for o in SETTINGS[name].overrides)
-    for arm in set(arms) & set(FOLLOW_UPS):
-      for key in FOLLOW_UPS[arm][1]:
-        if f"optimizer.{key}" in own:
-          study.fail(
-              f"--arms {arm} changes optimizer.{key}, which setting {name} "
-              f"sets itself ({own[f'optimizer.{key}']}): the follow-up asks "
-              "about a change from the library default"
-          )
+    for arm, key in changed:
+      if key in own:
+        study.fail(
+            f"--arms {arm} changes {key}, which setting {name} sets itself "
+            f"({own[key]}): the follow-up asks about a change from the "
+            "library default"
+        )
 
 
 def seeds(args, name: str) -> int:
