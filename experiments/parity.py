@@ -91,10 +91,12 @@ from the seed: the configuration of the smallest sync messages). Opt-in
 find which one costs accuracy if the configuration does:
 ``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
 and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
-and a follow-up on a lever that does, ``logra-rank8-refresh10`` (rank 8
-with a projector window of 10 steps instead of the default 50: does a
-shorter window gain on ``logra-rank8`` and recover ``logra``, against both
-of which it is tested? Refused on smollm2, whose window is 8).
+``logra-4bit``, a lever it does not pull (each step's factors sent as 4-bit
+codes with error feedback, ``optimizer.step_bits=4``); and a follow-up on a
+lever that does, ``logra-rank8-refresh10`` (rank 8 with a projector window
+of 10 steps instead of the default 50: does a shorter window gain on
+``logra-rank8`` and recover ``logra``, against both of which it is tested?
+Refused on smollm2, whose window is 8).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -207,6 +209,12 @@ LEVERS = {
     "logra-random": ("kind",),
 }
 
+# A lever of the sync work that logra-small-sync does not pull, alone on the
+# default: each step's factors sent as 4-bit codes with error feedback
+# (optimizer.step_bits): at rank 32 a 7B step of about rank 8's bfloat16
+# bytes.
+CODE_LEVERS = {"logra-4bit": {"step_bits": "4"}}
+
 # Follow-ups that ask why a lever costs accuracy, each an arm with one more
 # setting, tested against the lever (does it gain?) and the default (does it
 # recover?): rank 8 with a projector window of 10 steps instead of the
@@ -232,8 +240,11 @@ MAIN_ARMS: dict[str, list[str]] = {
     "logra-small-sync": _logra(LOGRA_SMALL_SYNC),
 }
 LEVER_SETTINGS = {
-    arm: {**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}}
-    for arm, keys in LEVERS.items()
+    **{
+        arm: {**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}}
+        for arm, keys in LEVERS.items()
+    },
+    **{arm: {**LOGRA_DEFAULT, **more} for arm, more in CODE_LEVERS.items()},
 }
 ARMS: dict[str, list[str]] = {
     **MAIN_ARMS,
@@ -253,7 +264,7 @@ BASELINES = ("adam", "lora")
 COMPARISONS = (
     tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
     + (("logra-small-sync", "logra"),)
-    + tuple((lever, "logra") for lever in LEVERS)
+    + tuple((lever, "logra") for lever in LEVER_SETTINGS)
     + tuple(
         (arm, base)
         for arm, (lever, _) in FOLLOW_UPS.items()
@@ -269,7 +280,7 @@ GRIDS = {
     "galore": DENSE_GRID,
     "logra": DENSE_GRID,
     "logra-small-sync": DENSE_GRID,
-    **{arm: DENSE_GRID for arm in (*LEVERS, *FOLLOW_UPS)},
+    **{arm: DENSE_GRID for arm in (*LEVER_SETTINGS, *FOLLOW_UPS)},
 }
 MIN_GRID = 4
 
@@ -611,7 +622,10 @@ class Evaluator:
 # Config fields added after rows were made, at the default that does what
 # runs did before the field existed: left out of the hash at that default,
 # so a row made before the field existed keeps its hash.
-LATER_FIELDS = {("policy", "batch_invariant"): False}
+LATER_FIELDS = {
+    ("policy", "batch_invariant"): False,
+    ("optimizer", "step_bits"): None,
+}
 
 
 def config_hash(config) -> str:

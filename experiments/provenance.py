@@ -244,11 +244,30 @@ def cpu_model() -> str:
   return names[0] if names else platform.processor() or platform.machine()
 
 
+def cpu_features() -> str:
+  """The CPU's family and model numbers and a digest of its feature flags
+  (``/proc/cpuinfo``): two hosts of one model name can differ in both, and
+  so in the kernels a library picks at run time (XNNPACK's matmuls, which
+  ``--xla_cpu_max_isa`` does not pin: two "Intel Xeon Processor" hosts gave
+  two fingerprints of one package). Empty where the file is missing."""
+  flags = " ".join(sorted(set().union(*(f.split() for f in _cpuinfo("flags")))))
+  numbers = [_cpuinfo(field)[:1] for field in ("cpu family", "model")]
+  if not flags and not any(numbers):
+    return ""
+  family, model = (n[0] if n else "?" for n in numbers)
+  digest = hashlib.sha256(flags.encode()).hexdigest()[:8]
+  return f"family {family} model {model}, flags {digest}"
+
+
 def host() -> str:
   """What the same code's fingerprint varies with besides the code: the
-  CPU's model and widest vector extension, or the accelerator's kind."""
+  CPU's model, widest vector extension and features, or the accelerator's
+  kind."""
   if jax.default_backend() == "cpu":
-    return f"{cpu_model()} ({cpu_isa()})"
+    features = cpu_features()
+    return f"{cpu_model()} ({cpu_isa()}" + (
+        f"; {features})" if features else ")"
+    )
   return ", ".join(sorted({d.device_kind for d in jax.devices()}))
 
 

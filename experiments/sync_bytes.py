@@ -58,6 +58,7 @@ from logra_jax import models
 from logra_jax import configs
 from logra_jax import sync
 from logra_jax import policy_state
+from logra_jax.optim import step_codes
 
 SPARSE_BYTES_PER_VALUE = 4 + 2  # int32 index + bfloat16 value
 
@@ -108,9 +109,11 @@ def message_bytes(
     optimizer: str = "logra",
     coords_dtype: str = "float32",
     kind: str = "range",
+    step_bits: int | None = None,
 ) -> dict[str, int]:
   """Bytes a sync message carries, by kind of array (a refresh's
-  projectors: none when the receiver regenerates them), and the
+  projectors: none when the receiver regenerates them; with ``step_bits``,
+  a step's codes and exponents in place of the coordinates), and the
   parameters."""
   state, regenerated, count = model_policy_state(
       model, rank, project_embeddings, optimizer, coords_dtype, kind
@@ -130,6 +133,10 @@ def message_bytes(
   }
   for kind, x in named.values():
     out[kind] += int(np.prod(x.shape)) * x.dtype.itemsize
+    if kind == sync.COORDS and step_bits is not None:
+      codes = step_codes.code_shape(x.shape, step_bits)
+      out[kind] += int(np.prod(codes)) + int(np.prod(x.shape[:2]))
+      out[kind] -= int(np.prod(x.shape)) * x.dtype.itemsize
   if regenerated:
     out[sync.PROJECTOR] = 0
   out["params"] = count
@@ -170,36 +177,56 @@ def is_default(
     refresh_every: int,
     coords_dtype: str,
     kind: str,
+    step_bits: int | None,
 ) -> bool:
   """Whether a row is the default configuration (``OptimizerConfig()``)."""
   default = configs.OptimizerConfig()
-  row = (optimizer, rank, project_embeddings, refresh_every, coords_dtype)
+  row = (
+      optimizer,
+      rank,
+      project_embeddings,
+      refresh_every,
+      coords_dtype,
+      step_bits,
+  )
   return row == (
       default.name,
       default.rank,
       default.project_embeddings,
       default.refresh_every,
       default.coords_dtype,
+      default.step_bits,
   ) and (optimizer != "logra" or kind == default.kind)
 
 
 def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
   """Bytes per step of LoGRA's message (embeddings dense, projected,
   projected with bfloat16 coordinates, and so with random projectors, which
-  the receiver regenerates) and of LoRA's at each rank, with the full
-  bfloat16 broadcast and sparse deltas beside them."""
+  the receiver regenerates; projected with 4-bit steps, with range and
+  random projectors, and 8-bit steps with random ones) and of LoRA's at
+  each rank, with the full bfloat16 broadcast and sparse deltas beside
+  them."""
   rows = []
   arms = [
-      ("logra", False, "float32", "range"),
-      ("logra", True, "float32", "range"),
-      ("logra", True, "bfloat16", "range"),
-      ("logra", True, "bfloat16", "random"),
-      ("lora", False, "float32", "range"),
+      ("logra", False, "float32", "range", None),
+      ("logra", True, "float32", "range", None),
+      ("logra", True, "bfloat16", "range", None),
+      ("logra", True, "bfloat16", "random", None),
+      ("logra", True, "float32", "range", 4),
+      ("logra", True, "float32", "random", 4),
+      ("logra", True, "float32", "random", 8),
+      ("lora", False, "float32", "range", None),
   ]
-  for optimizer, project_embeddings, coords_dtype, kind in arms:
+  for optimizer, project_embeddings, coords_dtype, kind, step_bits in arms:
     for rank in ranks:
       b = message_bytes(
-          model, rank, project_embeddings, optimizer, coords_dtype, kind
+          model,
+          rank,
+          project_embeddings,
+          optimizer,
+          coords_dtype,
+          kind,
+          step_bits,
       )
       if optimizer == "lora":  # adapters every step, merged by the engine
         step, projector = b[sync.ADAPTER] + b[sync.DENSE], 0
@@ -210,6 +237,8 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
         embeddings = "projected" if project_embeddings else "dense"
         if coords_dtype != "float32":
           embeddings += f", {coords_dtype} A"
+        if step_bits is not None:
+          embeddings += f", {step_bits}-bit steps"
         if kind != "range":
           embeddings += f", {kind} P"
       rows.append(
@@ -218,6 +247,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
               "embeddings": embeddings,
               "rank": rank,
               "coords_dtype": coords_dtype,
+              "step_bits": step_bits,
               "kind": kind,
               "default": is_default(
                   optimizer,
@@ -226,6 +256,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
                   refresh_every,
                   coords_dtype,
                   kind,
+                  step_bits,
               ),
               "step_bytes": step,
               "projector_bytes": projector,

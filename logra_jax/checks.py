@@ -94,3 +94,15 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   """
   if value not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_fields(
+    section: str, config: Any, names: str, **bounds: float
+) -> None:
+  """:func:`check_range` on the fields ``names`` (space-separated) of
+  ``config`` that are not None, each named ``section.field`` (as ``--set``
+  spells it; the top-level fields have no section)."""
+  for name in names.split():
+    value = getattr(config, name)
+    if value is not None:
+      check_range(f"{section}.{name}" if section else name, value, **bounds)

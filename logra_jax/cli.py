@@ -172,6 +172,7 @@ def _memory(args: argparse.Namespace) -> int:
       reference_dtype=args.reference_dtype,
       base_dtype=args.base_dtype,
       coords_dtype=args.coords_dtype,
+      step_bits=args.step_bits,
       compile_for=args.compile_for,
       target_kl=args.target_kl,
       kl_subsample=args.kl_subsample,
@@ -315,6 +316,14 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       default="float32",
       help="LoGRA, sketch gradients: dtype of the window coordinates A of "
       "the factored weights (optimizer.coords_dtype)",
+  )
+  plan.add_argument(
+      "--step-bits",
+      type=int,
+      choices=[4, 8],
+      default=None,
+      help="LoGRA, sketch gradients: steps as 4- or 8-bit codes with error "
+      "feedback, counted in the optimizer state (optimizer.step_bits)",
   )
   plan.add_argument(
       "--target-kl",

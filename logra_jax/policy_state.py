@@ -105,6 +105,7 @@ def make_optimizer(
         target_kl=config.target_kl,
         kl_mode=config.kl_mode,
         factored=factored_policy(config),
+        step_bits=config.step_bits,
     )
   elif config.name in ("adam", "lora"):
     core = optax.adamw(

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from logra_jax import configs
+from logra_jax import sync
 from logra_jax.checkpoint import folders
 from logra_jax.rl import guards
 
@@ -181,17 +182,43 @@ def test_quick_recipes_study_compares_with_the_default(tmp_path, fingerprints):
   assert (results / "recipes.png").stat().st_size > 0
 
 
-def test_a_later_config_field_at_its_default_keeps_the_rows_hashes():
-  """Rows made before ``policy.batch_invariant`` existed keep their config
-  hashes at its default; turning it on is another config."""
+@pytest.mark.parametrize(
+    "section,name,other",
+    [("policy", "batch_invariant", "true"), ("optimizer", "step_bits", "4")],
+)
+def test_a_later_config_field_at_its_default_keeps_the_rows_hashes(
+    section, name, other
+):
+  """Rows made before a field existed (``policy.batch_invariant``,
+  ``optimizer.step_bits``) keep their config hashes at its default; another
+  value is another config."""
   config = configs.get_preset("smoke")
   described = configs.to_dict(config)
-  del described["policy"]["batch_invariant"]
+  for later_section, later_name in parity.LATER_FIELDS:
+    del described[later_section][later_name]
   text = json.dumps(described, sort_keys=True)
   before = parity.hashlib.sha256(text.encode()).hexdigest()[:16]
   assert parity.config_hash(config) == before
-  on = configs.apply_overrides(config, ["policy.batch_invariant=true"])
+  on = configs.apply_overrides(config, [f"{section}.{name}={other}"])
   assert parity.config_hash(on) != before
+
+
+def test_parity_code_levers_are_the_default_with_their_settings():
+  """``logra-4bit`` is the default logra with 4-bit steps, tested against
+  it on the levers' grid, and resolves to them on tiny."""
+  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
+  for arm, more in parity.CODE_LEVERS.items():
+    new = {
+        k: v for k, v in settings(arm).items() if settings("logra").get(k) != v
+    }
+    assert new == {f"optimizer.{k}": v for k, v in more.items()}
+    assert (arm, "logra") in parity.COMPARISONS
+    assert parity.GRIDS[arm] == parity.GRIDS["logra-rank8"]
+    tiny = parity.SETTINGS["tiny"]
+    resolved = configs.load_config(
+        tiny.preset, overrides=[*tiny.overrides, *parity.ARMS[arm]]
+    ).optimizer
+    assert resolved.step_bits == 4
 
 
 def test_parity_levers_split_the_small_sync_configuration():
@@ -589,6 +616,27 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
       assert rate == pytest.approx(chosen["tiny", arm] * args.kl_lr_multiplier)
 
 
+def test_hosts_of_one_model_name_are_told_apart(monkeypatch):
+  """Two CPUs with the same model name but other model numbers or feature
+  flags (whose kernels may differ) are other hosts, and so other
+  fingerprint caches; the same CPU is the same host."""
+  cpu = {
+      "model name": ["Intel(R) Xeon(R) Processor"] * 2,
+      "flags": ["fpu avx2 avx512f"] * 2,
+      "cpu family": ["6"] * 2,
+      "model": ["143"] * 2,
+  }
+  monkeypatch.setattr(provenance, "_cpuinfo", lambda field: cpu.get(field, []))
+  monkeypatch.setattr(provenance.jax, "default_backend", lambda: "cpu")
+  first = provenance.host()
+  assert first.startswith("Intel(R) Xeon(R) Processor (avx512f; family 6")
+  assert provenance.host() == first
+  cpu["model"] = ["167"] * 2
+  other_model = provenance.host()
+  cpu["flags"] = ["fpu avx2 avx512f amx_tile"] * 2
+  assert len({first, other_model, provenance.host()}) == 3
+
+
 def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
   """A commit's fingerprint on this host is noted once; a tree whose
   package has uncommitted changes notes nothing (its fingerprint names no
@@ -907,6 +955,27 @@ def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
     assert regenerated[rank]["projector_bytes"] == 0
     assert regenerated[rank]["step_bytes"] == ranged[rank]["step_bytes"]
     assert regenerated[rank]["mean_bytes"] == ranged[rank]["step_bytes"]
+
+
+def test_sync_bytes_four_bit_steps_send_half_a_byte_a_coordinate():
+  """4-bit steps: two codes a byte (every short side of Qwen2.5-0.5B is
+  even) and one int8 exponent a row of each coordinates array in place of
+  4 bytes a coordinate; every other kind of array as before."""
+  sync_bytes = importlib.import_module("sync_bytes")
+  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True)
+  four = sync_bytes.message_bytes(
+      "qwen2.5-0.5b", 8, True, "logra", "float32", "range", 4
+  )
+  state, _, _ = sync_bytes.model_policy_state("qwen2.5-0.5b", 8, True)
+  rows = sum(
+      x.shape[0] * x.shape[1]
+      for kind, x in sync.named_arrays(state).values()
+      if kind == sync.COORDS
+  )
+  assert four["coords"] == f32["coords"] // 8 + rows
+  assert {k: v for k, v in four.items() if k != "coords"} == {
+      k: v for k, v in f32.items() if k != "coords"
+  }
 
 
 @pytest.mark.slow

@@ -95,6 +95,18 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
     memory.plan_memory(
         TINY, mesh=FSDP8, optimizer="adam", coords_dtype="bfloat16"
     )
+  # 8-bit steps: the optimizer state holds the rounding residual (A's
+  # shape, float32) and the last codes (1 byte a value) and exponents (1
+  # byte a row), between split over fsdp and whole on every device, as XLA
+  # lays them out.
+  coded = memory.plan_memory(
+      TINY, mesh=FSDP8, rank=8, seq_len=64, micro_batch=2, step_bits=8
+  )
+  rows = sum(L * 8 for L, _, _ in matrices)
+  grown = coded.optimizer_state - reports["logra"].optimizer_state
+  whole = 8 * coords + 8 * (coords // 4) + rows  # on one device of 8
+  assert coords + coords // 4 <= grown <= whole + 64
+  assert "8-bit steps" in coded.description
   with pytest.raises(ValueError, match="optimizer.base_dtype"):
     memory.plan_memory(
         TINY, mesh=FSDP8, optimizer="adam", base_dtype="bfloat16"

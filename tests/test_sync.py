@@ -13,6 +13,7 @@ import pytest
 
 import logra_jax as logra
 from logra_jax.optim import factored
+from logra_jax.optim import non_finite
 from logra_jax.optim import sketch_grad
 from logra_jax import checksums
 from logra_jax import sync
@@ -37,7 +38,12 @@ def _params():
 
 
 def _learner(
-    kind, base_dtype, weight_decay, donate=False, coords_dtype="float32"
+    kind,
+    base_dtype,
+    weight_decay,
+    donate=False,
+    coords_dtype="float32",
+    step_bits=None,
 ):
   """A factored LoGRA loop (docs/sketch.md's) on a small tree: ``(weights,
   state, step)``; ``donate``: the step donates its inputs, as the
@@ -50,6 +56,7 @@ def _learner(
       refresh_every=REFRESH,
       weight_decay=weight_decay,
       factored=True,
+      step_bits=step_bits,
   )
   state = tx.init(params)
   weights = factored.factor(
@@ -96,21 +103,29 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize(
-    "kind,base_dtype,weight_decay,coords_dtype",
+    "kind,base_dtype,weight_decay,coords_dtype,step_bits",
     [
-        ("range", "float32", 0.0, "float32"),
-        ("random", "bfloat16", 0.1, "float32"),
-        ("svd", "bfloat16", 0.0, "float32"),
-        ("range", "bfloat16", 0.1, "bfloat16"),
+        ("range", "float32", 0.0, "float32", None),
+        ("random", "bfloat16", 0.1, "float32", None),
+        ("svd", "bfloat16", 0.0, "float32", None),
+        ("range", "bfloat16", 0.1, "bfloat16", None),
+        ("range", "bfloat16", 0.0, "float32", 4),
+        ("random", "float32", 0.0, "float32", 8),
     ],
 )
 def test_receiver_is_bit_identical_over_many_windows(
-    kind, base_dtype, weight_decay, coords_dtype
+    kind, base_dtype, weight_decay, coords_dtype, step_bits
 ):
   """300 steps, 12 windows; with bfloat16 coordinates the messages carry
-  the rounded step factors the learner itself holds."""
+  the rounded coordinates the learner itself holds, with quantized steps
+  each step's codes, which the receiver adds to its coordinates."""
   weights, state, step = _learner(
-      kind, base_dtype, weight_decay, donate=True, coords_dtype=coords_dtype
+      kind,
+      base_dtype,
+      weight_decay,
+      donate=True,
+      coords_dtype=coords_dtype,
+      step_bits=step_bits,
   )
   sender = sync.PolicySender(weights, state, seed=7, kind=kind)
   receiver = sync.PolicyReceiver(
@@ -128,6 +143,9 @@ def test_receiver_is_bit_identical_over_many_windows(
     weights, state = step(weights, state, _batch(i))
     message = sender.message(weights, state)
     merges += message.merge_step >= 0
+    carries_codes = "['w'].codes" in message.arrays
+    assert carries_codes == (step_bits is not None)
+    assert ("['w'].coords" in message.arrays) != carries_codes
     if i % 2:  # every other message through bytes, as to another process
       message = sync.decode(sync.encode(message))
     receiver.apply(message)  # raises on any checksum mismatch
@@ -244,31 +262,91 @@ def test_random_projectors_are_regenerated_by_the_receiver():
 def test_a_message_of_the_previous_format_is_refused(synced):
   data = bytearray(sync.encode(synced[2][0]))
   data[8:12] = (sync.FORMAT_VERSION - 1).to_bytes(4, "little")
-  with pytest.raises(sync.SyncError, match="format 1; this version reads"):
+  old = sync.FORMAT_VERSION - 1
+  with pytest.raises(sync.SyncError, match=f"format {old}; this version reads"):
     sync.decode(bytes(data))
 
 
-def test_bfloat16_coordinates_halve_a_step_message():
-  """The coordinates travel as the learner keeps them: 2 bytes each."""
-  weights, state, step = _learner(
-      "range", "bfloat16", 0.0, coords_dtype="bfloat16"
-  )
+@pytest.mark.parametrize(
+    "settings,step_bytes",
+    [
+        # coords [1, 2, 6] and [1, 2, 8] in bfloat16
+        ({"coords_dtype": "bfloat16"}, 2 * (12 + 16)),
+        # codes [1, 2, 3] and [1, 2, 4] uint8, exponents [1, 2] int8 twice
+        ({"step_bits": 4}, (6 + 8) + (2 + 2)),
+    ],
+)
+def test_small_coordinates_shrink_a_step_message(settings, step_bytes):
+  """bfloat16 coordinates travel as the learner keeps them, 2 bytes each;
+  4-bit steps as two codes a byte and an exponent a row."""
+  weights, state, step = _learner("range", "bfloat16", 0.0, **settings)
   sender = sync.PolicySender(weights, state, seed=7)
   sender.message(weights, state, full=True)
   for i in range(2):
     weights, state = step(weights, state, _batch(i))
     message = sender.message(weights, state)
-  # coords [1, 2, 6] and [1, 2, 8] bfloat16, dense bias [20] float32
   assert message.merge_step == -1
-  assert message.nbytes == 2 * (12 + 16) + 4 * 20
+  assert message.nbytes == step_bytes + 4 * 20  # and the dense bias [20]
 
 
-@pytest.mark.parametrize("kind", ["range", "random"])
-def test_several_updates_per_message_stay_exact(kind):
+@pytest.mark.parametrize("step_bits", [None, 4])
+def test_a_skipped_update_is_followed_exactly(step_bits):
+  """A non-finite batch makes ``skip_non_finite`` skip the update; the
+  message after it carries the coordinates (the quantize stage's codes are
+  not what was applied), the next ones codes again."""
+  params = _params()
+  tx = non_finite.skip_non_finite(
+      logra.logra(
+          1e-2,
+          rank=2,
+          refresh_every=REFRESH,
+          factored=True,
+          step_bits=step_bits,
+      )
+  )
+  state = tx.init(params)
+  weights = factored.factor(params, state)
+
+  @jax.jit
+  def step(weights, state, x):
+    weights = factored.merge_at_refresh(weights, state, seed=7)
+    loss = lambda p, x: jnp.mean(
+        jnp.square(matmul(matmul(x, p["v"])[:, :6], p["w"]) + p["b"])
+    )
+    _, sketches, projectors = logra.value_and_sketch_grad(loss)(
+        weights, state, x
+    )
+    count = sketch_grad.project_state(state).count
+    updates, state = tx.update(sketches, state, weights, projectors=projectors)
+    return factored.apply_updates(weights, updates, seed=7, step=count), state
+
+  sender = sync.PolicySender(weights, state, seed=7)
+  receiver = sync.PolicyReceiver(
+      policy_state.synced_state(weights, state), seed=7
+  )
+  receiver.apply(sender.message(weights, state, full=True))
+  carried = []
+  for i in range(6):
+    x = _batch(i).at[0, 0].set(jnp.nan if i == 3 else 0.0)
+    weights, state = step(weights, state, x)
+    message = sender.message(weights, state)
+    carried.append("['v'].codes" in message.arrays)
+    receiver.apply(message)  # raises on any checksum mismatch
+  assert non_finite.non_finite_state(state).skipped_steps == 1
+  quantized = step_bits is not None
+  assert carried == [quantized] * 3 + [False] + [quantized] * 2
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+
+
+@pytest.mark.parametrize(
+    "kind,step_bits", [("range", None), ("random", None), ("range", 4)]
+)
+def test_several_updates_per_message_stay_exact(kind, step_bits):
   """Two updates per message (``num_iterations=2``): a merge before the
   first of them is sent as a merge, one before the second (whose window the
-  receiver never held) as a full message."""
-  weights, state, step = _learner(kind, "bfloat16", 0.0)
+  receiver never held) as a full message; quantized steps send the
+  coordinates (the codes are the last update's only)."""
+  weights, state, step = _learner(kind, "bfloat16", 0.0, step_bits=step_bits)
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(
       policy_state.synced_state(weights, state),
@@ -283,10 +361,50 @@ def test_several_updates_per_message_stay_exact(kind):
     message = sender.message(weights, state)
     fulls.append(message.full)
     merges.append(message.merge_step)
+    assert not any(n.endswith(".codes") for n in message.arrays)
     receiver.apply(message)  # raises on any checksum mismatch
   assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
   assert [i for i, f in enumerate(fulls) if f] == [12]  # counts 24-26
   assert [m for m in merges if m >= 0] == [0, 25, 50]
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.pop("['w'].exponents"), "does not fit the layout"),
+        (
+            lambda a: a.update(
+                {"['w'].codes": a["['w'].codes"].astype("int16")}
+            ),
+            "step codes of \\['w'\\]",
+        ),
+        (
+            lambda a: a.update({"['w'].codes": a["['w'].codes"][..., :2]}),
+            "do not fit float32 coordinates",
+        ),
+        (
+            lambda a: a.update({"['w'].codes": a["['w'].codes"] ^ 1}),
+            "checksum mismatch",
+        ),
+    ],
+)
+def test_bad_step_codes_are_refused_and_the_weights_kept(change, match):
+  weights, state, step = _learner("range", "float32", 0.0, step_bits=4)
+  sender = sync.PolicySender(weights, state, seed=7)
+  receiver = sync.PolicyReceiver(
+      policy_state.synced_state(weights, state), seed=7
+  )
+  receiver.apply(sender.message(weights, state, full=True))
+  weights, state = step(weights, state, _batch(0))
+  message = sender.message(weights, state)
+  arrays = {n: np.asarray(x) for n, x in message.arrays.items()}
+  change(arrays)
+  before = receiver.state
+  with pytest.raises(sync.SyncError, match=match):
+    receiver.apply(dataclasses.replace(message, arrays=arrays))
+  assert receiver.state is before and receiver.sequence == 0
+  receiver.apply(message)  # the intact message still applies
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @pytest.fixture(scope="module")

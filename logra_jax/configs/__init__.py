@@ -6,13 +6,13 @@ from logra_jax.configs.loss import AGGREGATIONS
 from logra_jax.configs.schema import CHAT_TEMPLATES
 from logra_jax.configs.schema import check_kl_subsample
 from logra_jax.configs.schema import CheckpointConfig
-from logra_jax.configs.schema import GRADIENT_MODES
+from logra_jax.configs.optimizer import GRADIENT_MODES
 from logra_jax.configs.loss import IMPORTANCE_LEVELS
 from logra_jax.configs.loss import KL_ESTIMATORS
 from logra_jax.configs.schema import LoggingConfig
 from logra_jax.configs.loss import LossConfig
-from logra_jax.configs.schema import OptimizerConfig
-from logra_jax.configs.schema import OPTIMIZERS
+from logra_jax.configs.optimizer import OptimizerConfig
+from logra_jax.configs.optimizer import OPTIMIZERS
 from logra_jax.configs.loss import POLICY_LOSSES
 from logra_jax.configs.schema import PolicyConfig
 from logra_jax.configs.schema import RewardConfig

@@ -17,21 +17,14 @@ import string
 from typing import Any, Optional
 
 
-from logra_jax.checks import check_choice, check_range
+from logra_jax.checks import check_choice, check_fields, check_range
 from logra_jax.configs.loss import LossConfig
+from logra_jax.configs.optimizer import OptimizerConfig
 from logra_jax.configs.rollout import RolloutConfig
 from logra_jax.envs.loading import check_spec as check_environment
 from logra_jax.models.config import ATTENTION
 from logra_jax.models.config import REMAT
-from logra_jax.optim.factored import BASE_DTYPES
-from logra_jax.optim.factored import COORDS_DTYPES
-from logra_jax.optim.kl_control import KL_MODES
-from logra_jax.optim.lora import DEFAULT_TARGETS as LORA_TARGETS
-from logra_jax.optim.projectors import KINDS
-from logra_jax.optim.types import MOMENT_POLICIES
 
-OPTIMIZERS = ("logra", "adam", "galore", "lora")
-GRADIENT_MODES = ("sketch", "dense")
 CHAT_TEMPLATES = ("auto", "none")
 TRACKERS = ("tensorboard", "wandb")
 # Group advantage estimators (``rl.algo.ADVANTAGE_ESTIMATORS`` implements
@@ -39,16 +32,6 @@ TRACKERS = ("tensorboard", "wandb")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 # Seeds become int64 PRNG keys (``jax.random.key``).
 _MAX_SEED = 2**63 - 1
-
-
-def _check(section: str, config: Any, names: str, **bounds: float) -> None:
-  """:func:`check_range` on the fields ``names`` (space-separated) of
-  ``config`` that are not None, each named ``section.field`` (as ``--set``
-  spells it; the top-level fields have no section)."""
-  for name in names.split():
-    value = getattr(config, name)
-    if value is not None:
-      check_range(f"{section}.{name}" if section else name, value, **bounds)
 
 
 def check_kl_subsample(
@@ -160,11 +143,11 @@ class TaskConfig:
   environment: str = ""
 
   def __post_init__(self):
-    _check("task", self, "size eval_size max_digits", ge=1)
-    _check("task", self, "size", le=MAX_TASK_SIZE)
+    check_fields("task", self, "size eval_size max_digits", ge=1)
+    check_fields("task", self, "size", le=MAX_TASK_SIZE)
     _check_template(self.template)
-    _check("task", self, "seed", ge=0, le=_MAX_SEED)
-    _check("task", self, "terms", ge=2)
+    check_fields("task", self, "seed", ge=0, le=_MAX_SEED)
+    check_fields("task", self, "terms", ge=2)
     check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATES)
     if self.environment:
       check_environment(self.environment)
@@ -283,15 +266,15 @@ class PolicyConfig:
     check_choice(
         "policy.reference_dtype", self.reference_dtype, ("float32", "bfloat16")
     )
-    _check(
+    check_fields(
         "policy",
         self,
         "hidden_size num_layers num_heads num_kv_heads "
         "intermediate_size warm_start_batch warm_start_examples",
         ge=1,
     )
-    _check("policy", self, "warm_start_steps", ge=0)
-    _check("policy", self, "warm_start_lr", gt=0)
+    check_fields("policy", self, "warm_start_steps", ge=0)
+    check_fields("policy", self, "warm_start_lr", gt=0)
     if self.hidden_size % self.num_heads:
       raise ValueError(
           f"policy.num_heads={self.num_heads} must divide "
@@ -307,131 +290,6 @@ class PolicyConfig:
           f"policy.hidden_size={self.hidden_size} / policy.num_heads="
           f"{self.num_heads} = {self.hidden_size // self.num_heads} must be "
           "even (the head size, for rotary embeddings)"
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """The optimizer of the policy.
-
-  Attributes:
-    name: ``"logra"`` (default), ``"adam"`` (dense baseline), ``"galore"``
-      (``optax.contrib.galore``) or ``"lora"`` (AdamW on low-rank adapters
-      of the frozen policy, :mod:`logra_jax.optim.lora`).
-    learning_rate: peak learning rate (constant after warmup).
-    warmup_steps: linear warmup.
-    rank: projection rank (logra, galore); the adapters' rank (lora).
-    kind: projector kind of logra: ``"range"``, ``"random"`` or ``"svd"``.
-    refresh_every: steps between projector refreshes (logra, galore).
-    moment_policy: logra's moments on refresh.
-    weight_decay: decoupled weight decay.
-    max_grad_norm: global gradient-norm clip; 0 disables.
-    b1: Adam's first-moment decay.
-    b2: Adam's second-moment decay.
-    target_kl: predicted-KL target per step (any optimizer); None disables
-      KL step control.
-    kl_mode: ``"clamp"`` (only shrink steps) or ``"target"``.
-    kl_subsample: sequences of the batch the KL is predicted on; None uses
-      all.
-    gradient_mode: how logra gets its gradient sketches: ``"sketch"``
-      (default: differentiated directly in the low-rank coordinates, no full
-      gradient is ever held, see :mod:`logra_jax.optim.sketch_grad`) or
-      ``"dense"`` (full gradient, then projected). Other optimizers always
-      take dense gradients.
-    project_embeddings: also project the embedding table and LM head
-      (logra, galore), whose dense Adam moments are otherwise the largest
-      optimizer state of a large-vocabulary model.
-    base_dtype: dtype of the base ``B`` of each projected weight, which
-      logra with sketch-direct gradients keeps factored, ``W = c B + P A``
-      (:mod:`logra_jax.optim.factored`): ``"float32"`` (default) or
-      ``"bfloat16"`` (half the bytes; the window is merged into ``B`` with
-      stochastic rounding at each refresh, and no float32 copy of the
-      weight exists). Dense leaves keep the policy's dtype. Under lora: the
-      dtype of the frozen weights the adapters sit on.
-    coords_dtype: dtype of the coordinates ``A`` of the factored policy
-      (logra with sketch-direct gradients): ``"float32"`` (default) or
-      ``"bfloat16"``, every step's new ``A`` stochastically rounded with
-      bits that are a pure function of (seed, step, leaf), so that a sync
-      message carries the coordinates in half the bytes and the learner
-      holds exactly what it sends (:func:`logra_jax.optim.factored.
-      apply_updates`).
-    lora_alpha: the adapters' scale numerator, ``s = lora_alpha / rank``
-      (lora; a fixed alpha keeps the best learning rate about the same
-      across ranks).
-    lora_targets: names of the matrices that get adapters (lora); the
-      default is every attention and MLP projection.
-  """
-
-  name: str = "logra"
-  learning_rate: float = 3e-4
-  warmup_steps: int = 10
-  rank: int = 32
-  kind: str = "range"
-  refresh_every: int = 50
-  moment_policy: str = "transfer"
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  b1: float = 0.9
-  b2: float = 0.99
-  target_kl: Optional[float] = None
-  kl_mode: str = "clamp"
-  kl_subsample: Optional[int] = None
-  gradient_mode: str = "sketch"
-  project_embeddings: bool = False
-  base_dtype: str = "float32"
-  coords_dtype: str = "float32"
-  lora_alpha: float = 32.0
-  lora_targets: list[str] = dataclasses.field(
-      default_factory=lambda: list(LORA_TARGETS)
-  )
-
-  def __post_init__(self):
-    check_choice("optimizer.name", self.name, OPTIMIZERS)
-    check_choice("optimizer.kind", self.kind, KINDS)
-    check_choice("optimizer.moment_policy", self.moment_policy, MOMENT_POLICIES)
-    check_choice("optimizer.kl_mode", self.kl_mode, KL_MODES)
-    check_choice("optimizer.gradient_mode", self.gradient_mode, GRADIENT_MODES)
-    _check("optimizer", self, "learning_rate target_kl lora_alpha", gt=0)
-    if not self.lora_targets or len(set(self.lora_targets)) != len(
-        self.lora_targets
-    ):
-      raise ValueError(
-          "optimizer.lora_targets must name at least one matrix, each once; "
-          f"got {list(self.lora_targets)}"
-      )
-    _check("optimizer", self, "rank refresh_every kl_subsample", ge=1)
-    _check("optimizer", self, "warmup_steps weight_decay max_grad_norm", ge=0)
-    _check("optimizer", self, "b1 b2", ge=0, lt=1)
-    if self.project_embeddings and self.name in ("adam", "lora"):
-      raise ValueError(
-          "optimizer.project_embeddings applies to logra and galore; "
-          f"{self.name} "
-          + (
-              "keeps dense moments of every parameter"
-              if self.name == "adam"
-              else "adapts the matrices of optimizer.lora_targets"
-          )
-      )
-    check_choice("optimizer.base_dtype", self.base_dtype, BASE_DTYPES)
-    if self.base_dtype != "float32" and not (
-        self.name == "lora"
-        or (self.name == "logra" and self.gradient_mode == "sketch")
-    ):
-      raise ValueError(
-          f"optimizer.base_dtype={self.base_dtype!r} needs the frozen base "
-          "of optimizer.name='lora' or the factored policy of "
-          "optimizer.name='logra' with optimizer.gradient_mode='sketch'; "
-          f"got name={self.name!r}, gradient_mode={self.gradient_mode!r}"
-      )
-    check_choice("optimizer.coords_dtype", self.coords_dtype, COORDS_DTYPES)
-    if self.coords_dtype != "float32" and not (
-        self.name == "logra" and self.gradient_mode == "sketch"
-    ):
-      raise ValueError(
-          f"optimizer.coords_dtype={self.coords_dtype!r} needs the factored "
-          "policy of optimizer.name='logra' with "
-          f"optimizer.gradient_mode='sketch'; got name={self.name!r}, "
-          f"gradient_mode={self.gradient_mode!r}"
       )
 
 
@@ -461,8 +319,10 @@ class CheckpointConfig:
   async_save: bool = True
 
   def __post_init__(self):
-    _check("checkpoint", self, "every_steps every_seconds keep_best", ge=0)
-    _check("checkpoint", self, "keep", ge=1)
+    check_fields(
+        "checkpoint", self, "every_steps every_seconds keep_best", ge=0
+    )
+    check_fields("checkpoint", self, "keep", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,7 +341,7 @@ class SyncConfig:
   resync_every: int = 0
 
   def __post_init__(self):
-    _check("sync", self, "resync_every", ge=0)
+    check_fields("sync", self, "resync_every", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,9 +375,9 @@ class LoggingConfig:
   realized_kl_every: int = 10
 
   def __post_init__(self):
-    _check("logging", self, "samples_every", ge=0)
-    _check("logging", self, "realized_kl_every", ge=1)
-    _check("logging", self, "samples_shown", ge=1)
+    check_fields("logging", self, "samples_every", ge=0)
+    check_fields("logging", self, "realized_kl_every", ge=1)
+    check_fields("logging", self, "samples_shown", ge=1)
     for tracker in self.trackers:
       check_choice("logging.trackers", tracker, TRACKERS)
     if len(set(self.trackers)) != len(self.trackers):
@@ -570,14 +430,14 @@ class TrainConfig:
 
   def __post_init__(self):
     check_choice("advantage", self.advantage, ADVANTAGES)
-    _check(
+    check_fields(
         "",
         self,
         "steps num_iterations micro_batches " "max_consecutive_skips",
         ge=1,
     )
-    _check("", self, "eval_every", ge=0)
-    _check("", self, "seed", ge=0, le=_MAX_SEED)
+    check_fields("", self, "eval_every", ge=0)
+    check_fields("", self, "seed", ge=0, le=_MAX_SEED)
     batch = self.rollout.prompts_per_step * self.rollout.num_generations
     if batch % self.micro_batches:
       raise ValueError(

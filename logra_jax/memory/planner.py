@@ -382,6 +382,7 @@ def plan_memory(
     reference_dtype: Optional[str] = None,
     base_dtype: str = "float32",
     coords_dtype: str = "float32",
+    step_bits: Optional[int] = None,
     rollout_copy: bool = False,
     rollout_turn_tokens: int = 0,
     compile_for: Optional[str] = None,
@@ -442,6 +443,9 @@ def plan_memory(
     coords_dtype: the dtype of the factored weights' window coordinates
       ``A`` (``"float32"`` or ``"bfloat16"``: ``optimizer.coords_dtype``,
       which needs the factored policy).
+    step_bits: ``optimizer.step_bits`` (4 or 8; None: steps in float32):
+      the optimizer state then holds each projected weight's rounding
+      residual (float32, ``A``'s shape) and last step's codes.
     compile_for: compile for this GPU without it (``"h200"``:
       :data:`~logra_jax.memory.targets.GPU_TARGETS`); default: the devices
       here (:func:`~logra_jax.memory.compiling.ensure_devices`).
@@ -490,6 +494,7 @@ def plan_memory(
       project_embeddings=project_embeddings,
       base_dtype=base_dtype,
       coords_dtype=coords_dtype,
+      step_bits=step_bits,
       target_kl=target_kl,
       kl_subsample=kl_subsample,
   )

@@ -223,6 +223,7 @@ def describe(
           if opt.coords_dtype != "float32"
           else ""
       )
+      + (f", {opt.step_bits}-bit steps" if opt.step_bits else "")
       + (f", {reference_dtype} reference policy" if reference_dtype else "")
       + (
           f", KL control (target {opt.target_kl:g}"

@@ -11,6 +11,7 @@ import optax
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import kl_control
 from logra_jax.optim import low_rank_space
+from logra_jax.optim import step_codes
 from logra_jax.optim.dimension_numbers import SpecTree
 
 
@@ -56,6 +57,7 @@ def logra(
     target_kl: Optional[float] = None,
     kl_mode: str = "clamp",
     factored: bool = False,
+    step_bits: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""LoGRA: Adam on low-rank gradient sketches, with decoupled weight decay.
 
@@ -102,6 +104,11 @@ def logra(
       included), for params kept as ``B + P A``
       (:mod:`logra_jax.optim.factored`); apply them with
       :func:`logra_jax.optim.factored.apply_updates`.
+    step_bits: with ``factored``, round each final step to 4- or 8-bit codes
+      with a power-of-two scale per row and error feedback
+      (:func:`~logra_jax.optim.step_codes.quantize_steps`), so that a sync
+      message carries the step in ``step_bits`` bits per coordinate and the
+      learner applies exactly what it sends; needs ``weight_decay=0``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -109,7 +116,8 @@ def logra(
   Raises:
     ValueError: ``b1`` or ``b2`` outside ``[0, 1)``, a non-finite
       ``learning_rate``, a negative or non-finite ``eps`` or
-      ``weight_decay`` (one line naming it).
+      ``weight_decay``, ``step_bits`` without ``factored`` or with weight
+      decay (one line naming it).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, logra_jax as logra
@@ -147,6 +155,23 @@ def logra(
         if weight_decay_mask is None
         else optax.masked(stage, weight_decay_mask)
     ]
+  quantize = []
+  if step_bits is not None:
+    if not factored or decay:
+      raise ValueError(
+          "logra: step_bits needs factored=True and weight_decay=0 (a "
+          "receiver adds the codes to its coordinates), got "
+          f"factored={factored}, weight_decay={weight_decay}"
+      )
+    quantize = [
+        step_codes.quantize_steps(
+            step_bits,
+            rank=rank,
+            refresh_every=refresh_every,
+            dimension_numbers=dimension_numbers,
+            mask=mask,
+        )
+    ]
   return optax.chain(
       low_rank_space.scale_by_low_rank(
           optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
@@ -167,4 +192,5 @@ def logra(
       *decay,
       optax.scale_by_learning_rate(learning_rate),
       *kl,
+      *quantize,
   )

@@ -111,6 +111,8 @@ def memory_command(
   for name, value in (("base", opt.base_dtype), ("coords", opt.coords_dtype)):
     if value != "float32":
       flags.append(f"--{name}-dtype {value}")
+  if opt.step_bits is not None:
+    flags.append(f"--step-bits {opt.step_bits}")
   if opt.target_kl is not None:
     flags.append(f"--target-kl {opt.target_kl}")
   if opt.target_kl is not None and opt.kl_subsample:

@@ -11,7 +11,10 @@ same program and the same rounding bits (:func:`factored.merge`). A
 
 * every leaf's coordinates ``A`` and scale ``c`` (the window's sum of step
   factors, not the step's own factor: the same size, and a message applies
-  exactly, with no float arithmetic on the receiver);
+  exactly, with no float arithmetic on the receiver); with quantized steps
+  (:func:`~logra_jax.optim.step_codes.quantize_steps`), after one applied
+  update, that update's codes and exponents instead of ``A``, which the
+  receiver adds (the decoded step is exact, and so is the sum);
 * the dense leaves' new values;
 * with LoRA adapters (:mod:`logra_jax.optim.lora`) instead of a factored
   policy: every adapter's ``D`` and ``U``; the frozen weights travel only in

@@ -22,12 +22,16 @@ from logra_jax.optim import sketch_grad
 from logra_jax.optim import factored as factored_lib
 from logra_jax.optim import lora as lora_lib
 from logra_jax.optim import state_queries
+from logra_jax.optim import step_codes
+from logra_jax.optim.non_finite import non_finite_state
 from logra_jax.optim.types import ProjectState
 from logra_jax.sync.messages import ADAPTER
 from logra_jax.sync.messages import BASE
+from logra_jax.sync.messages import CODES
 from logra_jax.sync.messages import COORDS
 from logra_jax.sync.messages import DENSE
 from logra_jax.sync.messages import EVERY_STEP
+from logra_jax.sync.messages import EXPONENTS
 from logra_jax.sync.messages import FROZEN
 from logra_jax.sync.messages import PROJECTOR
 from logra_jax.sync.messages import SCALE
@@ -126,6 +130,8 @@ class PolicySender:
     self._source = policy_state.projector_source(opt_state)
     self._window = None  # (window index, its projectors)
     self._count = None  # the project stage's count at the last message
+    # (quantize_steps count, skipped updates) at the last message.
+    self._updates = None
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
     """:func:`~logra_jax.policy_state.synced_state`, with regenerated
@@ -175,6 +181,13 @@ class PolicySender:
         or kind in EVERY_STEP
         or (kind == PROJECTOR and merge_step >= 0 and not regenerated)
     )
+    arrays = {n: x for n, (kind, x) in named.items() if sent(kind)}
+    codes = self._step_codes(weights, opt_state)
+    if not full:
+      for leaf, (step, exponents) in codes.items():
+        del arrays[f"{leaf}.coords"]
+        arrays[leaf + CODES] = step
+        arrays[leaf + EXPONENTS] = exponents
     self.sequence += 1
     self._count = None if project is None else int(project.count)
     if version is None:
@@ -186,9 +199,37 @@ class PolicySender:
         full=full,
         merge_step=merge_step,
         window=self._window[0] if regenerated else -1,
-        arrays={n: x for n, (kind, x) in named.items() if sent(kind)},
+        arrays=arrays,
         checksums=_checksums({n: x for n, (_, x) in named.items()}),
     )
+
+  def _step_codes(self, weights: Any, opt_state: optax.OptState) -> dict:
+    """``{weight name: (codes, exponents)}`` of the update since the last
+    message, when the optimizer quantizes steps
+    (:func:`~logra_jax.optim.step_codes.quantize_steps`) and exactly one
+    update was made and applied since then; else ``{}`` (the message
+    carries the coordinates themselves: several updates, or one that
+    ``skip_non_finite`` skipped, left codes that are not what was
+    applied)."""
+    state = step_codes.quantize_state(opt_state)
+    if state is None:
+      return {}
+    skips = non_finite_state(opt_state)
+    updates = (
+        int(state.count),
+        -1 if skips is None else int(skips.skipped_steps),
+    )
+    last, self._updates = self._updates, updates
+    if last is None or updates != (last[0] + 1, last[1]):
+      return {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        weights, is_leaf=policy_state.is_structured
+    )
+    return {
+        jax.tree_util.keystr(path): pair
+        for (path, _), pair in zip(flat, step_codes.last_codes(opt_state))
+        if pair is not None
+    }
 
 
 @functools.partial(jax.jit, static_argnames="seed")
@@ -265,6 +306,7 @@ class PolicyReceiver:
         or kind in EVERY_STEP
         or (kind == PROJECTOR and message.merge_step >= 0 > message.window)
     }
+    expected = _with_codes(expected, named, message)
     missing = sorted(expected - set(message.arrays))
     extra = sorted(set(message.arrays) - expected)
     if missing or extra:
@@ -453,7 +495,11 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
         dataclasses.replace(
             w,
             base=take(f"{name}.base", w.base),
-            coords=take(f"{name}.coords", w.coords),
+            coords=(
+                _accumulated(name, w.coords, arrays)
+                if name + CODES in arrays
+                else take(f"{name}.coords", w.coords)
+            ),
             scale=None if w.scale is None else take(f"{name}.scale", w.scale),
         )
     )
@@ -462,3 +508,54 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
       "weights": treedef.unflatten(weights),
       "projectors": treedef.unflatten(new_projectors),
   }
+
+
+def _with_codes(
+    expected: set[str], named: dict[str, tuple[str, Any]], message: SyncMessage
+) -> set[str]:
+  """``expected`` with each weight's ``.coords`` swapped for its step's
+  codes and exponents where a (not full) message carries those instead."""
+  if message.full:
+    return expected
+  out = set(expected)
+  for name in expected:
+    leaf = name.removesuffix(".coords")
+    if named[name][0] == COORDS and name not in message.arrays:
+      if leaf + CODES in message.arrays or leaf + EXPONENTS in message.arrays:
+        out = (out - {name}) | {leaf + CODES, leaf + EXPONENTS}
+  return out
+
+
+@jax.jit
+def _add_codes(coords, codes, exponents):
+  return coords + step_codes.decode(codes, exponents, coords.shape[-1])
+
+
+def _accumulated(name: str, coords: Any, arrays: dict[str, Any]) -> jax.Array:
+  """``coords + decode(codes, exponents)`` (the learner's own sum, bit for
+  bit: the decoded step is exact), placed like ``coords``."""
+  codes, exponents = arrays[name + CODES], arrays[name + EXPONENTS]
+  shape, dtype = tuple(np.shape(codes)), np.dtype(jnp.result_type(codes))
+  bits = {np.dtype(np.int8): 8, np.dtype(np.uint8): 4}.get(dtype)
+  fits = (
+      bits is not None
+      and np.dtype(jnp.result_type(coords)) == np.float32
+      and shape == step_codes.code_shape(np.shape(coords), bits)
+      and tuple(np.shape(exponents)) == tuple(np.shape(coords))[:2]
+      and np.dtype(jnp.result_type(exponents)) == np.int8
+  )
+  if not fits:
+    raise SyncError(
+        f"step codes of {name}: codes {shape} {dtype} and exponents "
+        f"{tuple(np.shape(exponents))} {jnp.result_type(exponents)} do not "
+        f"fit float32 coordinates {tuple(np.shape(coords))} "
+        f"{jnp.result_type(coords)}"
+    )
+  sharding = getattr(coords, "sharding", None)
+  devices = (
+      jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      if isinstance(sharding, jax.sharding.NamedSharding)
+      else sharding
+  )
+  put = lambda x: jax.device_put(np.asarray(x), devices)
+  return _place(_add_codes(coords, put(codes), put(exponents)), coords)

@@ -22,6 +22,7 @@ from logra_jax import parallel
 from logra_jax import policy_state
 from logra_jax.cli import main as cli_main
 from logra_jax.optim import factored
+from logra_jax.optim import step_codes
 from logra_jax.rl import trainer
 from logra_jax.rollout import engine
 from run_fixtures import assert_same_state
@@ -237,6 +238,20 @@ def test_train_or_reuse_resumes_an_unfinished_run(
   assert trainer.train_or_reuse(config, run) == summary  # finished: reused
 
 
+def _resumed_from_step_2(config, straight_run, tmp_path, steps):
+  """A copy of ``straight_run`` (``steps`` steps) without its last
+  checkpoint, resumed: it equals the uninterrupted run, state and metrics.
+  Returns the resumed run's folder."""
+  run = copy_run(straight_run, tmp_path)
+  shutil.rmtree(run / "checkpoints" / str(steps))
+  (run / "summary.json").unlink()
+  summary = trainer.train(config, run, progress=False, log=QUIET, resume=True)
+  assert summary["resumed_from_step"] == 2 and summary["steps"] == steps
+  assert_same_state(final_state(run, config), final_state(straight_run, config))
+  assert run_metrics(run) == run_metrics(straight_run)
+  return run
+
+
 def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
     config, tmp_path
 ):
@@ -249,13 +264,7 @@ def test_galore_state_with_empty_arrays_saves_and_resumes_bit_exactly(
   assert empty and {(x.shape, x.dtype) for x in empty} == {
       ((0, 0), np.dtype("float32"))
   }
-  run = copy_run(straight_run, tmp_path)
-  shutil.rmtree(run / "checkpoints" / "3")
-  (run / "summary.json").unlink()
-  summary = trainer.train(galore, run, progress=False, log=QUIET, resume=True)
-  assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
-  assert_same_state(final_state(run, galore), final)
-  assert run_metrics(run) == run_metrics(straight_run)
+  _resumed_from_step_2(galore, straight_run, tmp_path, steps=3)
 
 
 def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
@@ -284,13 +293,7 @@ def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
   assert factored_leaves and {
       (w.base.dtype, w.coords.dtype) for w in factored_leaves
   } == {(jnp.dtype(jnp.bfloat16),) * 2}
-  run = copy_run(straight_run, tmp_path)
-  shutil.rmtree(run / "checkpoints" / "4")
-  (run / "summary.json").unlink()
-  summary = trainer.train(bf16, run, progress=False, log=QUIET, resume=True)
-  assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
-  assert_same_state(final_state(run, bf16), final)  # merge at step 2
-  assert run_metrics(run) == run_metrics(straight_run)
+  run = _resumed_from_step_2(bf16, straight_run, tmp_path, steps=4)  # merged
   out = tmp_path / "hf"
   assert cli_main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
   exported = models.split_model(models.load_pretrained(out))[1]
@@ -302,6 +305,21 @@ def test_bfloat16_base_merges_stochastically_and_resumes_bit_exactly(
       strict=True,
   ):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_quantized_steps_resume_bit_exactly(config, tmp_path):
+  """4-bit steps with error feedback (the residual and last codes in the
+  optimizer state), a refresh dropping the residual at step 3: the resumed
+  run equals the uninterrupted one."""
+  coded = configs.apply_overrides(
+      config, ["optimizer.step_bits=4", "optimizer.refresh_every=3", "steps=4"]
+  )
+  straight_run = tmp_path / "straight"
+  trainer.train(coded, straight_run, progress=False, log=QUIET)
+  final = final_state(straight_run, coded)
+  residuals = step_codes.quantize_state(final.opt_state).residual
+  assert any(r is not None and np.any(np.asarray(r)) for r in residuals)
+  _resumed_from_step_2(coded, straight_run, tmp_path, steps=4)
 
 
 def test_lora_resumes_bit_exactly_and_exports_its_merged_weights(
