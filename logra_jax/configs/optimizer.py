@@ -155,6 +155,11 @@ class OptimizerConfig:
   def _check_step_bits(self):
     if self.step_bits is None:
       return
+    if isinstance(self.step_bits, bool) or not isinstance(self.step_bits, int):
+      raise ValueError(
+          f"optimizer.step_bits must be an int of {STEP_BITS} or None, got "
+          f"{self.step_bits!r}"
+      )
     check_choice("optimizer.step_bits", self.step_bits, STEP_BITS)
     wrong = [
         f"{name}={value!r}"

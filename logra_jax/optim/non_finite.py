@@ -58,8 +58,10 @@ def skip_non_finite(
   skipped altogether (``lax.cond``), so the update is zero and its state
   stays as it was. A non-finite predicted KL (when a
   ``kl_predictor`` is given, as recorded by ``logra.scale_by_predicted_kl``,
-  which then zeroes the step itself) counts as a skip too, with the state
-  advanced as ``inner`` left it. So does a non-finite result (reason
+  which then zeroes the step itself, though a later stage such as
+  ``quantize_steps`` may still add its own) counts as a skip too: the
+  skipped update's result is returned, with the state advanced as ``inner``
+  left it. So does a non-finite result (reason
   ``"update"``: the update, or what ``apply_fn`` made of it, e.g. from a NaN
   or infinite learning rate or moments that overflowed): the result of a
   skipped update (zeros, or ``apply_fn`` of zeros: the old params) is
@@ -150,7 +152,9 @@ def skip_non_finite(
       update_ok = _all_finite(out)
       skipped_out = apply_fn(jax.tree.map(jnp.zeros_like, new_updates))
       out = jax.tree.map(
-          lambda new, old: jnp.where(update_ok, new, old), out, skipped_out
+          lambda new, old: jnp.where(update_ok & kl_ok, new, old),
+          out,
+          skipped_out,
       )
       return out, new_inner, kl_ok, update_ok
 

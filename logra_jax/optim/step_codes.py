@@ -18,7 +18,11 @@ left over), with :math:`q_{\max} = 2^{\mathrm{bits}-1} - 1`,
 and the step becomes :math:`\hat\Delta_t` (error feedback: what rounding
 takes from one step is added to the next, so the applied steps' sum differs
 from the unrounded one by :math:`R_t`, at most half a quantum
-:math:`2^{e_i - 1}` per number). A power-of-two scale makes
+:math:`2^{e_i - 1}` per number). That holds for rows of magnitudes between
+about :math:`q_{\max} 2^{-126}` (1e-37: below it, where a backend flushes
+subnormal numbers, a row rounds to zero) and :math:`2^{127}` (above it a row
+may decode to infinity: a step ``skip_non_finite`` skips, and that row keeps
+no residual). A power-of-two scale makes
 :math:`\hat\Delta` exactly ``Q * 2**e`` in float32, so ``A + decode(Q, e)``
 on any receiver is the learner's ``A + Delta_hat``, bit for bit. The codes
 ``Q`` (int8, or two 4-bit codes per uint8 byte) and exponents ``e`` (int8,
@@ -224,7 +228,7 @@ def quantize_steps(
           f"quantize_steps was initialized for {len(state.residual)} "
           f"parameter leaves, the updates have {len(flat)}"
       )
-    keep = (state.count % refresh_every != 0).astype(jnp.float32)
+    refresh = state.count % refresh_every == 0
     new_flat, residual, codes, exponents = [], [], [], []
     for u, r, c, e in zip(flat, state.residual, state.codes, state.exponents):
       if not is_delta(u):
@@ -232,10 +236,12 @@ def quantize_steps(
         residual.append(r), codes.append(c), exponents.append(e)
         continue
       _check_delta(u, r)
-      total = u.coords + keep * r
+      total = u.coords + jnp.where(refresh, 0.0, r)
       step_codes, step_exponents, decoded = encode(total, bits)
       new_flat.append(FactoredDelta(coords=decoded, decay=None, plan=u.plan))
-      residual.append(total - decoded)
+      # A row that does not decode to finite numbers makes the step skipped
+      # (skip_non_finite); it leaves no residual behind to stall the next.
+      residual.append(jnp.where(jnp.isfinite(decoded), total - decoded, 0.0))
       codes.append(step_codes)
       exponents.append(step_exponents)
     return treedef.unflatten(new_flat), QuantizeStepsState(

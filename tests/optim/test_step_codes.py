@@ -3,12 +3,16 @@ bounds and error feedback against hand-derived values."""
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
 import logra_jax as logra
+from logra_jax import configs
+from logra_jax.optim import factored
+from logra_jax.optim import non_finite
 from logra_jax.optim import step_codes
 from logra_jax.optim.dimension_numbers import plan_leaves
 from logra_jax.optim.types import FactoredDelta
@@ -139,6 +143,82 @@ def test_a_refresh_drops_the_residual():
   np.testing.assert_array_equal(update["w"].coords, alone)
 
 
+def test_one_non_finite_step_is_skipped_alone():
+  """A step that decodes to a non-finite row (here an infinite learning rate
+  at one update) is skipped by ``skip_non_finite`` and leaves no residual:
+  the next updates apply, as without quantized steps."""
+
+  def skipped(bits):
+    params = {"w": jnp.ones((16, 8))}
+    rate = lambda count: jnp.where(count == 1, jnp.inf, 1e-2)
+    stages = [
+        logra.scale_by_low_rank(rank=2, refresh_every=3, factored=True),
+        optax.scale_by_learning_rate(rate),
+    ]
+    if bits:
+      stages.append(step_codes.quantize_steps(bits, rank=2, refresh_every=3))
+    tx = non_finite.skip_non_finite(optax.chain(*stages))
+    state = tx.init(params)
+    trainable = factored.without_base(factored.factor(params, state))
+    rng = np.random.default_rng(0)
+    counts = []
+    for _ in range(6):
+      grads = {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+      _, state = tx.update(
+          grads,
+          state,
+          trainable,
+          apply_fn=lambda u: factored.apply_updates(trainable, u),
+      )
+      counts.append(int(state.skipped_steps))
+    return counts
+
+  assert skipped(4) == skipped(None) == [0, 1, 1, 1, 1, 1]
+
+
+def test_a_skip_for_the_predicted_kl_applies_no_step():
+  """The KL stage zeroes a step whose predicted KL is not finite; the
+  rounding residual that quantize_steps would still add is not applied
+  either: the skipped update's result is returned."""
+  params = {"w": jnp.ones((16, 8))}
+  tx = non_finite.skip_non_finite(
+      optax.chain(
+          logra.scale_by_low_rank(rank=2, refresh_every=100, factored=True),
+          optax.scale_by_learning_rate(1e-2),
+          logra.scale_by_predicted_kl(1e-3),
+          step_codes.quantize_steps(4, rank=2, refresh_every=100),
+      )
+  )
+  state = tx.init(params)
+  weights = factored.factor(params, state)
+  rng = np.random.default_rng(0)
+  for predicted in (1e-4, np.nan):
+    grads = {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+    update, state = tx.update(
+        grads, state, weights, kl_predictor=lambda u: jnp.float32(predicted)
+    )
+  assert non_finite.non_finite_reasons(state.reason) == ["predicted KL"]
+  ((codes, exponents),) = step_codes.last_codes(state)
+  # The stage rounded the residual to a step ...
+  assert np.any(np.asarray(step_codes.decode(codes, exponents, 8)))
+  assert not np.any(np.asarray(update["w"].coords))  # ... not applied
+
+
+def test_values_beyond_the_exponent_range():
+  """Rows below q_max 2**-126 round to zero where subnormals are flushed
+  (or to the finest grid where they are not); a row near float32's largest
+  value may decode to infinity, and its codes stay in range."""
+  tiny = jnp.array([[[2.0**-120, 0.0]]])
+  _, _, decoded = step_codes.encode(tiny, 8)
+  assert float(decoded[0, 0, 0]) in (0.0, 2.0**-120)
+  huge = jnp.array([[[np.finfo(np.float32).max, 1.0]]])
+  codes, exponents, decoded = step_codes.encode(huge, 4)
+  assert int(exponents[0, 0]) <= 127
+  q = step_codes.unpack_nibbles(codes, 2)
+  assert np.abs(np.asarray(q)).max() <= 7
+  assert not np.isfinite(decoded[0, 0, 0]) or decoded[0, 0, 0] > 3e38
+
+
 def test_logra_with_step_bits_applies_its_codes():
   params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
   tx = logra.logra(1e-2, rank=2, refresh_every=5, factored=True, step_bits=8)
@@ -169,6 +249,10 @@ def test_logra_with_step_bits_applies_its_codes():
         (
             lambda: step_codes.quantize_steps(2, rank=2, refresh_every=5),
             "bits must be one of",
+        ),
+        (
+            lambda: configs.OptimizerConfig(step_bits=4.0),
+            "must be an int of",
         ),
     ],
 )
