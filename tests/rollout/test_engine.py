@@ -104,16 +104,23 @@ def _learn(config, policy, engines, steps, messages=None, synced=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind,base_dtype",
-    [("range", "float32"), ("random", "bfloat16"), ("svd", "bfloat16")],
+    "kind,base_dtype,step_bits",
+    [
+        ("range", "float32", "null"),
+        ("random", "bfloat16", "null"),
+        ("svd", "bfloat16", "4"),
+    ],
 )
 def test_engines_in_and_out_of_process_follow_the_learner(
-    policy_folder, tmp_path, kind, base_dtype
+    policy_folder, tmp_path, kind, base_dtype, step_bits
 ):
+  """144 steps, 12 windows; with 4-bit steps the messages carry each step's
+  codes, which both engines add to their coordinates."""
   config = _config(
       policy_folder,
       f"optimizer.kind={kind}",
       f"optimizer.base_dtype={base_dtype}",
+      f"optimizer.step_bits={step_bits}",
   )
   policy = engine_lib.Policy.load(policy_folder)
   tx = policy_state.make_optimizer(config.optimizer, policy.params)
@@ -158,6 +165,8 @@ def test_engines_in_and_out_of_process_follow_the_learner(
   )
   for name in ("tokens", "mask", "logprobs"):
     assert _same_bits(getattr(remote_out, name), getattr(expected, name))
+  coded = [any(n.endswith(".codes") for n in m.arrays) for m in messages]
+  assert all(coded) if step_bits == "4" else not any(coded)
   assert _same_bits(_greedy(colocated.sample, prompts), expected)
 
 
