@@ -65,13 +65,20 @@ def test_parts_add_up_and_logra_holds_less_state(reports):
 def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
   """LoGRA with sketch-direct gradients keeps each projected matrix as
   B + P A: B laid out like the parameter, A ([L, r, short] float32) split over
-  fsdp; with a bfloat16 base, B takes 2 bytes per parameter."""
+  fsdp; with a bfloat16 base, B takes 2 bytes per parameter; quantized
+  steps add their residual and codes to the optimizer state."""
   shapes = models.decoder.param_shapes(TINY)
   matrices = [s for s in shapes.values() if len(s) == 3]  # [L, in, out]
   coords = sum(L * 8 * min(m, n) for L, m, n in matrices) * 4 // 8
   assert reports["logra"].params == reports["adam"].params + coords
   bf16 = memory.plan_memory(
-      TINY, mesh=FSDP8, rank=8, seq_len=64, micro_batch=2, base_dtype="bfloat16"
+      TINY,
+      mesh=FSDP8,
+      rank=8,
+      seq_len=64,
+      micro_batch=2,
+      base_dtype="bfloat16",
+      step_bits=8,
   )
   projected = sum(math.prod(s) for s in matrices)
   assert bf16.params == reports["logra"].params - 2 * projected // 8
@@ -95,18 +102,15 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
     memory.plan_memory(
         TINY, mesh=FSDP8, optimizer="adam", coords_dtype="bfloat16"
     )
-  # 8-bit steps: the optimizer state holds the rounding residual (A's
-  # shape, float32) and the last codes (1 byte a value) and exponents (1
-  # byte a row), between split over fsdp and whole on every device, as XLA
-  # lays them out.
-  coded = memory.plan_memory(
-      TINY, mesh=FSDP8, rank=8, seq_len=64, micro_batch=2, step_bits=8
-  )
+  # 8-bit steps (the bfloat16 plan's): the optimizer state holds the
+  # rounding residual (A's shape, float32) and the last codes (1 byte a
+  # value) and exponents (1 byte a row), between split over fsdp and whole
+  # on every device, as XLA lays them out.
   rows = sum(L * 8 for L, _, _ in matrices)
-  grown = coded.optimizer_state - reports["logra"].optimizer_state
+  grown = bf16.optimizer_state - reports["logra"].optimizer_state
   whole = 8 * coords + 8 * (coords // 4) + rows  # on one device of 8
   assert coords + coords // 4 <= grown <= whole + 64
-  assert "8-bit steps" in coded.description
+  assert "8-bit steps" in bf16.description
   with pytest.raises(ValueError, match="optimizer.base_dtype"):
     memory.plan_memory(
         TINY, mesh=FSDP8, optimizer="adam", base_dtype="bfloat16"
