@@ -4,7 +4,9 @@ zero-copy colocated rollout, against the plan.
 One process, random weights (memory and time do not depend on their
 values), the configuration of the 10 MB sync: LoGRA rank 8, sketch-direct
 gradients, embeddings projected, bfloat16 base and coordinates, random
-projectors refreshed every 2 steps, bfloat16 compute, block remat.
+projectors refreshed every 2 steps, bfloat16 compute, block remat; or, with
+``--rank 32 --step-bits 4``, the default rank with 4-bit steps (float32
+coordinates), the other 10 MB configuration.
 
 (a) **Memory.** The learner's state is made by one program from bfloat16
     matrices (no float32 copy of the model ever exists), then the colocated
@@ -17,8 +19,8 @@ projectors refreshed every 2 steps, bfloat16 compute, block remat.
     analysis of the compiled train step and init, and of the sampling
     program lowered again as the planner lowers it (resident state plus the
     larger of the step's and the rollout's phase), and beside
-    ``logra memory`` for the same command (``PLAN_COMMAND``, run wherever
-    the plan is wanted).
+    ``logra memory`` for the same command (:func:`plan_command`, run
+    wherever the plan is wanted).
 (b) **Log-prob agreement.** A fresh rollout with the trained weights, its
     sampler log-probs against the learner's recomputed ones
     (``models.token_logprobs`` on the same view) in bfloat16 (the matching
@@ -57,7 +59,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,16 +89,27 @@ class Setting(NamedTuple):
   prompt: int
   new_tokens: int
   steps: int  # train steps, each followed by a sync message
+  # optimizer.step_bits (float32 coordinates then), else bfloat16 ones.
+  step_bits: Optional[int] = None
 
 
 FULL = Setting("qwen2.5-7b", 8, 64, 256, 768, 4)
 QUICK = Setting("tiny", 2, 4, 16, 48, 3)
-PLAN_COMMAND = (
-    "logra memory --model qwen2.5-7b --mesh fsdp=1 --seq 1024 --micro-batch 1"
-    " --optimizer logra --rank 8 --project-embeddings --base-dtype bfloat16"
-    " --coords-dtype bfloat16 --rollout-seqs 64 --rollout-tokens 1024"
-    " --device-memory-gib 24"
-)
+
+
+def plan_command(setting: Setting) -> str:
+  """``logra memory`` for the measured configuration at Qwen2.5-7B shapes."""
+  coords = (
+      f" --step-bits {setting.step_bits}"
+      if setting.step_bits
+      else " --coords-dtype bfloat16"
+  )
+  return (
+      "logra memory --model qwen2.5-7b --mesh fsdp=1 --seq 1024 --micro-batch"
+      f" 1 --optimizer logra --rank {setting.rank} --project-embeddings"
+      f" --base-dtype bfloat16{coords} --rollout-seqs 64 --rollout-tokens 1024"
+      " --device-memory-gib 24"
+  )
 
 
 def _decoder(setting: Setting, dtype: str) -> models.DecoderConfig:
@@ -124,7 +137,8 @@ def _optimizer(setting: Setting) -> configs.OptimizerConfig:
       refresh_every=2,
       project_embeddings=True,
       base_dtype="bfloat16",
-      coords_dtype="bfloat16",
+      coords_dtype="float32" if setting.step_bits else "bfloat16",
+      step_bits=setting.step_bits,
   )
 
 
@@ -489,7 +503,7 @@ def _memory_lines(setting: Setting, record: dict) -> list[str]:
       "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
       "| memory | " + " | ".join(_fmt(v) for v in cells) + " |",
       "",
-      f"Plan for the same shapes on any machine: `{PLAN_COMMAND}`.",
+      f"Plan for the same shapes on any machine: `{plan_command(setting)}`.",
       "",
       f"Rollout: {record['rollout_tokens_per_s']:.0f} tokens/s "
       f"({record['rollout_s']:.2f} s warm, {record['rollout_first_s']:.1f} s"
@@ -564,7 +578,9 @@ def report(record: dict) -> str:
   setting = Setting(**record["setting"])
   tokens = setting.prompt + setting.new_tokens
   lines = [
-      f"{setting.model}, {record['device']}: LoGRA rank {setting.rank}, "
+      f"{setting.model}, {record['device']}: LoGRA rank {setting.rank}"
+      + (f", {setting.step_bits}-bit steps" if setting.step_bits else "")
+      + ", "
       f"rollout {setting.seqs} x {tokens} tokens (zero-copy), train "
       f"micro-batch 1 x {tokens}.",
   ]
@@ -590,6 +606,18 @@ def main() -> None:
       help="only write DIR/gpu_system.md again from DIR/gpu_system.json",
   )
   parser.add_argument(
+      "--rank",
+      type=int,
+      help=f"LoGRA's rank (default {FULL.rank}; --quick {QUICK.rank})",
+  )
+  parser.add_argument(
+      "--step-bits",
+      type=int,
+      choices=[4, 8],
+      help="quantized steps (optimizer.step_bits) with float32 coordinates; "
+      "default: bfloat16 coordinates",
+  )
+  parser.add_argument(
       "--dump-step",
       type=pathlib.Path,
       metavar="DIR",
@@ -608,7 +636,11 @@ def main() -> None:
     record = json.loads((args.report / "gpu_system.json").read_text())
     (args.report / "gpu_system.md").write_text(report(record))
     return
-  setting = QUICK if args.quick else FULL
+  if args.rank is not None and args.rank < 1:
+    parser.error(f"--rank must be >= 1, got {args.rank}")
+  setting = (QUICK if args.quick else FULL)._replace(step_bits=args.step_bits)
+  if args.rank is not None:
+    setting = setting._replace(rank=args.rank)
   results_dir = args.results or provenance.RESULTS / (
       "gpu_system-quick" if args.quick else "gpu_system"
   )

@@ -867,10 +867,12 @@ def test_quick_gpu_bench_writes_its_tables(tmp_path):
 
 @pytest.mark.slow
 def test_quick_gpu_system_measures_every_part(tmp_path):
-  """The whole-system script at tiny shapes, on this machine: the learner's
-  state is the sum of its arrays, the receiver follows the learner bit for
-  bit through a refresh, step messages are smaller than the full one, the
-  log-prob gaps are finite, and ``--report`` renders the record again."""
+  """The whole-system script at tiny shapes with 4-bit steps (the command an
+  accelerator runs next: ``--rank 32 --step-bits 4``), on this machine: the
+  learner's state is the sum of its arrays, the receiver follows the learner
+  bit for bit through a refresh, step messages are smaller than the full
+  one, the log-prob gaps are finite, and ``--report`` renders the record
+  again; a rank below 1 is refused."""
   script = str(EXPERIMENTS / "gpu_system.py")
   run = lambda *args: subprocess.run(
       [sys.executable, script, *args],
@@ -878,10 +880,13 @@ def test_quick_gpu_system_measures_every_part(tmp_path):
       text=True,
       timeout=1200,
   )
-  done = run("--quick", f"--results={tmp_path}")
+  bad = run("--quick", "--rank", "0", f"--results={tmp_path / 'bad'}")
+  assert bad.returncode == 2 and "--rank must be >= 1" in bad.stderr
+  done = run("--quick", "--step-bits", "4", f"--results={tmp_path}")
   assert done.returncode == 0, done.stderr[-3000:]
   record = json.loads((tmp_path / "gpu_system.json").read_text())
   assert "--quick" in record["provenance"]["command"]
+  assert record["setting"]["step_bits"] == 4
   assert record["resident_bytes"] > 0
   assert record["memory"]["planned_gib"] > record["memory"]["resident_gib"]
   assert record["receiver_equal"] is True
@@ -895,6 +900,7 @@ def test_quick_gpu_system_measures_every_part(tmp_path):
     assert 0 <= gaps["mean_gap"] <= gaps["max_gap"] < math.inf
   assert set(record["logprobs"]["float32_loss"]) == {"none", "tis", "mis"}
   table = (tmp_path / "gpu_system.md").read_text()
+  assert "4-bit steps" in table and "--step-bits 4" in table
   (tmp_path / "gpu_system.md").unlink()
   assert run("--report", str(tmp_path)).returncode == 0
   assert (tmp_path / "gpu_system.md").read_text() == table
