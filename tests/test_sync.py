@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import logra_jax as logra
 from logra_jax.optim import factored
@@ -289,23 +292,22 @@ def test_small_coordinates_shrink_a_step_message(settings, step_bytes):
   assert message.nbytes == step_bytes + 4 * 20  # and the dense bias [20]
 
 
-@pytest.mark.parametrize("step_bits", [None, 4])
-def test_a_skipped_update_is_followed_exactly(step_bits):
-  """A non-finite batch makes ``skip_non_finite`` skip the update; the
-  message after it carries the coordinates (the quantize stage's codes are
-  not what was applied), the next ones codes again."""
+@functools.cache
+def _guarded_learner(step_bits, refresh_every=REFRESH):
+  """A factored LoGRA loop under ``skip_non_finite`` (a batch holding a NaN
+  is a skipped update): ``(weights, state, step)``; the step donates
+  nothing, so the first two can start several runs."""
   params = _params()
   tx = non_finite.skip_non_finite(
       logra.logra(
           1e-2,
           rank=2,
-          refresh_every=REFRESH,
+          refresh_every=refresh_every,
           factored=True,
           step_bits=step_bits,
       )
   )
   state = tx.init(params)
-  weights = factored.factor(params, state)
 
   @jax.jit
   def step(weights, state, x):
@@ -320,11 +322,25 @@ def test_a_skipped_update_is_followed_exactly(step_bits):
     updates, state = tx.update(sketches, state, weights, projectors=projectors)
     return factored.apply_updates(weights, updates, seed=7, step=count), state
 
+  return factored.factor(params, state), state, step
+
+
+def _synced_pair(weights, state):
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(
       policy_state.synced_state(weights, state), seed=7
   )
   receiver.apply(sender.message(weights, state, full=True))
+  return sender, receiver
+
+
+@pytest.mark.parametrize("step_bits", [None, 4])
+def test_a_skipped_update_is_followed_exactly(step_bits):
+  """A non-finite batch makes ``skip_non_finite`` skip the update; the
+  message after it carries the coordinates (the quantize stage's codes are
+  not what was applied), the next ones codes again."""
+  weights, state, step = _guarded_learner(step_bits)
+  sender, receiver = _synced_pair(weights, state)
   carried = []
   for i in range(6):
     x = _batch(i).at[0, 0].set(jnp.nan if i == 3 else 0.0)
@@ -335,6 +351,32 @@ def test_a_skipped_update_is_followed_exactly(step_bits):
   assert non_finite.non_finite_state(state).skipped_steps == 1
   quantized = step_bits is not None
   assert carried == [quantized] * 3 + [False] + [quantized] * 2
+  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+
+
+@settings(deadline=None, max_examples=8, derandomize=True)
+@given(
+    plan=st.lists(
+        st.sampled_from(("step", "skipped", "two", "full")),
+        min_size=3,
+        max_size=9,
+    )
+)
+def test_any_run_of_steps_skips_and_resyncs_is_followed_exactly(plan):
+  """4-bit steps, a refresh every 3 updates: each message follows an
+  update, a skipped update, two updates or a full resync, in any order; the
+  receiver applies every one (no checksum mismatch) and ends with the
+  learner's bits."""
+  weights, state, step = _guarded_learner(4, refresh_every=3)
+  sender, receiver = _synced_pair(weights, state)
+  batches = iter(range(10**6))
+  for action in plan:
+    for _ in range(2 if action == "two" else 1):
+      x = _batch(next(batches))
+      weights, state = step(
+          weights, state, x.at[0, 0].set(jnp.nan if action == "skipped" else 0)
+      )
+    receiver.apply(sender.message(weights, state, full=action == "full"))
   assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 

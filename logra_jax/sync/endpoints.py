@@ -132,6 +132,7 @@ class PolicySender:
     self._count = None  # the project stage's count at the last message
     # (quantize_steps count, skipped updates) at the last message.
     self._updates = None
+    self._seen = None  # updates skip_non_finite saw, at the last message
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
     """:func:`~logra_jax.policy_state.synced_state`, with regenerated
@@ -168,10 +169,11 @@ class PolicySender:
     """
     project = sketch_grad.project_state(opt_state)
     named = named_arrays(self._state(weights, opt_state))
-    merges = _merges(project, self._count)
+    merges = self._merges_since(project, opt_state)
     full = (
         full
         or self.sequence < 0  # a receiver starts from a full one
+        or merges is None
         or any(m != self._count for m in merges)
     )
     merge_step = merges[-1] if merges else -1
@@ -202,6 +204,30 @@ class PolicySender:
         arrays=arrays,
         checksums=_checksums({n: x for n, (_, x) in named.items()}),
     )
+
+  def _merges_since(
+      self, project: Optional[ProjectState], opt_state: optax.OptState
+  ) -> Optional[list[int]]:
+    """The steps of the merges the learner made since the last message
+    (:func:`_merges`), or None when they cannot be told: the learner merges
+    at the start of every update it attempts at a refresh count, also of
+    one ``skip_non_finite`` then skips before the ``project`` stage counts
+    it (a non-finite loss or gradient). One such update alone merged at the
+    count the stage still holds; among several, which ones merged is not
+    known (the message is then full)."""
+    merges = _merges(project, self._count)
+    skips = non_finite_state(opt_state)
+    seen = None if skips is None else int(skips.count)
+    last_seen, self._seen = self._seen, seen
+    if None in (project, seen, last_seen, self._count):
+      return merges
+    attempted, counted = seen - last_seen, int(project.count) - self._count
+    if attempted == counted:
+      return merges
+    if (attempted, counted) == (1, 0):
+      every = project.spec.config.refresh_every
+      return [] if int(project.count) % every else [int(project.count)]
+    return None
 
   def _step_codes(self, weights: Any, opt_state: optax.OptState) -> dict:
     """``{weight name: (codes, exponents)}`` of the update since the last
