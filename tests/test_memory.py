@@ -1,6 +1,7 @@
 """The memory planner: exact accounting, real configs, clear errors."""
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -71,15 +72,17 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
   matrices = [s for s in shapes.values() if len(s) == 3]  # [L, in, out]
   coords = sum(L * 8 * min(m, n) for L, m, n in matrices) * 4 // 8
   assert reports["logra"].params == reports["adam"].params + coords
-  bf16 = memory.plan_memory(
+  # The logra report's plan, with a bfloat16 base (and more, below).
+  plan = functools.partial(
+      memory.plan_memory,
       TINY,
       mesh=FSDP8,
       rank=8,
       seq_len=64,
       micro_batch=2,
       base_dtype="bfloat16",
-      step_bits=8,
   )
+  bf16 = plan(step_bits=8)
   projected = sum(math.prod(s) for s in matrices)
   assert bf16.params == reports["logra"].params - 2 * projected // 8
   # No float32 copy of the bfloat16 base appears in the plan (XLA:CPU upcasts
@@ -87,15 +90,7 @@ def test_factored_weights_add_their_window_and_a_bfloat16_base_halves(reports):
   assert bf16.temporaries < reports["logra"].temporaries + 2 * projected // 8
   assert "bfloat16 base" in bf16.description
   # bfloat16 coordinates: A takes 2 bytes per value.
-  halved = memory.plan_memory(
-      TINY,
-      mesh=FSDP8,
-      rank=8,
-      seq_len=64,
-      micro_batch=2,
-      base_dtype="bfloat16",
-      coords_dtype="bfloat16",
-  )
+  halved = plan(coords_dtype="bfloat16")
   assert halved.params == bf16.params - coords // 2
   assert "bfloat16 coordinates" in halved.description
   with pytest.raises(ValueError, match="optimizer.coords_dtype"):
