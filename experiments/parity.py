@@ -91,8 +91,10 @@ from the seed: the configuration of the smallest sync messages). Opt-in
 find which one costs accuracy if the configuration does:
 ``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
 and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
-``logra-4bit``, a lever it does not pull (each step's factors sent as 4-bit
-codes with error feedback, ``optimizer.step_bits=4``); and a follow-up on a
+two levers it does not pull, ``logra-4bit`` (each step's factors sent as
+4-bit codes with error feedback, ``optimizer.step_bits=4``) and
+``logra-frozen`` (the embedding table and LM head frozen,
+``optimizer.freeze_embeddings=true``); and a follow-up on a
 lever that does, ``logra-rank8-refresh10`` (rank 8 with a projector window
 of 10 steps instead of the default 50: does a shorter window gain on
 ``logra-rank8`` and recover ``logra``, against both of which it is tested?
@@ -209,11 +211,16 @@ LEVERS = {
     "logra-random": ("kind",),
 }
 
-# A lever of the sync work that logra-small-sync does not pull, alone on the
-# default: each step's factors sent as 4-bit codes with error feedback
+# Levers of the sync work that logra-small-sync does not pull, each alone on
+# the default: each step's factors sent as 4-bit codes with error feedback
 # (optimizer.step_bits): at rank 32 a 7B step of about rank 8's bfloat16
-# bytes.
-CODE_LEVERS = {"logra-4bit": {"step_bits": "4"}}
+# bytes; the embedding table and LM head frozen (optimizer.freeze_embeddings,
+# as LoRA leaves them), the other way to keep them out of each step's
+# message where projecting them costs accuracy.
+CODE_LEVERS = {
+    "logra-4bit": {"step_bits": "4"},
+    "logra-frozen": {"freeze_embeddings": "true"},
+}
 
 # Follow-ups that ask why a lever costs accuracy, each an arm with one more
 # setting, tested against the lever (does it gain?) and the default (does it
@@ -625,6 +632,7 @@ class Evaluator:
 LATER_FIELDS = {
     ("policy", "batch_invariant"): False,
     ("optimizer", "step_bits"): None,
+    ("optimizer", "freeze_embeddings"): False,
 }
 
 

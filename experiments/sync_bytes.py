@@ -63,18 +63,22 @@ from logra_jax.optim import step_codes
 SPARSE_BYTES_PER_VALUE = 4 + 2  # int32 index + bfloat16 value
 
 
+EMBEDDINGS = ("dense", "projected", "frozen")
+
+
 def model_policy_state(
     model: str,
     rank: int,
-    project_embeddings: bool,
+    embeddings: str,
     optimizer: str = "logra",
     coords_dtype: str = "float32",
     kind: str = "range",
-) -> tuple[dict, bool, int]:
+) -> tuple[dict, tuple[str, ...], bool, int]:
   """The shapes of the learner's :func:`policy_state.synced_state` for
   ``model`` (float32 weights, default settings of ``optimizer``, "logra" or
-  "lora"), whether a receiver regenerates its projectors, and its parameter
-  count."""
+  "lora"; LoGRA's ``embeddings`` one of :data:`EMBEDDINGS`), the weights it
+  leaves frozen, whether a receiver regenerates its projectors, and its
+  parameter count."""
   config = dataclasses.replace(
       memory.load_model_config(model), dtype="bfloat16", param_dtype="float32"
   )
@@ -84,13 +88,15 @@ def model_policy_state(
   opt_config = configs.OptimizerConfig(
       name=optimizer,
       rank=rank,
-      project_embeddings=project_embeddings and optimizer == "logra",
+      project_embeddings=embeddings == "projected" and optimizer == "logra",
+      freeze_embeddings=embeddings == "frozen" and optimizer == "logra",
       coords_dtype=coords_dtype,
       kind=kind,
   )
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   state, source = policy_state.abstract_receiver(opt_config, params)
-  return state, source is not None, count
+  frozen = policy_state.frozen_keys(opt_config)
+  return state, frozen, source is not None, count
 
 
 def checksum_temp_bytes(state: dict) -> int:
@@ -105,7 +111,7 @@ def checksum_temp_bytes(state: dict) -> int:
 def message_bytes(
     model: str,
     rank: int,
-    project_embeddings: bool,
+    embeddings: str,
     optimizer: str = "logra",
     coords_dtype: str = "float32",
     kind: str = "range",
@@ -115,10 +121,10 @@ def message_bytes(
   projectors: none when the receiver regenerates them; with ``step_bits``,
   a step's codes and exponents in place of the coordinates), and the
   parameters."""
-  state, regenerated, count = model_policy_state(
-      model, rank, project_embeddings, optimizer, coords_dtype, kind
+  state, frozen, regenerated, count = model_policy_state(
+      model, rank, embeddings, optimizer, coords_dtype, kind
   )
-  named = sync.named_arrays(state)
+  named = sync.named_arrays(state, frozen)
   out = {
       kind: 0
       for kind in (
@@ -141,6 +147,13 @@ def message_bytes(
     out[sync.PROJECTOR] = 0
   out["params"] = count
   return out
+
+
+def _embeddings(config: configs.OptimizerConfig) -> str:
+  """The :data:`EMBEDDINGS` entry of ``config``."""
+  if config.freeze_embeddings:
+    return "frozen"
+  return "projected" if config.project_embeddings else "dense"
 
 
 def measured(run: pathlib.Path) -> dict[str, float]:
@@ -173,7 +186,7 @@ def measured(run: pathlib.Path) -> dict[str, float]:
 def is_default(
     optimizer: str,
     rank: int,
-    project_embeddings: bool,
+    embeddings: str,
     refresh_every: int,
     coords_dtype: str,
     kind: str,
@@ -184,7 +197,7 @@ def is_default(
   row = (
       optimizer,
       rank,
-      project_embeddings,
+      embeddings,
       refresh_every,
       coords_dtype,
       step_bits,
@@ -192,7 +205,7 @@ def is_default(
   return row == (
       default.name,
       default.rank,
-      default.project_embeddings,
+      _embeddings(default),
       default.refresh_every,
       default.coords_dtype,
       default.step_bits,
@@ -203,26 +216,27 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
   """Bytes per step of LoGRA's message (embeddings dense, projected,
   projected with bfloat16 coordinates, and so with random projectors, which
   the receiver regenerates; projected with 4-bit steps, with range and
-  random projectors, and 8-bit steps with random ones) and of LoRA's at
-  each rank, with the full bfloat16 broadcast and sparse deltas beside
-  them."""
+  random projectors, and 8-bit steps with random ones; frozen, with 4-bit
+  steps and random projectors) and of LoRA's at each rank, with the full
+  bfloat16 broadcast and sparse deltas beside them."""
   rows = []
   arms = [
-      ("logra", False, "float32", "range", None),
-      ("logra", True, "float32", "range", None),
-      ("logra", True, "bfloat16", "range", None),
-      ("logra", True, "bfloat16", "random", None),
-      ("logra", True, "float32", "range", 4),
-      ("logra", True, "float32", "random", 4),
-      ("logra", True, "float32", "random", 8),
-      ("lora", False, "float32", "range", None),
+      ("logra", "dense", "float32", "range", None),
+      ("logra", "projected", "float32", "range", None),
+      ("logra", "projected", "bfloat16", "range", None),
+      ("logra", "projected", "bfloat16", "random", None),
+      ("logra", "projected", "float32", "range", 4),
+      ("logra", "projected", "float32", "random", 4),
+      ("logra", "projected", "float32", "random", 8),
+      ("logra", "frozen", "float32", "random", 4),
+      ("lora", "dense", "float32", "range", None),
   ]
-  for optimizer, project_embeddings, coords_dtype, kind, step_bits in arms:
+  for optimizer, embeddings, coords_dtype, kind, step_bits in arms:
     for rank in ranks:
       b = message_bytes(
           model,
           rank,
-          project_embeddings,
+          embeddings,
           optimizer,
           coords_dtype,
           kind,
@@ -234,17 +248,17 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
       else:
         step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
         projector = b[sync.PROJECTOR]
-        embeddings = "projected" if project_embeddings else "dense"
+        label = embeddings
         if coords_dtype != "float32":
-          embeddings += f", {coords_dtype} A"
+          label += f", {coords_dtype} A"
         if step_bits is not None:
-          embeddings += f", {step_bits}-bit steps"
+          label += f", {step_bits}-bit steps"
         if kind != "range":
-          embeddings += f", {kind} P"
+          label += f", {kind} P"
       rows.append(
           {
               "model": model,
-              "embeddings": embeddings,
+              "embeddings": label if optimizer == "logra" else embeddings,
               "rank": rank,
               "coords_dtype": coords_dtype,
               "step_bits": step_bits,
@@ -252,7 +266,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
               "default": is_default(
                   optimizer,
                   rank,
-                  project_embeddings,
+                  embeddings,
                   refresh_every,
                   coords_dtype,
                   kind,
@@ -305,13 +319,13 @@ def learner_side(model: str) -> dict:
   """The checksum program's compiled temporaries for the default
   configuration's policy state, and the snapshot a sparse delta needs."""
   default = configs.OptimizerConfig()
-  state, _, count = model_policy_state(
-      model, default.rank, default.project_embeddings
+  state, _, _, count = model_policy_state(
+      model, default.rank, _embeddings(default)
   )
   return {
       "model": model,
       "rank": default.rank,
-      "project_embeddings": default.project_embeddings,
+      "embeddings": _embeddings(default),
       "checksum_temp_bytes": checksum_temp_bytes(state),
       "snapshot_bf16_bytes": 2 * count,
   }
@@ -367,7 +381,7 @@ def main() -> None:
   for s in learner:
     parts.append(
         f"\nLearner side, {s['model']} (rank {s['rank']}, embeddings "
-        f"{'projected' if s['project_embeddings'] else 'dense'}): the "
+        f"{s['embeddings']}): the "
         "message's checksums compile to "
         f"{s['checksum_temp_bytes'] / 1e6:,.1f} MB of temporaries; no "
         "snapshot (a sparse delta diffs against one: "

@@ -169,6 +169,7 @@ def _memory(args: argparse.Namespace) -> int:
       device_memory_gib=args.device_memory_gib,
       gradient_mode=args.gradient_mode,
       project_embeddings=args.project_embeddings,
+      freeze_embeddings=args.freeze_embeddings,
       reference_dtype=args.reference_dtype,
       base_dtype=args.base_dtype,
       coords_dtype=args.coords_dtype,
@@ -265,7 +266,8 @@ def _add_eval(commands: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
-  """``logra memory``'s model, mesh and optimizer options."""
+  """``logra memory``'s model and mesh options (then
+  :func:`_add_memory_optimizer`'s)."""
   plan.add_argument(
       "--model",
       default="qwen2.5-7b",
@@ -283,6 +285,11 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       default="fsdp=8",
       help="mesh axis sizes, e.g. fsdp=8 or dp=2,fsdp=2,tp=2",
   )
+  _add_memory_optimizer(plan)
+
+
+def _add_memory_optimizer(plan: argparse.ArgumentParser) -> None:
+  """``logra memory``'s optimizer options."""
   plan.add_argument(
       "--optimizer", choices=["adam", "logra", "lora"], default="logra"
   )
@@ -302,6 +309,12 @@ def _add_memory_setup(plan: argparse.ArgumentParser) -> None:
       "--project-embeddings",
       action="store_true",
       help="LoGRA: project the embedding table and LM head too",
+  )
+  plan.add_argument(
+      "--freeze-embeddings",
+      action="store_true",
+      help="leave the embedding table and LM head as they are: no "
+      "gradient, no optimizer state (logra, adam)",
   )
   plan.add_argument(
       "--base-dtype",

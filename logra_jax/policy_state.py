@@ -66,11 +66,64 @@ def matrix_dimension_numbers(
   )
 
 
+FROZEN_EMBEDDINGS = ("embed", "lm_head")
+
+
+def frozen_keys(config: OptimizerConfig) -> tuple[str, ...]:
+  """The top-level weights ``config`` leaves as they are:
+  :data:`FROZEN_EMBEDDINGS` under ``config.freeze_embeddings``, else
+  none."""
+  return FROZEN_EMBEDDINGS if config.freeze_embeddings else ()
+
+
+def trainable(tree: Any, config: OptimizerConfig) -> Any:
+  """``tree`` (weights, params, or a tree shaped like them) without the
+  top-level entries of :func:`frozen_keys`: what the optimizer moves. The
+  same ``tree`` when nothing is frozen.
+
+  Example:
+    >>> from logra_jax import models
+    >>> _, params = models.split_model(
+    ...     models.init_model(models.DecoderConfig.tiny(), 0))
+    >>> list(trainable(params, OptimizerConfig(freeze_embeddings=True)))
+    ['final_norm', 'layers']
+  """
+  return without_frozen(tree, frozen_keys(config))
+
+
+def without_frozen(tree: Any, frozen: tuple[str, ...]) -> Any:
+  """``tree`` without its top-level entries named in ``frozen``."""
+  if not frozen:
+    return tree
+  entries = _entries(tree)
+  return type(tree)({k: v for k, v in entries.items() if k not in frozen})
+
+
+def with_frozen(part: Any, tree: Any) -> Any:
+  """``part`` (from :func:`trainable`) completed with the entries of
+  ``tree`` it lacks, in ``tree``'s order (so the result has ``tree``'s
+  structure)."""
+  moved, entries = _entries(part), _entries(tree)
+  if len(moved) == len(entries):
+    return part
+  return type(tree)(
+      {k: moved[k] if k in moved else v for k, v in entries.items()}
+  )
+
+
+def _entries(tree: Any) -> Any:
+  """The top-level mapping of ``tree``, nested mappings as they are stored
+  (``nnx.State`` wraps them in states when read item by item)."""
+  return tree.raw_mapping if isinstance(tree, nnx.State) else tree
+
+
 def make_optimizer(
     config: OptimizerConfig, params: nnx.State
 ) -> optax.GradientTransformation:
   """The policy optimizer named by ``config``, with global-norm clipping.
 
+  The optimizer moves :func:`trainable` ``(params, config)`` (all of them,
+  unless ``config.freeze_embeddings``).
   Layer-stacked matrices ``[L, m, n]`` get one projector per layer under
   LoGRA. ``optax.contrib.galore`` has no batch axes, so under ``"galore"`` a
   stacked weight is projected as one ``[L*m, n]`` matrix. Vectors stay dense
@@ -88,6 +141,7 @@ def make_optimizer(
       if config.warmup_steps
       else config.learning_rate
   )
+  params = trainable(params, config)
   dims = matrix_dimension_numbers(
       params, include_embeddings=config.project_embeddings
   )
@@ -161,7 +215,8 @@ def init_train_state(
 ) -> tuple[Any, optax.OptState]:
   """``(weights, opt_state)`` to start :func:`make_train_step` from dense
   ``params``: the weights are ``params``, factored (base in
-  ``config.base_dtype``) under :func:`factored_policy`, or with adapters
+  ``config.base_dtype``, as are the frozen weights of
+  ``config.freeze_embeddings``) under :func:`factored_policy`, or with adapters
   under ``"lora"`` (:func:`logra_jax.optim.lora.add_adapters`, drawn from
   ``seed``); the state is ``tx.init`` of what the optimizer moves (the
   params, or the adapters).
@@ -187,17 +242,29 @@ def init_train_state(
         seed=seed,
     )
     return weights, tx.init(lora_lib.trainable(weights))
-  opt_state = tx.init(params)
+  moved = trainable(params, config)
+  opt_state = tx.init(moved)
   if not factored_policy(config):
     return params, opt_state
   weights = factored_lib.factor(
-      params,
+      moved,
       opt_state,
       config.base_dtype,
       decay=config.weight_decay > 0,
       coords_dtype=config.coords_dtype,
   )
-  return weights, opt_state
+  # Frozen weights are held like the bases, in config.base_dtype.
+  base, keys = jnp.dtype(config.base_dtype), frozen_keys(config)
+  cast = (
+      lambda x: x.astype(base) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  )
+  held = type(params)(
+      {
+          k: jax.tree.map(cast, v) if k in keys else v
+          for k, v in _entries(params).items()
+      }
+  )
+  return with_frozen(weights, held), opt_state
 
 
 def abstract_weights(
@@ -216,14 +283,15 @@ def abstract_opt_state(
   return jax.eval_shape(lambda p: init_train_state(config, tx, p)[1], params)
 
 
-def optimized(weights: Any, params: Any) -> Any:
+def optimized(config: OptimizerConfig, weights: Any, params: Any) -> Any:
   """What the optimizer moves (``tx.init``'s argument in
   :func:`init_train_state`), given the weights it made from ``params``: the
   adapters of LoRA weights (:func:`logra_jax.optim.lora.trainable`), else
-  ``params``. Works on trees of shapes or of shardings too."""
+  :func:`trainable` ``(params)``. Works on trees of shapes or of shardings
+  too."""
   if lora_lib.has_adapters(weights):
     return lora_lib.trainable(weights)
-  return params
+  return trainable(params, config)
 
 
 def abstract_policy_state(
@@ -269,7 +337,9 @@ def dense_weights(
         else jax.tree.map(lambda p: p.astype(dtype), weights)
     )
   return factored_lib.effective_weights(
-      weights, state_queries.window_projectors(opt_state), dtype
+      weights,
+      all_projectors(state_queries.window_projectors(opt_state), weights),
+      dtype,
   )
 
 
@@ -320,12 +390,23 @@ def synced_state(weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
   window's projectors (``state_queries.window_projectors``; None elsewhere).
   Weights of another optimizer are dense leaves, sent whole every step;
   LoRA weights send their adapters every step, the frozen rest in full
-  messages."""
+  messages, and so do weights the optimizer leaves as they are
+  (:func:`frozen_keys`, None projectors here)."""
   if sketch_grad.project_state(opt_state) is None:
     projectors = jax.tree.map(lambda _: None, weights, is_leaf=is_structured)
   else:
-    projectors = state_queries.window_projectors(opt_state)
+    projectors = all_projectors(
+        state_queries.window_projectors(opt_state), weights
+    )
   return {"weights": weights, "projectors": projectors}
+
+
+def all_projectors(projectors: Any, weights: Any) -> Any:
+  """``projectors`` of what the optimizer moves (:func:`trainable`)
+  completed with None for the weights it leaves as they are: a tree shaped
+  like ``weights``."""
+  none = jax.tree.map(lambda _: None, weights, is_leaf=is_structured)
+  return with_frozen(projectors, none)
 
 
 def projector_source(opt_state: optax.OptState) -> Optional[Callable]:

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from logra_jax import configs
+from logra_jax import memory
 from logra_jax import sync
 from logra_jax.checkpoint import folders
 from logra_jax.rl import guards
@@ -204,8 +205,9 @@ def test_a_later_config_field_at_its_default_keeps_the_rows_hashes(
 
 
 def test_parity_code_levers_are_the_default_with_their_settings():
-  """``logra-4bit`` is the default logra with 4-bit steps, tested against
-  it on the levers' grid, and resolves to them on tiny."""
+  """``logra-4bit`` and ``logra-frozen`` are the default logra with 4-bit
+  steps and with frozen embeddings, each tested against it on the levers'
+  grid, and resolve to them on tiny."""
   settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
   for arm, more in parity.CODE_LEVERS.items():
     new = {
@@ -218,7 +220,9 @@ def test_parity_code_levers_are_the_default_with_their_settings():
     resolved = configs.load_config(
         tiny.preset, overrides=[*tiny.overrides, *parity.ARMS[arm]]
     ).optimizer
-    assert resolved.step_bits == 4
+    for name, value in more.items():
+      assert str(getattr(resolved, name)).lower() == value
+  assert set(parity.CODE_LEVERS) == {"logra-4bit", "logra-frozen"}
 
 
 def test_parity_levers_split_the_small_sync_configuration():
@@ -943,8 +947,10 @@ def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
   bfloat16 coordinates carry A in 2 bytes a value and every other kind of
   array as before; the default row is the default configuration's."""
   sync_bytes = importlib.import_module("sync_bytes")
-  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True)
-  bf16 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True, "logra", "bfloat16")
+  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "projected")
+  bf16 = sync_bytes.message_bytes(
+      "qwen2.5-0.5b", 8, "projected", "logra", "bfloat16"
+  )
   assert f32["coords"] > 0 and bf16["coords"] * 2 == f32["coords"]
   assert {k: v for k, v in bf16.items() if k != "coords"} == {
       k: v for k, v in f32.items() if k != "coords"
@@ -968,11 +974,11 @@ def test_sync_bytes_four_bit_steps_send_half_a_byte_a_coordinate():
   even) and one int8 exponent a row of each coordinates array in place of
   4 bytes a coordinate; every other kind of array as before."""
   sync_bytes = importlib.import_module("sync_bytes")
-  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, True)
+  f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "projected")
   four = sync_bytes.message_bytes(
-      "qwen2.5-0.5b", 8, True, "logra", "float32", "range", 4
+      "qwen2.5-0.5b", 8, "projected", "logra", "float32", "range", 4
   )
-  state, _, _ = sync_bytes.model_policy_state("qwen2.5-0.5b", 8, True)
+  state, _, _, _ = sync_bytes.model_policy_state("qwen2.5-0.5b", 8, "projected")
   rows = sum(
       x.shape[0] * x.shape[1]
       for kind, x in sync.named_arrays(state).values()
@@ -982,6 +988,24 @@ def test_sync_bytes_four_bit_steps_send_half_a_byte_a_coordinate():
   assert {k: v for k, v in four.items() if k != "coords"} == {
       k: v for k, v in f32.items() if k != "coords"
   }
+
+
+def test_sync_bytes_frozen_embeddings_leave_the_step_message():
+  """Frozen embeddings: the embedding table and LM head of Qwen2.5-0.5B
+  (tied: one ``[V, D]`` table, float32) are counted as frozen, in no
+  step's message; the dense rows' step carries them every step."""
+  sync_bytes = importlib.import_module("sync_bytes")
+  dense = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "dense")
+  frozen = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "frozen")
+  config = memory.load_model_config("qwen2.5-0.5b")
+  table = config.vocab_size * config.hidden_size * 4
+  assert frozen[sync.FROZEN] == table
+  assert dense[sync.DENSE] == frozen[sync.DENSE] + table
+  assert dense[sync.FROZEN] == 0
+  rows = sync_bytes.model_rows("qwen2.5-0.5b", [8], 50)
+  (row,) = [r for r in rows if r["embeddings"].startswith("frozen")]
+  assert row["embeddings"] == "frozen, 4-bit steps, random P"
+  assert row["projector_bytes"] == 0 and not row["default"]
 
 
 @pytest.mark.slow

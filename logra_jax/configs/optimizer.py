@@ -49,6 +49,10 @@ class OptimizerConfig:
     project_embeddings: also project the embedding table and LM head
       (logra, galore), whose dense Adam moments are otherwise the largest
       optimizer state of a large-vocabulary model.
+    freeze_embeddings: leave the embedding table and LM head as they are
+      (logra, galore, adam): no gradient, no optimizer moments, and a sync
+      message carries them only when full (as LoRA leaves every weight it
+      does not adapt).
     base_dtype: dtype of the base ``B`` of each projected weight, which
       logra with sketch-direct gradients keeps factored, ``W = c B + P A``
       (:mod:`logra_jax.optim.factored`): ``"float32"`` (default) or
@@ -92,6 +96,7 @@ class OptimizerConfig:
   kl_subsample: Optional[int] = None
   gradient_mode: str = "sketch"
   project_embeddings: bool = False
+  freeze_embeddings: bool = False
   base_dtype: str = "float32"
   coords_dtype: str = "float32"
   step_bits: Optional[int] = None
@@ -129,6 +134,7 @@ class OptimizerConfig:
               else "adapts the matrices of optimizer.lora_targets"
           )
       )
+    self._check_freeze_embeddings()
     check_choice("optimizer.base_dtype", self.base_dtype, BASE_DTYPES)
     if self.base_dtype != "float32" and not (
         self.name == "lora"
@@ -151,6 +157,24 @@ class OptimizerConfig:
           f"gradient_mode={self.gradient_mode!r}"
       )
     self._check_step_bits()
+
+  def _check_freeze_embeddings(self):
+    if not isinstance(self.freeze_embeddings, bool):
+      raise ValueError(
+          "optimizer.freeze_embeddings must be true or false, got "
+          f"{self.freeze_embeddings!r}"
+      )
+    if self.freeze_embeddings and self.project_embeddings:
+      raise ValueError(
+          "optimizer.freeze_embeddings and optimizer.project_embeddings "
+          "exclude each other: a frozen embedding is not projected"
+      )
+    if self.freeze_embeddings and self.name == "lora":
+      raise ValueError(
+          "optimizer.freeze_embeddings does not apply to lora, which "
+          "already leaves every weight but its adapters' (see "
+          "optimizer.lora_targets) as it is"
+      )
 
   def _check_step_bits(self):
     if self.step_bits is None:

@@ -146,9 +146,7 @@ def shared_rollout_bytes(
   return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
-def _sketched_gradient_bytes(
-    state: Any, params: Any, params_sharding: Any
-) -> int:
+def _sketched_gradient_bytes(state: Any, params_sharding: Any) -> int:
   """Per-device bytes of a sketch-direct gradient: float32 sketches of the
   projected leaves (counted whole: they are small and not sharded) plus the
   dense leaves' gradients laid out like their params."""
@@ -198,8 +196,8 @@ def _layout(
   )
   state_sharding = parallel.optimizer_state_shardings(
       tx,
-      policy_state.optimized(weights, params),
-      policy_state.optimized(weights_sharding, params_sharding),
+      policy_state.optimized(opt_config, weights, params),
+      policy_state.optimized(opt_config, weights_sharding, params_sharding),
       device_mesh,
   )
   return _Layout(
@@ -277,14 +275,16 @@ def _gradient_bytes(
   """Per-device bytes of the gradient the step materializes."""
   if opt_config.name == "logra" and opt_config.gradient_mode == "sketch":
     return _sketched_gradient_bytes(
-        layout.state, layout.params, layout.params_sharding
+        layout.state,
+        policy_state.trainable(layout.params_sharding, opt_config),
     )
-  if opt_config.name == "lora":  # float32 adapters' gradients
-    return _sharded_bytes(
-        policy_state.optimized(layout.weights, layout.params),
-        policy_state.optimized(layout.weights_sharding, layout.params_sharding),
-    )
-  return _sharded_bytes(layout.weights, layout.weights_sharding)
+  # What the optimizer moves: the params but frozen ones, or the adapters.
+  return _sharded_bytes(
+      policy_state.optimized(opt_config, layout.weights, layout.params),
+      policy_state.optimized(
+          opt_config, layout.weights_sharding, layout.params_sharding
+      ),
+  )
 
 
 def _reference_bytes(layout: _Layout, reference_dtype: Optional[str]) -> int:
@@ -379,6 +379,7 @@ def plan_memory(
     device_memory_gib: Optional[float] = None,
     gradient_mode: str = "sketch",
     project_embeddings: bool = False,
+    freeze_embeddings: bool = False,
     reference_dtype: Optional[str] = None,
     base_dtype: str = "float32",
     coords_dtype: str = "float32",
@@ -430,6 +431,9 @@ def plan_memory(
       takes dense gradients.
     project_embeddings: LoGRA also projects the embedding table and LM head
       (their gradients and moments become low-rank too).
+    freeze_embeddings: the embedding table and LM head stay as they are
+      (``optimizer.freeze_embeddings``): no gradient and no optimizer state
+      of theirs (logra, galore, adam).
     reference_dtype: hold a frozen reference policy in this dtype
       (``"bfloat16"`` or ``"float32"``), as a run with ``loss.beta > 0``
       does: its weights, laid out like the params, stay resident, and the
@@ -492,6 +496,7 @@ def plan_memory(
       warmup_steps=0,
       gradient_mode=gradient_mode,
       project_embeddings=project_embeddings,
+      freeze_embeddings=freeze_embeddings,
       base_dtype=base_dtype,
       coords_dtype=coords_dtype,
       step_bits=step_bits,

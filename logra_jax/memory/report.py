@@ -217,6 +217,7 @@ def describe(
           else ""
       )
       + (", embeddings projected" if opt.project_embeddings else "")
+      + (", embeddings frozen" if opt.freeze_embeddings else "")
       + (f", {opt.base_dtype} base" if opt.base_dtype != "float32" else "")
       + (
           f", {opt.coords_dtype} coordinates"

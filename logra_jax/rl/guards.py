@@ -108,6 +108,8 @@ def memory_command(
     flags.append("--gradient-mode dense")
   if opt.project_embeddings:
     flags.append("--project-embeddings")
+  if opt.freeze_embeddings:
+    flags.append("--freeze-embeddings")
   for name, value in (("base", opt.base_dtype), ("coords", opt.coords_dtype)):
     if value != "float32":
       flags.append(f"--{name}-dtype {value}")

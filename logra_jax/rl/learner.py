@@ -115,8 +115,13 @@ def make_merge_ahead(
   """
   if not policy_state.factored_policy(config.optimizer):
     return None
-  merge = lambda weights, opt_state: factored_lib.merge_at_refresh(
-      weights, opt_state, seed=config.seed
+  merge = lambda weights, opt_state: policy_state.with_frozen(
+      factored_lib.merge_at_refresh(
+          policy_state.trainable(weights, config.optimizer),
+          opt_state,
+          seed=config.seed,
+      ),
+      weights,
   )
   if shardings is None:
     return jax.jit(merge, donate_argnums=0)
@@ -241,10 +246,19 @@ class _TrainStep:
   config: TrainConfig
 
   def train_step(self, params, opt_state, batch: algo.RolloutBatch):
-    """``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    """``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    The step moves :func:`policy_state.trainable` ``(params)``; the frozen
+    rest (``optimizer.freeze_embeddings``) enters the model as constants,
+    so no gradient of it is taken, and leaves the step unchanged."""
     step = self.path(params, opt_state)
     micro = batch.micro_batches(self.config.micro_batches)
-    return step(params, opt_state, batch, micro)
+    trainable = policy_state.trainable(params, self.config.optimizer)
+    complete = lambda part: policy_state.with_frozen(part, params)
+    new_trainable, opt_state, metrics = step(
+        trainable, opt_state, batch, micro, complete
+    )
+    return complete(new_trainable), opt_state, metrics
 
   def path(self, params, opt_state) -> Callable:
     """The step for this layout of the weights and the optimizer's state;
@@ -272,35 +286,41 @@ class _TrainStep:
       return self.factored_step
     return self.projected_step if low_rank else self.dense_step
 
-  def dense_step(self, params, opt_state, batch, micro):
+  def dense_step(self, params, opt_state, batch, micro, complete):
     """The optimizer moves the params, or only the adapters of LoRA weights
     (then completed with the frozen rest for the model)."""
     adapted = lora_lib.has_adapters(params)
     trainable = lora_lib.trainable(params) if adapted else params
-    complete = lambda t: lora_lib.with_frozen(t, params) if adapted else t
+    adapters = lambda t: lora_lib.with_frozen(t, params) if adapted else t
     # Under LoRA the unembedding (the LM head, or the tied embedding) moves
     # only when adapted.
     frozen_unembedding = adapted and not (
         {"lm_head", "embed"} & set(self.config.optimizer.lora_targets)
     )
-    view = lambda t: lora_lib.view(complete(t))
+    view = lambda t: complete(lora_lib.view(adapters(t)))
     extra = self.kl_extra(trainable, batch, view, frozen_unembedding)
     totals = self.gradients(trainable, view, micro)
     updates, opt_state = self.tx.update(
         totals.grads, opt_state, trainable, loss=totals.loss, **extra
     )
-    new_params = complete(optax.apply_updates(trainable, updates))
+    new_params = adapters(optax.apply_updates(trainable, updates))
     update_norm = optax.global_norm(updates)
     return self.outputs(
-        new_params, opt_state, batch, totals, update_norm, lora_lib.view
+        new_params,
+        opt_state,
+        batch,
+        totals,
+        update_norm,
+        lambda p: complete(lora_lib.view(p)),
     )
 
-  def projected_step(self, params, opt_state, batch, micro):
+  def projected_step(self, params, opt_state, batch, micro, complete):
     """LoGRA on dense weights: its updates ``P N`` are expanded and applied
     inside the guard, leaf by leaf, so that they need not all exist at once
     (a dense optimizer's update is cheaper returned, :meth:`dense_step`)."""
-    extra = self.kl_extra(params, batch, lora_lib.view)
-    totals = self.gradients(params, lora_lib.view, micro)
+    view = lambda p: complete(lora_lib.view(p))
+    extra = self.kl_extra(params, batch, view)
+    totals = self.gradients(params, view, micro)
     (new_params, update_norm), opt_state = self.tx.update(
         totals.grads,
         opt_state,
@@ -312,11 +332,9 @@ class _TrainStep:
         ),
         **extra,
     )
-    return self.outputs(
-        new_params, opt_state, batch, totals, update_norm, lora_lib.view
-    )
+    return self.outputs(new_params, opt_state, batch, totals, update_norm, view)
 
-  def factored_step(self, params, opt_state, batch, micro):
+  def factored_step(self, params, opt_state, batch, micro, complete):
     """The step on factored weights: the window merged at a refresh, the
     sketches taken at ``c B + P A``, and only ``A``, ``c`` and the dense
     leaves updated."""
@@ -324,13 +342,15 @@ class _TrainStep:
         params, opt_state, seed=self.config.seed
     )
     value, grad_sum, projectors = sketch_grad.value_and_sketch_grad(
-        self.micro_loss,
+        lambda view, micro: self.micro_loss(complete(view), micro),
         has_aux=True,
         micro_batched=True,
         constrain=parallel.constrain,
     )(params, opt_state, micro)
     totals = _totals(value, grad_sum)
-    view = lambda w: sketch_grad.factored_view(w, projectors.projectors)
+    view = lambda w: complete(
+        sketch_grad.factored_view(w, projectors.projectors)
+    )
     extra = {"projectors": projectors, **self.kl_extra(params, batch, view)}
     trainable = factored_lib.without_base(params)
     step = sketch_grad.project_state(opt_state).count
@@ -397,7 +417,8 @@ class _TrainStep:
     """The optimizer's ``kl_predictor`` argument under KL control (else
     none): the predictor of updates of ``params``; ``view`` maps them to
     what the model takes (the factored view, whose coordinates the updates
-    move, or the adapters completed with the frozen weights)."""
+    move, or the adapters completed with the frozen weights; frozen
+    embeddings completed)."""
     if self.config.optimizer.target_kl is None:
       return {}
     scale = completion_logits_scale(self.config.rollout.temperature)
@@ -421,7 +442,8 @@ class _TrainStep:
             batch,
             token_mask=batch.completion_mask_BxT,
             subsample=self.config.optimizer.kl_subsample,
-            frozen_unembedding=frozen_unembedding,
+            frozen_unembedding=frozen_unembedding
+            or self.config.optimizer.freeze_embeddings,
         )
     }
 

@@ -91,8 +91,10 @@ def _mesh_placement(
   # The state follows what the optimizer moves: the params or the adapters.
   state_sharding = parallel.optimizer_state_shardings(
       tx,
-      policy_state.optimized(weights, params),
-      policy_state.optimized(weights_sharding, params_sharding),
+      policy_state.optimized(config.optimizer, weights, params),
+      policy_state.optimized(
+          config.optimizer, weights_sharding, params_sharding
+      ),
       mesh,
   )
   row = lambda ndim: parallel.batch_sharding(mesh, ndim)

@@ -260,10 +260,15 @@ def sync_fields(
   """What the learner's :class:`sync.PolicySender` and an engine put in the
   sync signature besides the layout and the seed: the policy's HF config
   (the model) and the optimizer section (rank, projector kind, base dtype,
-  ...). Engines and learners built from different configs refuse each
+  ...), and the weights it leaves frozen (``frozen``, sent only in full
+  messages). Engines and learners built from different configs refuse each
   other's messages."""
   model = json.loads((pathlib.Path(folder) / "config.json").read_text())
-  return {"model": model, "optimizer": to_dict(config)["optimizer"]}
+  return {
+      "model": model,
+      "optimizer": to_dict(config)["optimizer"],
+      "frozen": policy_state.frozen_keys(config.optimizer),
+  }
 
 
 def merge_ahead_every(config: TrainConfig) -> Optional[int]:

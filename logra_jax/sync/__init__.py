@@ -18,7 +18,9 @@ same program and the same rounding bits (:func:`factored.merge`). A
 * the dense leaves' new values;
 * with LoRA adapters (:mod:`logra_jax.optim.lora`) instead of a factored
   policy: every adapter's ``D`` and ``U``; the frozen weights travel only in
-  full messages;
+  full messages, as do the embedding table and LM head that
+  ``optimizer.freeze_embeddings`` leaves as they are (the sender's and
+  receiver's ``frozen``);
 * at a refresh, the step of the merge and the new window's projectors ``P``
   (``kind="random"`` ones are not sent: the message names the window and
   the receiver regenerates them from the seed,
@@ -55,8 +57,8 @@ Example:
 from logra_jax.sync.endpoints import PolicyReceiver
 from logra_jax.sync.endpoints import PolicySender
 from logra_jax.sync.endpoints import materialize
-from logra_jax.sync.endpoints import named_arrays
-from logra_jax.sync.endpoints import signature
+from logra_jax.sync.layout import named_arrays
+from logra_jax.sync.layout import signature
 from logra_jax.sync.messages import ADAPTER
 from logra_jax.sync.messages import BASE
 from logra_jax.sync.messages import COORDS

@@ -13,7 +13,7 @@ from logra_jax import configs
 from logra_jax import models
 from logra_jax.optim import sketch_grad
 from logra_jax.cli import main as cli_main
-from logra_jax.rl import algo, learner, scoring, setup, trainer
+from logra_jax.rl import algo, learner, trainer
 from logra_jax.rollout import engine
 from logra_jax import policy_state
 from logra_jax.optim import factored
@@ -22,21 +22,6 @@ from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
 SMOKE = configs.get_preset("smoke")
-
-
-@pytest.fixture(scope="module")
-def rollout_batch(policy_folder):
-  policy = engine.Policy.load(policy_folder)
-  task = setup.load_task(SMOKE)
-  batch, metrics = scoring.rollout(
-      policy,
-      policy.params,
-      list(task.examples[:4]),
-      SMOKE,
-      [(setup.task_verifier(task), 1.0)],
-      jax.random.key(1),
-  )
-  return policy, batch, metrics
 
 
 def test_recomputed_old_logprobs_equal_the_samplers(rollout_batch):

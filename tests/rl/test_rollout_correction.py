@@ -20,9 +20,6 @@ from logra_jax.rl import algo
 from logra_jax.rl import learner
 from logra_jax.rl import learner_state
 from logra_jax.rl import losses
-from logra_jax.rl import scoring
-from logra_jax.rl import setup
-from logra_jax.rollout import engine
 from tolerances import decoder_reduction_length
 from tolerances import float_tolerance
 
@@ -282,26 +279,10 @@ def test_bad_input_exits_2_before_the_run(override, message, tmp_path, capsys):
   assert not out.exists()
 
 
-@pytest.fixture(scope="module")
-def rollout_batch(policy_folder):
-  policy = engine.Policy.load(policy_folder)
-  task = setup.load_task(SMOKE)
-  batch, _ = scoring.rollout(
-      policy,
-      policy.params,
-      list(task.examples[:4]),
-      SMOKE,
-      [(setup.task_verifier(task), 1.0)],
-      jax.random.key(1),
-  )
-  advantages = jnp.linspace(-1.0, 1.0, batch.batch_size)
-  return policy, batch.replace(advantages_B=advantages)
-
-
 def test_a_batchs_updates_share_the_first_updates_proximal_logprobs(
-    rollout_batch,
+    spread_batch,
 ):
-  policy, batch = rollout_batch
+  policy, batch = spread_batch
   config = dataclasses.replace(SMOKE, num_iterations=2)
   tx = non_finite.skip_non_finite(optax.sgd(1.0))
   step = learner.make_train_step(policy.graphdef, tx, config)
@@ -361,9 +342,9 @@ def test_a_batchs_updates_share_the_first_updates_proximal_logprobs(
     ],
 )
 def test_the_learner_fills_the_proximal_logprobs_when_updates_share_them(
-    rollout_batch, overrides, fills
+    spread_batch, overrides, fills
 ):
-  policy, batch = rollout_batch
+  policy, batch = spread_batch
   config = configs.apply_overrides(SMOKE, overrides)
   run = learner_state.build_learner(config, policy, None)
   run.init()
