@@ -216,7 +216,8 @@ def init_train_state(
   """``(weights, opt_state)`` to start :func:`make_train_step` from dense
   ``params``: the weights are ``params``, factored (base in
   ``config.base_dtype``, as are the frozen weights of
-  ``config.freeze_embeddings``) under :func:`factored_policy`, or with adapters
+  ``config.freeze_embeddings`` where it is narrower than their own) under
+  :func:`factored_policy`, or with adapters
   under ``"lora"`` (:func:`logra_jax.optim.lora.add_adapters`, drawn from
   ``seed``); the state is ``tx.init`` of what the optimizer moves (the
   params, or the adapters).
@@ -253,11 +254,13 @@ def init_train_state(
       decay=config.weight_decay > 0,
       coords_dtype=config.coords_dtype,
   )
-  # Frozen weights are held like the bases, in config.base_dtype.
+  # Frozen weights are held like the bases, in config.base_dtype where it
+  # is narrower than their own.
   base, keys = jnp.dtype(config.base_dtype), frozen_keys(config)
-  cast = (
-      lambda x: x.astype(base) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  narrows = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and (
+      jnp.finfo(base).bits < jnp.finfo(x.dtype).bits
   )
+  cast = lambda x: x.astype(base) if narrows(x) else x
   held = type(params)(
       {
           k: jax.tree.map(cast, v) if k in keys else v
@@ -324,7 +327,8 @@ def dense_weights(
 ) -> Any:
   """The learner's weights materialized as dense arrays (``W = c B + P A``
   for factored ones, ``W_0 + s D U`` for adapted ones, in the parameter's
-  dtype or ``dtype``)."""
+  dtype or ``dtype``; frozen ones, :func:`frozen_keys`, in the dtype they
+  are held in or ``dtype``)."""
   if lora_lib.has_adapters(weights):
     return jax.tree.map(
         lambda w: w if dtype is None else w.astype(dtype),

@@ -78,6 +78,8 @@ def _restore_policy(
   # A factored policy is written as its weights W = c B + P A, a LoRA one
   # as W_0 + s D U.
   params = policy_state.dense_weights(restored.params, restored.opt_state)
+  # In the policy's dtype throughout (frozen weights may be held narrower).
+  params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract_params)
   return nnx.merge(graphdef, params)
 
 

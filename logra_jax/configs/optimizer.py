@@ -50,9 +50,11 @@ class OptimizerConfig:
       (logra, galore), whose dense Adam moments are otherwise the largest
       optimizer state of a large-vocabulary model.
     freeze_embeddings: leave the embedding table and LM head as they are
-      (logra, galore, adam): no gradient, no optimizer moments, and a sync
-      message carries them only when full (as LoRA leaves every weight it
-      does not adapt).
+      (logra, galore, adam): no gradient (``max_grad_norm`` clips the rest's),
+      no optimizer moments, and a sync message carries them only when full
+      (as LoRA leaves every weight it does not adapt). Under the factored
+      policy they are held in ``base_dtype`` where it is narrower than the
+      policy's (rounded once, at the start, as the bases are).
     base_dtype: dtype of the base ``B`` of each projected weight, which
       logra with sketch-direct gradients keeps factored, ``W = c B + P A``
       (:mod:`logra_jax.optim.factored`): ``"float32"`` (default) or

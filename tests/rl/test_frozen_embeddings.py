@@ -173,6 +173,24 @@ def test_logra_keeps_frozen_embeddings_and_sends_them_once(
   assert {"embed", "lm_head"} <= _keys(free_state)
 
 
+def test_frozen_weights_are_held_in_the_narrower_dtype(spread_batch):
+  """Under the factored policy the frozen table and head take
+  ``base_dtype`` where it is narrower than theirs, and are never widened
+  (a bfloat16 policy keeps them in bfloat16 under a float32 base)."""
+  policy, _ = spread_batch
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), policy.params)
+  for params, base, held in (
+      (policy.params, "float32", jnp.float32),
+      (policy.params, "bfloat16", jnp.bfloat16),
+      (bf16, "float32", jnp.bfloat16),
+  ):
+    config = configs.OptimizerConfig(freeze_embeddings=True, base_dtype=base)
+    tx = policy_state.make_optimizer(config, params)
+    weights = policy_state.abstract_weights(config, tx, params)
+    dtypes = {x.dtype for k in FROZEN for x in jax.tree.leaves(weights[k])}
+    assert dtypes == {jnp.dtype(held)}, (base, dtypes)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
