@@ -94,7 +94,10 @@ and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
 two levers it does not pull, ``logra-4bit`` (each step's factors sent as
 4-bit codes with error feedback, ``optimizer.step_bits=4``) and
 ``logra-frozen`` (the embedding table and LM head frozen,
-``optimizer.freeze_embeddings=true``); and a follow-up on a
+``optimizer.freeze_embeddings=true``); a candidate for the default,
+``logra-10mb`` (4-bit steps, projected embeddings, rank 16: 8.6 MB a step
+at Qwen2.5-7B shapes), tested against the baselines and ``logra``; and a
+follow-up on a
 lever that does, ``logra-rank8-refresh10`` (rank 8 with a projector window
 of 10 steps instead of the default 50: does a shorter window gain on
 ``logra-rank8`` and recover ``logra``, against both of which it is tested?
@@ -222,6 +225,21 @@ CODE_LEVERS = {
     "logra-frozen": {"freeze_embeddings": "true"},
 }
 
+# Candidates for the default configuration, each several levers pulled
+# together, tested against the tuned baselines and the default: logra-10mb,
+# 4-bit steps and projected embeddings (of the levers that keep the
+# embeddings out of each step's message, the one that lost least alone on
+# tiny; frozen embeddings and random projectors lost more in their sweeps)
+# at rank 16, where a Qwen2.5-7B step with its projectors' refreshes
+# averages 8.6 MB (experiments/results/sync_bytes).
+CANDIDATES = {
+    "logra-10mb": {
+        "project_embeddings": "true",
+        "rank": "16",
+        "step_bits": "4",
+    },
+}
+
 # Follow-ups that ask why a lever costs accuracy, each an arm with one more
 # setting, tested against the lever (does it gain?) and the default (does it
 # recover?): rank 8 with a projector window of 10 steps instead of the
@@ -253,9 +271,13 @@ LEVER_SETTINGS = {
     },
     **{arm: {**LOGRA_DEFAULT, **more} for arm, more in CODE_LEVERS.items()},
 }
+CANDIDATE_SETTINGS = {
+    arm: {**LOGRA_DEFAULT, **more} for arm, more in CANDIDATES.items()
+}
 ARMS: dict[str, list[str]] = {
     **MAIN_ARMS,
     **{arm: _logra(settings) for arm, settings in LEVER_SETTINGS.items()},
+    **{arm: _logra(settings) for arm, settings in CANDIDATE_SETTINGS.items()},
     **{
         arm: _logra({**LEVER_SETTINGS[lever], **changes})
         for arm, (lever, changes) in FOLLOW_UPS.items()
@@ -263,13 +285,15 @@ ARMS: dict[str, list[str]] = {
 }
 LOGRA_ARMS = ("logra", "logra-small-sync")
 BASELINES = ("adam", "lora")
-# (LoGRA arm, the arm it is tested against): each LoGRA arm against the
-# tuned baselines, the smallest-sync configuration against the default one
+# (LoGRA arm, the arm it is tested against): each LoGRA arm and candidate
+# against the tuned baselines, each candidate and the smallest-sync
+# configuration against the default one
 # (does the 10 MB message cost accuracy?), and each of its levers against
 # the default (which one does?), and each follow-up against its lever (a
 # gain?) and the default (a recovery?).
 COMPARISONS = (
-    tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
+    tuple((a, b) for a in (*LOGRA_ARMS, *CANDIDATES) for b in BASELINES)
+    + tuple((a, "logra") for a in CANDIDATES)
     + (("logra-small-sync", "logra"),)
     + tuple((lever, "logra") for lever in LEVER_SETTINGS)
     + tuple(
@@ -287,7 +311,7 @@ GRIDS = {
     "galore": DENSE_GRID,
     "logra": DENSE_GRID,
     "logra-small-sync": DENSE_GRID,
-    **{arm: DENSE_GRID for arm in (*LEVER_SETTINGS, *FOLLOW_UPS)},
+    **{arm: DENSE_GRID for arm in (*LEVER_SETTINGS, *CANDIDATES, *FOLLOW_UPS)},
 }
 MIN_GRID = 4
 

@@ -217,8 +217,8 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
   projected with bfloat16 coordinates, and so with random projectors, which
   the receiver regenerates; projected with 4-bit steps, with range and
   random projectors, and 8-bit steps with random ones; frozen, with 4-bit
-  steps and random projectors) and of LoRA's at each rank, with the full
-  bfloat16 broadcast and sparse deltas beside them."""
+  steps, with range and random projectors) and of LoRA's at each rank, with
+  the full bfloat16 broadcast and sparse deltas beside them."""
   rows = []
   arms = [
       ("logra", "dense", "float32", "range", None),
@@ -228,6 +228,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
       ("logra", "projected", "float32", "range", 4),
       ("logra", "projected", "float32", "random", 4),
       ("logra", "projected", "float32", "random", 8),
+      ("logra", "frozen", "float32", "range", 4),
       ("logra", "frozen", "float32", "random", 4),
       ("lora", "dense", "float32", "range", None),
   ]

@@ -32,6 +32,7 @@ import parity  # noqa: E402
 import provenance  # noqa: E402
 import stats  # noqa: E402
 import study  # noqa: E402
+import sync_bytes  # noqa: E402
 
 PROVENANCE = ("commit", "dirty", "fingerprint", "date", "machine")
 
@@ -223,6 +224,34 @@ def test_parity_code_levers_are_the_default_with_their_settings():
     for name, value in more.items():
       assert str(getattr(resolved, name)).lower() == value
   assert set(parity.CODE_LEVERS) == {"logra-4bit", "logra-frozen"}
+
+
+def test_parity_candidates_pull_levers_together_and_meet_every_baseline():
+  """A candidate for the default is the default logra with its settings,
+  tested against the tuned baselines and the default on the levers' grid;
+  logra-10mb (rank 16, 4-bit steps and projected embeddings) sends at most
+  10 MB a step at Qwen2.5-7B shapes, its projectors' refreshes included."""
+  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
+  for arm, more in parity.CANDIDATES.items():
+    new = {
+        k: v for k, v in settings(arm).items() if settings("logra").get(k) != v
+    }
+    assert new == {f"optimizer.{k}": v for k, v in more.items()}
+    assert {(arm, base) for base in ("adam", "lora", "logra")} <= set(
+        parity.COMPARISONS
+    )
+    assert parity.GRIDS[arm] == parity.GRIDS["logra"]
+    assert arm not in parity.MAIN_ARMS
+  candidate = parity.CANDIDATE_SETTINGS["logra-10mb"]
+  refreshes = configs.OptimizerConfig().refresh_every
+  message = sync_bytes.message_bytes(
+      "qwen2.5-7b",
+      int(candidate["rank"]),
+      "projected",
+      step_bits=int(candidate["step_bits"]),
+  )
+  step = sum(message[k] for k in (sync.COORDS, sync.SCALE, sync.DENSE))
+  assert step + message[sync.PROJECTOR] / refreshes <= 10e6
 
 
 def test_parity_levers_split_the_small_sync_configuration():
@@ -946,7 +975,6 @@ def test_sync_bytes_bfloat16_coordinates_halve_only_the_coordinates():
   """At Qwen2.5-0.5B shapes (abstract: nothing is allocated), the rows of
   bfloat16 coordinates carry A in 2 bytes a value and every other kind of
   array as before; the default row is the default configuration's."""
-  sync_bytes = importlib.import_module("sync_bytes")
   f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "projected")
   bf16 = sync_bytes.message_bytes(
       "qwen2.5-0.5b", 8, "projected", "logra", "bfloat16"
@@ -973,7 +1001,6 @@ def test_sync_bytes_four_bit_steps_send_half_a_byte_a_coordinate():
   """4-bit steps: two codes a byte (every short side of Qwen2.5-0.5B is
   even) and one int8 exponent a row of each coordinates array in place of
   4 bytes a coordinate; every other kind of array as before."""
-  sync_bytes = importlib.import_module("sync_bytes")
   f32 = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "projected")
   four = sync_bytes.message_bytes(
       "qwen2.5-0.5b", 8, "projected", "logra", "float32", "range", 4
@@ -994,7 +1021,6 @@ def test_sync_bytes_frozen_embeddings_leave_the_step_message():
   """Frozen embeddings: the embedding table and LM head of Qwen2.5-0.5B
   (tied: one ``[V, D]`` table, float32) are counted as frozen, in no
   step's message; the dense rows' step carries them every step."""
-  sync_bytes = importlib.import_module("sync_bytes")
   dense = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "dense")
   frozen = sync_bytes.message_bytes("qwen2.5-0.5b", 8, "frozen")
   config = memory.load_model_config("qwen2.5-0.5b")
@@ -1003,9 +1029,12 @@ def test_sync_bytes_frozen_embeddings_leave_the_step_message():
   assert dense[sync.DENSE] == frozen[sync.DENSE] + table
   assert dense[sync.FROZEN] == 0
   rows = sync_bytes.model_rows("qwen2.5-0.5b", [8], 50)
-  (row,) = [r for r in rows if r["embeddings"].startswith("frozen")]
-  assert row["embeddings"] == "frozen, 4-bit steps, random P"
-  assert row["projector_bytes"] == 0 and not row["default"]
+  ranged, regenerated = [r for r in rows if r["embeddings"].startswith("fro")]
+  assert ranged["embeddings"] == "frozen, 4-bit steps"
+  assert regenerated["embeddings"] == "frozen, 4-bit steps, random P"
+  assert ranged["step_bytes"] == regenerated["step_bytes"]
+  assert ranged["projector_bytes"] > 0 == regenerated["projector_bytes"]
+  assert not ranged["default"] and not regenerated["default"]
 
 
 @pytest.mark.slow
