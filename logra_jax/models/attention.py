@@ -62,8 +62,9 @@ def attention(
       (``DecoderConfig.batch_invariant``), with the slot of the past blocks
       where the new keys go (0 without a cache): the new keys and values are
       written there first and the queries attend over that one block, as
-      the same tokens do in a forward pass; the softmax is a tree sum and
-      the value sum a pairwise sum over blocks of 256 keys.
+      the same tokens do in a forward pass, its keys counted from each
+      row's first one; the softmax is a tree sum and the value sum a
+      pairwise sum over blocks of 256 keys.
 
   Returns:
     ``(attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh)``: the attention output and the
@@ -90,6 +91,7 @@ def attention(
     blocks.insert(0, (past_k_BxKxSxh.astype(dt), past_v_BxKxSxh.astype(dt)))
   if batch_invariant_at is not None:
     blocks, mask_BxTxS = _written_first(blocks, mask_BxTxS, batch_invariant_at)
+    blocks, mask_BxTxS = _from_first_key(blocks, mask_BxTxS)
     products = _invariant_products()
   elif implementation != "chunked" and T > 1:
     attn_BxTxKxGxh = _fused_attention(
@@ -129,6 +131,24 @@ def _written_first(blocks, mask_BxTxS, at):
       mask_BxTxS[..., :S], mask_BxTxS[..., S:], at, axis=2
   )
   return [(keys, values)], mask_BxTxS
+
+
+def _from_first_key(blocks, mask_BxTxS):
+  """The one block's keys, values and mask columns rotated along the key
+  axis so that each row's first key any query sees sits at slot 0 (the
+  slots before it, masked, wrap to the end): a key's slot is then its
+  distance from the row's first token wherever the row lies, so the value
+  sum's blocks of keys are the same in a sampler's turn and a learner's row
+  that lay the row at other offsets."""
+  ((keys_BxKxSxh, values_BxKxSxh),) = blocks
+  S = keys_BxKxSxh.shape[2]
+  first_B = jnp.argmax(jnp.any(mask_BxTxS, axis=1), axis=1)
+  slots_BxS = (jnp.arange(S)[None] + first_B[:, None]) % S
+  rotate = lambda x_BxKxSxh: jnp.take_along_axis(
+      x_BxKxSxh, slots_BxS[:, None, :, None], axis=2
+  )
+  mask_BxTxS = jnp.take_along_axis(mask_BxTxS, slots_BxS[:, None], axis=2)
+  return [(rotate(keys_BxKxSxh), rotate(values_BxKxSxh))], mask_BxTxS
 
 
 def _invariant_products():

@@ -257,7 +257,6 @@ class Sampler:
       top_k: int = 0,
       top_p: float = 1.0,
       stop_ids: Sequence[int] | None = None,
-      longest_prompt: int | None = None,
   ) -> SampleOutput:
     """Samples completions of token-list prompts.
 
@@ -271,11 +270,6 @@ class Sampler:
       top_k: 0 disables.
       top_p: 1 disables.
       stop_ids: default `config.eos_token_ids`; pass `()` to never stop.
-      longest_prompt: pad the prompts as for one of this many tokens if
-        longer than theirs (`bucket_length`), so that batches of other
-        prompts get the same width (rounds of one rollout under
-        `DecoderConfig.batch_invariant`, whose attention sums keys in
-        blocks of fixed positions).
 
     Returns:
       A `SampleOutput`.
@@ -291,8 +285,7 @@ class Sampler:
     )
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("Every prompt needs at least one token.")
-    longest = max(max(len(p) for p in prompts), longest_prompt or 0)
-    length = self.bucket_length(longest, max_new_tokens)
+    length = self.bucket_length(max(len(p) for p in prompts), max_new_tokens)
     rows = len(prompts)
     if self.mesh is not None:  # the data axes must divide the batch
       axes = self.rules.get("batch") or ()

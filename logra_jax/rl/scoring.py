@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax import parallel
-from logra_jax import reduction
 from logra_jax.configs import TrainConfig
 from logra_jax.rl import algo
 from logra_jax.rl import losses
@@ -230,15 +229,11 @@ def _sample_and_score(
     config: TrainConfig,
     rewards: list[tuple[Callable, float]],
     key: jax.Array,
-    longest_prompt: int | None = None,
 ) -> _Scored:
-  """Samples ``num_generations`` completions per example and scores them
-  (prompts padded as for ``longest_prompt`` tokens, where given: see
-  ``Sampler.sample``)."""
+  """Samples ``num_generations`` completions per example and scores them."""
   group = config.rollout.num_generations
   prompts = [e["prompt"] for e in examples for _ in range(group)]
   prompt_ids = policy.encode(prompts)
-  width = {} if longest_prompt is None else {"longest_prompt": longest_prompt}
   out = sample(
       prompt_ids,
       key,
@@ -246,7 +241,6 @@ def _sample_and_score(
       temperature=config.rollout.temperature,
       top_p=config.rollout.top_p,
       top_k=config.rollout.top_k,
-      **width,
   )
   completions = policy.decode(parallel.host_value(out.tokens))
   columns = example_columns(examples, group)
@@ -267,27 +261,6 @@ def _sample_and_score(
   )
 
 
-def learner_prompt_width(
-    sampler_width: int, longest_prompt: int, config: TrainConfig
-) -> int:
-  """The learner's prompt width: ``algo.bucket_width`` of the longest
-  prompt, or the sampler's own under ``policy.batch_invariant`` when a row
-  may reach beyond one block of keys (``reduction.BLOCK``): cutting left
-  padding moves every key, and beyond one block that moves keys between the
-  blocks attention sums its values over.
-
-  Example:
-    >>> from logra_jax import configs
-    >>> config = configs.get_preset("smoke")
-    >>> learner_prompt_width(16, 5, config)
-    6
-  """
-  reaches = sampler_width + config.rollout.max_new_tokens > reduction.BLOCK
-  if config.policy.batch_invariant and reaches:
-    return sampler_width
-  return algo.bucket_width(longest_prompt, sampler_width)
-
-
 def trimmed_with_metrics(
     batch: algo.RolloutBatch,
     config: TrainConfig,
@@ -300,9 +273,7 @@ def trimmed_with_metrics(
   # The learner's batch is no wider than its longest prompt and completion,
   # rounded up to one of a few widths (each compiles the train step once).
   batch = batch.trimmed(
-      learner_prompt_width(
-          batch.prompt_tokens_BxP.shape[1], longest_prompt, config
-      ),
+      algo.bucket_width(longest_prompt, batch.prompt_tokens_BxP.shape[1]),
       algo.bucket_width(int(lengths.max()), config.rollout.max_new_tokens),
   )
   metrics = report.metrics()
@@ -337,11 +308,7 @@ def dynamic_rollout(
   or ``rollout.max_resample_rounds`` rounds are spent; the places left are
   filled with equal-reward groups whose completions are masked from the
   loss. Rewards and accuracy metrics are round 0's (the stream's prompts);
-  ``observe`` sees round 0. Under ``policy.batch_invariant``, where a row
-  may reach past one block of keys, every round's prompts are padded to
-  the width of the longest prompt of all the rounds that may run (their
-  draws are known in advance), so that the merged batch moves no row's
-  keys (see :func:`learner_prompt_width`).
+  ``observe`` sees round 0.
 
   Example:
     >>> rewards_PxG = np.array([[1., 0.], [1., 1.]])
@@ -360,14 +327,10 @@ def dynamic_rollout(
           for r in range(1, config.rollout.max_resample_rounds + 1)
       ),
   )
-  longest = None
-  if config.policy.batch_invariant and len(pool) >= wanted:
-    draws = list(draws)
-    longest = _planned_width(policy, draws, config)
   rounds, kept, equal = [], [], []
   for r, (batch_examples, sample_key) in enumerate(draws):
     scored = _sample_and_score(
-        policy, sample, batch_examples, config, rewards, sample_key, longest
+        policy, sample, batch_examples, config, rewards, sample_key
     )
     rounds.append(scored)
     rewards_PxG = np.asarray(scored.rewards_N).reshape(-1, group)
@@ -393,23 +356,6 @@ def dynamic_rollout(
   metrics["rollout/dropped_groups"] = float(len(equal))
   metrics["rollout/masked_groups"] = float(masked)
   return batch, metrics
-
-
-def _planned_width(
-    policy: Policy, draws: list[tuple[list[dict], jax.Array]], config
-) -> int | None:
-  """The longest prompt of every round that may run, where a row may reach
-  past one block of attention's keys (:func:`learner_prompt_width`): every
-  round is then sampled as wide, so merging rounds moves no row's keys
-  between blocks; None (each round as narrow as its own prompts)
-  otherwise."""
-  longest = max(
-      len(ids)
-      for batch_examples, _ in draws
-      for ids in policy.encode([e["prompt"] for e in batch_examples])
-  )
-  reaches = longest + config.rollout.max_new_tokens > reduction.BLOCK
-  return longest if reaches else None
 
 
 def _round_draw(

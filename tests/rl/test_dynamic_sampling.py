@@ -5,7 +5,6 @@ engine in its own process and asynchronous rollouts."""
 
 import dataclasses
 import functools
-import random
 
 import jax
 import numpy as np
@@ -17,7 +16,6 @@ from logra_jax.rl import trainer
 from logra_jax.rollout import engine
 from run_fixtures import assert_same_state
 from run_fixtures import final_state
-from run_fixtures import make_policy
 from run_fixtures import run_metrics
 
 SMOKE = configs.get_preset("smoke")
@@ -165,92 +163,3 @@ def test_it_runs_with_the_engine_in_a_process_one_step_off_policy(
   assert [row["rollout/version_lag"] for row in rows] == [0.0, 1.0]
   assert all(row["rollout/resample_rounds"] == 3 for row in rows)
   assert all(np.isfinite(row["loss"]) for row in rows)
-
-
-def uniform(prompts, completions, **_):
-  """A uniform random reward per sample (scored one at a time): every group
-  has mixed rewards (ties have probability 0)."""
-  return [random.random() for _ in completions]
-
-
-@pytest.fixture(scope="module")
-def long_policy(tmp_path_factory):
-  """A random tiny policy whose context holds rows past 256 keys."""
-  folder = tmp_path_factory.mktemp("long") / "tiny"
-  return engine.Policy.load(make_policy(folder, max_position_embeddings=512))
-
-
-@pytest.mark.parametrize(
-    "batch_invariant, max_new_tokens, widths",
-    [
-        (False, 240, [16, 32, 32]),
-        (True, 240, [32, 32, 32]),  # rows reach past 256 keys
-        (True, 4, [16, 32, 32]),  # within one block: nothing to keep
-    ],
-)
-def test_batch_invariant_rounds_are_padded_alike(
-    long_policy, batch_invariant, max_new_tokens, widths
-):
-  """Under `policy.batch_invariant`, where a row may reach past one block
-  of 256 keys, every round's prompts are padded to the width of the longest
-  prompt of all the rounds that may run (the merged batch then moves no
-  row's keys); otherwise each round is as narrow as its own prompts. Short
-  prompts first, long ones drawn later; flat groups, so every round runs."""
-  config = configs.apply_overrides(
-      SMOKE,
-      [
-          "rollout.dynamic_sampling=true",
-          "rollout.max_resample_rounds=2",
-          f"rollout.max_new_tokens={max_new_tokens}",
-          f"policy.batch_invariant={str(batch_invariant).lower()}",
-      ],
-  )
-  seen = []
-
-  def sample(prompt_ids, key, **settings):
-    out = long_policy.sampler.sample(
-        long_policy.params, prompt_ids, key, **settings
-    )
-    seen.append(out.prompt_ids.shape[1])
-    return out
-
-  pool = [
-      {"prompt": f"{'1' * 20}+{i}=", "answer": "0", "flat": True}
-      for i in range(8)
-  ]
-  scoring.rollout_with(
-      long_policy,
-      sample,
-      _examples(True, PROMPTS),
-      config,
-      [(flat_or_parity, 1.0)],
-      jax.random.key(3),
-      pool=pool,
-  )
-  assert seen == widths
-
-
-def test_batch_invariant_rollouts_need_no_more_prompts_than_they_draw(
-    long_policy,
-):
-  """A training set smaller than a step's prompts still runs while no
-  round is resampled (the width is planned only over rounds that can be
-  drawn)."""
-  config = configs.apply_overrides(
-      SMOKE,
-      [
-          "rollout.dynamic_sampling=true",
-          "rollout.max_new_tokens=240",
-          "policy.batch_invariant=true",
-      ],
-  )
-  _, metrics = scoring.rollout_with(
-      long_policy,
-      functools.partial(long_policy.sampler.sample, long_policy.params),
-      _examples(False, PROMPTS),
-      config,
-      [(uniform, 1.0)],
-      jax.random.key(4),
-      pool=_examples(False, 2),
-  )
-  assert metrics["rollout/resample_rounds"] == 0

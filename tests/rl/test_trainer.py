@@ -10,9 +10,7 @@ import sys
 
 import pytest
 
-from logra_jax import configs
 from logra_jax.cli import main as cli_main
-from logra_jax.rl import scoring
 from run_fixtures import make_policy
 
 WORKER = pathlib.Path(__file__).parents[1] / "checkpoint_worker.py"
@@ -148,28 +146,37 @@ def uneven():
 
 
 @pytest.mark.slow
-def test_batch_invariant_multi_turn_episodes_score_bitwise(
-    policy_folder, tmp_path
+def test_batch_invariant_multi_turn_episodes_past_a_block_score_bitwise(
+    tmp_path,
 ):
-  """Multi-turn episodes whose environment answers differ in length, so each
-  row's keys sit at another offset in the sampler's turn than in the
-  learner's row: within one block of 256 keys the fixed-order sums do not
-  depend on a row's offset (``test_tree_sum_ignores_where_the_terms_sit``),
-  and every step's rollout log-probs are the learner's bitwise."""
+  """Multi-turn episodes of uneven histories past one block of 256 keys
+  (prompts of 120-180 tokens, 3 turns of up to 40 tokens): a row's keys
+  sit at other slots in the sampler's turns than in the learner's row, and
+  attention sums its values over blocks of keys counted from each row's
+  first token, so every step's rollout log-probs are the learner's
+  bitwise. At XLA's default optimization level, as users run it."""
   environment = tmp_path / "uneven.py"
   environment.write_text(UNEVEN_ENVIRONMENT)
+  policy = make_policy(tmp_path / "policy", max_position_embeddings=512)
   metrics = _invariant_run(
       tmp_path / "run",
-      f"policy.path={policy_folder}",
+      f"policy.path={policy}",
       f"task.environment={environment}:uneven",
       "rollout.max_turns=3",
+      "rollout.max_new_tokens=40",
       "rollout.prompts_per_step=4",
+      "task.terms=60",
+      "task.max_digits=2",
       "task.eval_size=4",
-      "steps=3",
+      "steps=2",
+      env=dict(os.environ, XLA_FLAGS=""),  # XLA's default level
   )
-  assert len(metrics) == 3
-  assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
+  widths = [
+      m["batch/prompt_width"] + m["batch/completion_width"] for m in metrics
+  ]
+  assert min(widths) > 256, widths
   assert all(m["env/turns_per_episode"] >= 2 for m in metrics), metrics
+  assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
 
 
 @pytest.mark.slow
@@ -178,8 +185,9 @@ def test_batch_invariant_dynamic_sampling_rounds_score_bitwise(tmp_path):
   keys (prompts of 120-180 tokens, 100 new ones), the smoke preset's rank-4
   factors (a product of 4 columns over 16 x 292 rows took another kernel
   than over 16: step 2 was 4.8e-7 off before they were padded) and dynamic
-  sampling's rounds, each padded as wide as the widest round that may run:
-  every step's rollout log-probs are the learner's bitwise. At XLA's
+  sampling's rounds, each as wide as its own prompts (the merged batch lays
+  rows at other offsets than their rounds did): every step's rollout
+  log-probs are the learner's bitwise. At XLA's
   default optimization level, as users run it (at the suite's level 0 this
   run's log-probs are not all bitwise: measured, like the sampler's batch
   invariance in docs/rl.md)."""
@@ -196,17 +204,3 @@ def test_batch_invariant_dynamic_sampling_rounds_score_bitwise(tmp_path):
   )
   assert sum(m["rollout/resample_rounds"] for m in metrics) > 0, metrics
   assert all(m["rollout/logprob_gap_max"] == 0.0 for m in metrics), metrics
-
-
-def test_batch_invariant_learners_keep_the_sampler_prompt_width_past_a_block():
-  """Beyond one block of 256 keys the learner keeps the sampler's prompt
-  width under policy.batch_invariant (cutting left padding would move keys
-  between attention's value blocks); within one it trims as always."""
-  smoke = configs.get_preset("smoke")
-  invariant = configs.apply_overrides(smoke, ["policy.batch_invariant=true"])
-  long = configs.apply_overrides(invariant, ["rollout.max_new_tokens=250"])
-  assert scoring.learner_prompt_width(16, 5, smoke) == 6
-  assert scoring.learner_prompt_width(16, 5, invariant) == 6
-  assert scoring.learner_prompt_width(16, 5, long) == 16
-  plain_long = configs.apply_overrides(long, ["policy.batch_invariant=false"])
-  assert scoring.learner_prompt_width(16, 5, plain_long) == 6
