@@ -62,9 +62,9 @@ def attention(
       (``DecoderConfig.batch_invariant``), with the slot of the past blocks
       where the new keys go (0 without a cache): the new keys and values are
       written there first and the queries attend over that one block, as
-      the same tokens do in a forward pass, its keys counted from each
-      row's first one; the softmax is a tree sum and the value sum a
-      pairwise sum over blocks of 256 keys.
+      the same tokens do in a forward pass; the softmax is a tree sum and
+      the value sum a pairwise sum over blocks of 256 keys counted from
+      each row's first.
 
   Returns:
     ``(attn_BxTxKxGxh, k_BxKxTxh, v_BxKxTxh)``: the attention output and the
@@ -91,8 +91,8 @@ def attention(
     blocks.insert(0, (past_k_BxKxSxh.astype(dt), past_v_BxKxSxh.astype(dt)))
   if batch_invariant_at is not None:
     blocks, mask_BxTxS = _written_first(blocks, mask_BxTxS, batch_invariant_at)
-    blocks, mask_BxTxS = _from_first_key(blocks, mask_BxTxS)
-    products = _invariant_products()
+    blocks, mask_BxTxS, rotate_B = _from_first_key(blocks, mask_BxTxS, T)
+    products = _invariant_products(rotate_B)
   elif implementation != "chunked" and T > 1:
     attn_BxTxKxGxh = _fused_attention(
         q_BxTxHxh,
@@ -133,37 +133,56 @@ def _written_first(blocks, mask_BxTxS, at):
   return [(keys, values)], mask_BxTxS
 
 
-def _from_first_key(blocks, mask_BxTxS):
-  """The one block's keys, values and mask columns rotated along the key
-  axis so that each row's first key any query sees sits at slot 0 (the
-  slots before it, masked, wrap to the end): a key's slot is then its
-  distance from the row's first token wherever the row lies, so the value
-  sum's blocks of keys are the same in a sampler's turn and a learner's row
-  that lay the row at other offsets."""
+def _from_first_key(blocks, mask_BxTxS, T):
+  """Keys past one block counted from each row's first: the one block's
+  values rotated so that each row's first key any query sees sits at slot
+  0, so that each 256-key block of the value sum holds the same keys
+  wherever a sampler's turn or a learner's row lays the row. The
+  probabilities must follow: a forward pass rotates the keys and mask
+  columns once (its probabilities come out rotated); a decoded token
+  rotates its one row of probabilities instead of the cache's keys
+  (returned: the rotation ``_invariant_products`` applies, or None). The
+  scores and the softmax's tree sum do not depend on where the keys sit.
+  Within one block nothing moves."""
   ((keys_BxKxSxh, values_BxKxSxh),) = blocks
-  S = keys_BxKxSxh.shape[2]
+  if keys_BxKxSxh.shape[2] <= BLOCK:
+    return blocks, mask_BxTxS, None
   first_B = jnp.argmax(jnp.any(mask_BxTxS, axis=1), axis=1)
+  values_BxKxSxh = _rotated(values_BxKxSxh, first_B, axis=2)
+  if T == 1:
+    return [(keys_BxKxSxh, values_BxKxSxh)], mask_BxTxS, first_B
+  keys_BxKxSxh = _rotated(keys_BxKxSxh, first_B, axis=2)
+  mask_BxTxS = _rotated(mask_BxTxS, first_B, axis=2)
+  return [(keys_BxKxSxh, values_BxKxSxh)], mask_BxTxS, None
+
+
+def _rotated(x: jax.Array, first_B: jax.Array, axis: int) -> jax.Array:
+  """``x`` rotated along its key ``axis`` so that slot ``first_B[b]`` of row
+  ``b`` comes first (the slots before it wrap to the end)."""
+  S = x.shape[axis]
   slots_BxS = (jnp.arange(S)[None] + first_B[:, None]) % S
-  rotate = lambda x_BxKxSxh: jnp.take_along_axis(
-      x_BxKxSxh, slots_BxS[:, None, :, None], axis=2
-  )
-  mask_BxTxS = jnp.take_along_axis(mask_BxTxS, slots_BxS[:, None], axis=2)
-  return [(rotate(keys_BxKxSxh), rotate(values_BxKxSxh))], mask_BxTxS
+  shape = [1] * x.ndim
+  shape[0], shape[axis] = x.shape[0], S
+  return jnp.take_along_axis(x, slots_BxS.reshape(shape), axis=axis)
 
 
-def _invariant_products():
+def _invariant_products(rotate_B: jax.Array | None):
   """``(qk, pv, softmax)`` of the batch-invariant path: the score
   matmul's reduction (the head dim) is short; the value sum is a pairwise
   sum of matmuls over blocks of ``BLOCK`` keys and the softmax's sum a
   tree sum, so a longer, masked key axis gives the same bits. A decoded
   token's ``G x T`` query rows (one where each KV head has one query head)
-  stay a matrix product (``with_matrix_rows``)."""
+  stay a matrix product (``with_matrix_rows``). ``rotate_B``: each row's
+  probabilities start at that slot before the value sum, as its values do
+  (:func:`_from_first_key`)."""
   matmul_qk, matmul_pv = _prefill_products()
 
   def qk(q_BxKxGxTxh, keys_BxKxSxh):
     return with_matrix_rows(matmul_qk, q_BxKxGxTxh, (2, 3), keys_BxKxSxh)
 
   def pv(probs_BxKxGxTxS, values_BxKxSxh, dtype):
+    if rotate_B is not None:
+      probs_BxKxGxTxS = _rotated(probs_BxKxGxTxS, rotate_B, axis=4)
     S = values_BxKxSxh.shape[2]
     parts = [
         with_matrix_rows(
