@@ -149,6 +149,22 @@ def message_bytes(
   return out
 
 
+def per_step(
+    message: dict[str, int], optimizer: str, refresh_every: int
+) -> tuple[int, int, float]:
+  """Of :func:`message_bytes`: the bytes each step's message carries
+  (LoGRA's coordinates or step codes, scales and dense leaves; LoRA's
+  adapters and dense leaves), those a refresh adds (LoGRA's projectors,
+  none when regenerated), and their mean a step with a refresh every
+  ``refresh_every`` steps."""
+  if optimizer == "lora":  # adapters every step, merged by the engine
+    step, projector = message[sync.ADAPTER] + message[sync.DENSE], 0
+  else:
+    step = sum(message[k] for k in (sync.COORDS, sync.SCALE, sync.DENSE))
+    projector = message[sync.PROJECTOR]
+  return step, projector, step + projector / refresh_every
+
+
 def _embeddings(config: configs.OptimizerConfig) -> str:
   """The :data:`EMBEDDINGS` entry of ``config``."""
   if config.freeze_embeddings:
@@ -243,12 +259,10 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
           kind,
           step_bits,
       )
-      if optimizer == "lora":  # adapters every step, merged by the engine
-        step, projector = b[sync.ADAPTER] + b[sync.DENSE], 0
+      step, projector, mean = per_step(b, optimizer, refresh_every)
+      if optimizer == "lora":
         embeddings = "LoRA adapters"
       else:
-        step = b[sync.COORDS] + b[sync.SCALE] + b[sync.DENSE]
-        projector = b[sync.PROJECTOR]
         label = embeddings
         if coords_dtype != "float32":
           label += f", {coords_dtype} A"
@@ -275,7 +289,7 @@ def model_rows(model: str, ranks: list[int], refresh_every: int) -> list[dict]:
               ),
               "step_bytes": step,
               "projector_bytes": projector,
-              "mean_bytes": step + projector / refresh_every,
+              "mean_bytes": mean,
               "full_bf16_bytes": 2 * b["params"],
               "params": b["params"],
           }
