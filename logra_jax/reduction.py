@@ -40,11 +40,23 @@ MIN_COLUMNS = 16
 
 # The XLA:CPU flags under which each row of a matmul of up to `BLOCK` reduced
 # elements gets the same bits for any number of rows (XNNPACK and YNNPACK
-# choose kernels by the row count).
+# choose kernels by the row count), at XLA's default optimization level, 3
+# (the sampler's matmuls give the learner's bits only there:
+# `CPU_SAMPLER_OPTIONS`).
 CPU_FLAGS = (
     "--xla_cpu_use_xnnpack=false",
     "--xla_cpu_experimental_ynn_fusion_type=",
+    "--xla_backend_optimization_level=3",
 )
+
+# XLA:CPU's compile options for a batch-invariant sampler: its matmuls on the
+# calling thread. A decode step's attention is thousands of tiny matmuls (one
+# per row and kv head), each of which multi-threaded Eigen hands to its pool
+# at a cost above the product's. On one thread XLA computes small ones with
+# its own kernels, whose bits are Eigen's (the learner's, multi-threaded) at
+# optimization level 3 and not at 0 (a smoke run's rollout log-probs then
+# differed from the learner's by up to 1e-6: docs/rl.md).
+CPU_SAMPLER_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
 
 
 def backend_started() -> bool:

@@ -233,7 +233,8 @@ class PolicyConfig:
       colocated sampler's token log-probs are bitwise the learner's
       (``rollout/logprob_gap_max`` 0) in matching dtypes; on CPU the run
       sets ``logra_jax.reduction.CPU_FLAGS`` (XLA:CPU's kernels without
-      XNNPACK) before JAX starts. Forces the chunked attention.
+      XNNPACK, at XLA's default optimization level) before JAX starts.
+      Forces the chunked attention.
   """
 
   path: str = ""

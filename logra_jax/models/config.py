@@ -111,8 +111,9 @@ class DecoderConfig:
       written into the cache before it is attended over with the forward's
       matmuls (the chunked attention path, always). With kernels that are
       row-invariant for such slices (XLA:CPU with
-      `logra_jax.reduction.CPU_FLAGS`) a sampler's log-probs are then bitwise
-      a forward pass's, whatever the batch.
+      `logra_jax.reduction.CPU_FLAGS`, the sampler compiled with
+      `logra_jax.reduction.CPU_SAMPLER_OPTIONS`) a sampler's log-probs are
+      then bitwise a forward pass's, whatever the batch.
 
   Example:
     >>> cfg = DecoderConfig.tiny(vocab_size=128)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax import reduction
 from logra_jax.models.cache import init_cache
 from logra_jax.models.cache import KVCache
 from logra_jax.models.decoder import Decoder
@@ -391,8 +392,16 @@ class Sampler:
     """The sampling program; under a mesh, with explicit shardings: params
     by the partition rules (``laid_out``; otherwise as they are), prompts
     and outputs split along the batch."""
+    options = (
+        reduction.CPU_SAMPLER_OPTIONS
+        if self.config.batch_invariant and jax.default_backend() == "cpu"
+        else None
+    )
     if self.mesh is None:
-      return jax.jit(lambda *args: self.generate(*args, settings))
+      return jax.jit(
+          lambda *args: self.generate(*args, settings),
+          compiler_options=options,
+      )
     rows = lambda ndim: logical_to_mesh(
         ("batch",) + (None,) * (ndim - 1), self.mesh, self.rules
     )
@@ -415,6 +424,7 @@ class Sampler:
             replicated,
         ),
         out_shardings=outputs,
+        compiler_options=options,
     )
 
   def generate(

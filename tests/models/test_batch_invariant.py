@@ -234,7 +234,10 @@ def test_batch_invariance_refuses_a_fused_attention_and_a_started_backend(
   monkeypatch.setenv("XLA_FLAGS", " ".join(reduction.CPU_FLAGS))
   reduction.use_invariant_kernels()  # present: nothing to do
   # Another spelling of the same values is theirs too.
-  spelled = "--xla_cpu_use_xnnpack=0 --xla_cpu_experimental_ynn_fusion_type="
+  spelled = (
+      "--xla_cpu_use_xnnpack=0 --xla_cpu_experimental_ynn_fusion_type= "
+      "--xla_backend_optimization_level=3"
+  )
   monkeypatch.setenv("XLA_FLAGS", spelled)
   reduction.use_invariant_kernels()
   monkeypatch.setattr(reduction, "backend_started", lambda: False)
