@@ -180,7 +180,8 @@ def fingerprint(cache: str | os.PathLike) -> str:
   """The numerics fingerprint of this tree on this backend (a smoke run's
   metrics hash), from ``cache`` when this code version's is there. The
   smoke runs train their warm start in an empty cache of their own, so the
-  fingerprint covers the warm start's code too.
+  fingerprint covers the warm start's code too, and start with no XLA flags
+  but :data:`PINNED_ISA`, whatever the caller's.
 
   Raises:
     RuntimeError: the smoke run failed (its log's tail).
@@ -188,7 +189,10 @@ def fingerprint(cache: str | os.PathLike) -> str:
   path = pathlib.Path(cache) / f"{code_version()}.json"
   if path.exists():
     return json.loads(path.read_text())["fingerprint"]
-  flags = os.environ.get("XLA_FLAGS", "") + f" {PINNED_ISA}"
+  # The caller's own XLA flags are left out: they may change the numerics
+  # (``reduction.CPU_FLAGS``, which logprob_agreement --batch-invariant sets
+  # in its process, gave the same tree another fingerprint).
+  flags = PINNED_ISA
   lines = []
   with tempfile.TemporaryDirectory() as folder:
     for i, overrides in enumerate(FINGERPRINT_RUNS):
@@ -203,7 +207,7 @@ def fingerprint(cache: str | os.PathLike) -> str:
           capture_output=True,
           text=True,
           cwd=ROOT,
-          env=dict(os.environ, XLA_FLAGS=flags.strip()),
+          env=dict(os.environ, XLA_FLAGS=flags),
       )
       if done.returncode:
         raise RuntimeError(
