@@ -189,10 +189,6 @@ def fingerprint(cache: str | os.PathLike) -> str:
   path = pathlib.Path(cache) / f"{code_version()}.json"
   if path.exists():
     return json.loads(path.read_text())["fingerprint"]
-  # The caller's own XLA flags are left out: they may change the numerics
-  # (``reduction.CPU_FLAGS``, which logprob_agreement --batch-invariant sets
-  # in its process, gave the same tree another fingerprint).
-  flags = PINNED_ISA
   lines = []
   with tempfile.TemporaryDirectory() as folder:
     for i, overrides in enumerate(FINGERPRINT_RUNS):
@@ -207,7 +203,11 @@ def fingerprint(cache: str | os.PathLike) -> str:
           capture_output=True,
           text=True,
           cwd=ROOT,
-          env=dict(os.environ, XLA_FLAGS=flags),
+          # None of the caller's XLA flags: they may change the numerics
+          # (``reduction.CPU_FLAGS``, which logprob_agreement
+          # --batch-invariant sets in its process, gave one tree another
+          # fingerprint).
+          env=dict(os.environ, XLA_FLAGS=PINNED_ISA),
       )
       if done.returncode:
         raise RuntimeError(
