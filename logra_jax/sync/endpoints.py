@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +39,47 @@ def _checksums(arrays: dict[str, Any]) -> dict[str, int]:
   return {n: int(v) for n, v in zip(names, values)}
 
 
-def _merges(state: Optional[ProjectState], since: Optional[int]) -> list[int]:
+class _Counts(NamedTuple):
+  """The optimizer's counters a message follows, read from the device
+  together, once per message (None where the chain has no such stage): the
+  ``project`` stage's count, the updates ``skip_non_finite`` saw and those
+  it skipped, and ``quantize_steps``' count."""
+
+  projected: Optional[int]
+  attempted: Optional[int]
+  skipped: Optional[int]
+  quantized: Optional[int]
+
+
+def _counts(
+    opt_state: optax.OptState, project: Optional[ProjectState]
+) -> _Counts:
+  skips = non_finite_state(opt_state)
+  quantize = step_codes.quantize_state(opt_state)
+  fields = (
+      (project, "count"),
+      (skips, "count"),
+      (skips, "skipped_steps"),
+      (quantize, "count"),
+  )
+  values = jax.device_get(
+      [
+          None if state is None else getattr(state, name)
+          for state, name in fields
+      ]
+  )
+  return _Counts(*(None if v is None else int(v) for v in values))
+
+
+def _merges(
+    state: Optional[ProjectState], count: Optional[int], since: Optional[int]
+) -> list[int]:
   """The steps of the merges the updates since the ``project`` stage's count
-  ``since`` were preceded by (None: the last update's): the learner merges
-  (``factored.merge_at_refresh``) when the count is a multiple of
-  ``refresh_every``, then counts the update."""
+  ``since`` were preceded by (None: the last update's), the stage being at
+  ``count`` now: the learner merges (``factored.merge_at_refresh``) when the
+  count is a multiple of ``refresh_every``, then counts the update."""
   if state is None:
     return []
-  count = int(state.count)
   first = count - 1 if since is None else since
   every = state.spec.config.refresh_every
   return [m for m in range(max(first, 0), count) if m % every == 0]
@@ -87,10 +120,7 @@ class PolicySender:
     self.sequence = -1
     self._source = policy_state.projector_source(opt_state)
     self._window = None  # (window index, its projectors)
-    self._count = None  # the project stage's count at the last message
-    # (quantize_steps count, skipped updates) at the last message.
-    self._updates = None
-    self._seen = None  # updates skip_non_finite saw, at the last message
+    self._last: Optional[_Counts] = None  # the counters at the last message
 
   def _state(self, weights: Any, opt_state: optax.OptState) -> dict[str, Any]:
     """:func:`~logra_jax.policy_state.synced_state`, with regenerated
@@ -130,12 +160,15 @@ class PolicySender:
     """
     project = sketch_grad.project_state(opt_state)
     named = named_arrays(self._state(weights, opt_state), self.frozen)
-    merges = self._merges_since(project, opt_state)
+    counts, last = _counts(opt_state, project), self._last
+    self._last = counts
+    since = None if last is None else last.projected
+    merges = _merges_since(project, counts, last)
     full = (
         full
         or self.sequence < 0  # a receiver starts from a full one
         or merges is None
-        or any(m != self._count for m in merges)
+        or any(m != since for m in merges)
     )
     merge_step = merges[-1] if merges else -1
     regenerated = self._source is not None
@@ -145,16 +178,15 @@ class PolicySender:
         or (kind == PROJECTOR and merge_step >= 0 and not regenerated)
     )
     arrays = {n: x for n, (kind, x) in named.items() if sent(kind)}
-    codes = self._step_codes(weights, opt_state)
+    codes = self._step_codes(weights, opt_state, counts, last)
     if not full:
       for leaf, (step, exponents) in codes.items():
         del arrays[f"{leaf}.coords"]
         arrays[leaf + CODES] = step
         arrays[leaf + EXPONENTS] = exponents
     self.sequence += 1
-    self._count = None if project is None else int(project.count)
     if version is None:
-      version = self.sequence if project is None else int(project.count)
+      version = self.sequence if project is None else counts.projected
     return SyncMessage(
         sequence=self.sequence,
         version=version,
@@ -166,48 +198,23 @@ class PolicySender:
         checksums=_checksums({n: x for n, (_, x) in named.items()}),
     )
 
-  def _merges_since(
-      self, project: Optional[ProjectState], opt_state: optax.OptState
-  ) -> Optional[list[int]]:
-    """The steps of the merges the learner made since the last message
-    (:func:`_merges`), or None when they cannot be told: the learner merges
-    at the start of every update it attempts at a refresh count, also of
-    one ``skip_non_finite`` then skips before the ``project`` stage counts
-    it (a non-finite loss or gradient). One such update alone merged at the
-    count the stage still holds; among several, which ones merged is not
-    known (the message is then full)."""
-    merges = _merges(project, self._count)
-    skips = non_finite_state(opt_state)
-    seen = None if skips is None else int(skips.count)
-    last_seen, self._seen = self._seen, seen
-    if None in (project, seen, last_seen, self._count):
-      return merges
-    attempted, counted = seen - last_seen, int(project.count) - self._count
-    if attempted == counted:
-      return merges
-    if (attempted, counted) == (1, 0):
-      every = project.spec.config.refresh_every
-      return [] if int(project.count) % every else [int(project.count)]
-    return None
-
-  def _step_codes(self, weights: Any, opt_state: optax.OptState) -> dict:
+  def _step_codes(
+      self,
+      weights: Any,
+      opt_state: optax.OptState,
+      counts: _Counts,
+      last: Optional[_Counts],
+  ) -> dict:
     """``{weight name: (codes, exponents)}`` of the update since the last
-    message, when the optimizer quantizes steps
-    (:func:`~logra_jax.optim.step_codes.quantize_steps`) and exactly one
-    update was made and applied since then; else ``{}`` (the message
+    message (whose counters were ``last``), when the optimizer quantizes
+    steps (:func:`~logra_jax.optim.step_codes.quantize_steps`) and exactly
+    one update was made and applied since then; else ``{}`` (the message
     carries the coordinates themselves: several updates, or one that
     ``skip_non_finite`` skipped, left codes that are not what was
     applied)."""
-    state = step_codes.quantize_state(opt_state)
-    if state is None:
+    if counts.quantized is None or last is None:
       return {}
-    skips = non_finite_state(opt_state)
-    updates = (
-        int(state.count),
-        -1 if skips is None else int(skips.skipped_steps),
-    )
-    last, self._updates = self._updates, updates
-    if last is None or updates != (last[0] + 1, last[1]):
+    if (counts.quantized, counts.skipped) != (last.quantized + 1, last.skipped):
       return {}
     flat, _ = jax.tree_util.tree_flatten_with_path(
         policy_state.without_frozen(weights, self.frozen),
@@ -218,6 +225,32 @@ class PolicySender:
         for (path, _), pair in zip(flat, step_codes.last_codes(opt_state))
         if pair is not None
     }
+
+
+def _merges_since(
+    project: Optional[ProjectState],
+    counts: _Counts,
+    last: Optional[_Counts],
+) -> Optional[list[int]]:
+  """The steps of the merges the learner made since the message whose
+  counters were ``last`` (:func:`_merges`), or None when they cannot be
+  told: the learner merges at the start of every update it attempts at a
+  refresh count, also of one ``skip_non_finite`` then skips before the
+  ``project`` stage counts it (a non-finite loss or gradient). One such
+  update alone merged at the count the stage still holds; among several,
+  which ones merged is not known (the message is then full)."""
+  since = None if last is None else last.projected
+  merges = _merges(project, counts.projected, since)
+  if None in (project, counts.attempted, since) or last.attempted is None:
+    return merges
+  attempted = counts.attempted - last.attempted
+  counted = counts.projected - since
+  if attempted == counted:
+    return merges
+  if (attempted, counted) == (1, 0):
+    every = project.spec.config.refresh_every
+    return [] if counts.projected % every else [counts.projected]
+  return None
 
 
 @functools.partial(jax.jit, static_argnames="seed")
