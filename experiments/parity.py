@@ -651,8 +651,10 @@ class Evaluator:
 
 
 # Config fields added after rows were made, at the default that does what
-# runs did before the field existed: left out of the hash at that default,
-# so a row made before the field existed keeps its hash.
+# runs did before the field existed: left out of the hash at that default
+# (or where the config has no such field: the study run on an older package,
+# e.g. rows of package 0d54457 with the levers backported), so a row made
+# before the field existed keeps its hash.
 LATER_FIELDS = {
     ("policy", "batch_invariant"): False,
     ("optimizer", "step_bits"): None,
@@ -666,8 +668,8 @@ def config_hash(config) -> str:
   :data:`LATER_FIELDS` at their defaults left out."""
   described = configs.to_dict(config)
   for (section, name), default in LATER_FIELDS.items():
-    if described[section][name] == default:
-      del described[section][name]
+    if described[section].get(name, default) == default:
+      described[section].pop(name, None)
   if config.policy.path:
     described["policy"]["path"] = "weights " + policy_digest(config.policy.path)
   text = json.dumps(described, sort_keys=True)

@@ -205,6 +205,25 @@ def test_a_later_config_field_at_its_default_keeps_the_rows_hashes(
   assert parity.config_hash(on) != before
 
 
+def test_a_config_without_a_later_field_hashes_as_at_its_default(
+    monkeypatch,
+):
+  """An older package's config, which lacks a later field (the study run
+  on package 0d54457 with the levers backported), hashes as the field at
+  its default does."""
+  config = configs.get_preset("smoke")
+  at_default = parity.config_hash(config)
+  to_dict = configs.to_dict
+
+  def older(c):
+    described = to_dict(c)
+    del described["policy"]["batch_invariant"]
+    return described
+
+  monkeypatch.setattr(parity.configs, "to_dict", older)
+  assert parity.config_hash(config) == at_default
+
+
 def test_parity_code_levers_are_the_default_with_their_settings():
   """``logra-4bit`` and ``logra-frozen`` are the default logra with 4-bit
   steps and with frozen embeddings, each tested against it on the levers'
