@@ -23,86 +23,13 @@ from logra_jax import sync
 from logra_jax.sync import endpoints as sync_endpoints
 from logra_jax.lowrank import matmul
 from logra_jax import policy_state
+from sync_learners import REFRESH
+from sync_learners import batch
+from sync_learners import factored_learner
+from sync_learners import same_bits
+from sync_learners import small_params
 
-STEPS = 300
-REFRESH = 25  # 12 windows, 11 merges after the first
-
-
-def _params():
-  rng = np.random.default_rng(0)
-  normal = lambda shape, scale: jnp.asarray(
-      scale * rng.standard_normal(shape), jnp.float32
-  )
-  return {
-      "w": normal((6, 20), 0.3),  # wide
-      "v": normal((12, 8), 0.3),  # tall
-      "b": normal((20,), 0.1),
-  }  # dense
-
-
-def _learner(
-    kind,
-    base_dtype,
-    weight_decay,
-    donate=False,
-    coords_dtype="float32",
-    step_bits=None,
-):
-  """A factored LoGRA loop (docs/sketch.md's) on a small tree: ``(weights,
-  state, step)``; ``donate``: the step donates its inputs, as the
-  trainer's does."""
-  params = _params()
-  tx = logra.logra(
-      1e-2,
-      rank=2,
-      kind=kind,
-      refresh_every=REFRESH,
-      weight_decay=weight_decay,
-      factored=True,
-      step_bits=step_bits,
-  )
-  state = tx.init(params)
-  weights = factored.factor(
-      params,
-      state,
-      base_dtype=base_dtype,
-      decay=weight_decay > 0,
-      coords_dtype=coords_dtype,
-  )
-
-  def loss(p, x):
-    h = jnp.tanh(matmul(x, p["v"]))  # [.., 12] -> [.., 8]
-    h = jnp.concatenate([h, h[:, :4] ** 2], axis=-1)[:, :6]
-    return jnp.mean(jnp.square(matmul(h, p["w"]) + p["b"] - 0.5))
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
-  def step(weights, state, x):
-    weights = factored.merge_at_refresh(weights, state, seed=7)
-    _, sketches, projectors = logra.value_and_sketch_grad(loss)(
-        weights, state, x
-    )
-    count = sketch_grad.project_state(state).count
-    updates, state = tx.update(sketches, state, weights, projectors=projectors)
-    return factored.apply_updates(weights, updates, seed=7, step=count), state
-
-  return weights, state, step
-
-
-def _batch(i):
-  return jax.random.normal(jax.random.key(i), (16, 12))
-
-
-def _same_bits(a, b):
-  return jax.tree.all(
-      jax.tree.map(
-          lambda x, y: x.dtype == y.dtype
-          and np.array_equal(
-              np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)
-          ),
-          a,
-          b,
-      )
-  )
+STEPS = 300  # REFRESH = 25: 12 windows, 11 merges after the first
 
 
 @pytest.mark.parametrize(
@@ -122,7 +49,7 @@ def test_receiver_is_bit_identical_over_many_windows(
   """300 steps, 12 windows; with bfloat16 coordinates the messages carry
   the rounded coordinates the learner itself holds, with quantized steps
   each step's codes, which the receiver adds to its coordinates."""
-  weights, state, step = _learner(
+  weights, state, step = factored_learner(
       kind,
       base_dtype,
       weight_decay,
@@ -143,7 +70,7 @@ def test_receiver_is_bit_identical_over_many_windows(
   merges = 0
   dense = jax.jit(policy_state.dense_weights)
   for i in range(STEPS):
-    weights, state = step(weights, state, _batch(i))
+    weights, state = step(weights, state, batch(i))
     message = sender.message(weights, state)
     merges += message.merge_step >= 0
     carries_codes = "['w'].codes" in message.arrays
@@ -153,18 +80,18 @@ def test_receiver_is_bit_identical_over_many_windows(
       message = sync.decode(sync.encode(message))
     receiver.apply(message)  # raises on any checksum mismatch
   assert merges == STEPS // REFRESH and receiver.version == STEPS
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
-  assert _same_bits(receiver.effective_weights(), dense(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.effective_weights(), dense(weights, state))
   assert receiver.state["weights"]["w"].coords.dtype == coords_dtype
 
 
 def test_a_step_message_carries_only_the_window():
-  weights, state, step = _learner("range", "bfloat16", 0.0)
+  weights, state, step = factored_learner("range", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   full = sender.message(weights, state, full=True)
-  weights, state = step(weights, state, _batch(0))  # merges (step 0)
+  weights, state = step(weights, state, batch(0))  # merges (step 0)
   first = sender.message(weights, state)
-  weights, state = step(weights, state, _batch(1))
+  weights, state = step(weights, state, batch(1))
   second = sender.message(weights, state)
   assert first.merge_step == 0 and second.merge_step == -1
   kinds = {
@@ -190,7 +117,7 @@ def test_receiver_programs_compile_once_from_an_abstract_template():
   every array it takes alike, so its checksum and merge programs compile
   once, not again as the placements of its arrays change from message to
   message (a 7B receiver spent seconds on each such compile)."""
-  weights, state, step = _learner("random", "bfloat16", 0.0)
+  weights, state, step = factored_learner("random", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   template = jax.eval_shape(lambda: policy_state.synced_state(weights, state))
   receiver = sync.PolicyReceiver(
@@ -203,7 +130,7 @@ def test_receiver_programs_compile_once_from_an_abstract_template():
     receiver.apply(sync.decode(sync.encode(message)))
     if message.merge_step == REFRESH:  # every program has run once
       sizes = [p._cache_size() for p in programs]
-    weights, state = step(weights, state, _batch(i))
+    weights, state = step(weights, state, batch(i))
   receiver.apply(sender.message(weights, state))
   assert sizes == [p._cache_size() for p in programs]
   # Placed on no device in particular: free to join a computation over a
@@ -224,7 +151,7 @@ def test_random_projectors_are_regenerated_by_the_receiver():
   regenerates them from the seed (its checksums prove them the learner's
   bits). A receiver given no projector source refuses such a message and a
   full one, which carries them, heals it."""
-  weights, state, step = _learner("random", "bfloat16", 0.0)
+  weights, state, step = factored_learner("random", "bfloat16", 0.0)
   sender = sync.PolicySender(weights, state, seed=7)
   template = policy_state.synced_state(weights, state)
   receiver = sync.PolicyReceiver(
@@ -237,7 +164,7 @@ def test_random_projectors_are_regenerated_by_the_receiver():
     r.apply(full)
   sizes, windows = set(), []
   for i in range(2 * REFRESH + 1):  # merges before the counts 0, 25, 50
-    weights, state = step(weights, state, _batch(i))
+    weights, state = step(weights, state, batch(i))
     message = sender.message(weights, state)
     assert not any(n.startswith("projector:") for n in message.arrays)
     sizes.add(message.nbytes)
@@ -257,9 +184,9 @@ def test_random_projectors_are_regenerated_by_the_receiver():
     elif i < REFRESH:  # window 0's projectors came in the full message
       blind.apply(message)
   assert windows == [0, 1, 2] and len(sizes) == 1
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
   blind.apply(sender.message(weights, state, full=True))
-  assert _same_bits(blind.state, receiver.state)
+  assert same_bits(blind.state, receiver.state)
 
 
 def test_a_message_of_the_previous_format_is_refused(synced):
@@ -282,11 +209,11 @@ def test_a_message_of_the_previous_format_is_refused(synced):
 def test_small_coordinates_shrink_a_step_message(settings, step_bytes):
   """bfloat16 coordinates travel as the learner keeps them, 2 bytes each;
   4-bit steps as two codes a byte and an exponent a row."""
-  weights, state, step = _learner("range", "bfloat16", 0.0, **settings)
+  weights, state, step = factored_learner("range", "bfloat16", 0.0, **settings)
   sender = sync.PolicySender(weights, state, seed=7)
   sender.message(weights, state, full=True)
   for i in range(2):
-    weights, state = step(weights, state, _batch(i))
+    weights, state = step(weights, state, batch(i))
     message = sender.message(weights, state)
   assert message.merge_step == -1
   assert message.nbytes == step_bytes + 4 * 20  # and the dense bias [20]
@@ -297,7 +224,7 @@ def _guarded_learner(step_bits, refresh_every=REFRESH):
   """A factored LoGRA loop under ``skip_non_finite`` (a batch holding a NaN
   is a skipped update): ``(weights, state, step)``; the step donates
   nothing, so the first two can start several runs."""
-  params = _params()
+  params = small_params()
   tx = non_finite.skip_non_finite(
       logra.logra(
           1e-2,
@@ -343,7 +270,7 @@ def test_a_skipped_update_is_followed_exactly(step_bits):
   sender, receiver = _synced_pair(weights, state)
   carried = []
   for i in range(6):
-    x = _batch(i).at[0, 0].set(jnp.nan if i == 3 else 0.0)
+    x = batch(i).at[0, 0].set(jnp.nan if i == 3 else 0.0)
     weights, state = step(weights, state, x)
     message = sender.message(weights, state)
     carried.append("['v'].codes" in message.arrays)
@@ -351,7 +278,7 @@ def test_a_skipped_update_is_followed_exactly(step_bits):
   assert non_finite.non_finite_state(state).skipped_steps == 1
   quantized = step_bits is not None
   assert carried == [quantized] * 3 + [False] + [quantized] * 2
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @settings(deadline=None, max_examples=8, derandomize=True)
@@ -372,12 +299,12 @@ def test_any_run_of_steps_skips_and_resyncs_is_followed_exactly(plan):
   batches = iter(range(10**6))
   for action in plan:
     for _ in range(2 if action == "two" else 1):
-      x = _batch(next(batches))
+      x = batch(next(batches))
       weights, state = step(
           weights, state, x.at[0, 0].set(jnp.nan if action == "skipped" else 0)
       )
     receiver.apply(sender.message(weights, state, full=action == "full"))
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @pytest.mark.parametrize(
@@ -388,7 +315,9 @@ def test_several_updates_per_message_stay_exact(kind, step_bits):
   first of them is sent as a merge, one before the second (whose window the
   receiver never held) as a full message; quantized steps send the
   coordinates (the codes are the last update's only)."""
-  weights, state, step = _learner(kind, "bfloat16", 0.0, step_bits=step_bits)
+  weights, state, step = factored_learner(
+      kind, "bfloat16", 0.0, step_bits=step_bits
+  )
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(
       policy_state.synced_state(weights, state),
@@ -399,13 +328,13 @@ def test_several_updates_per_message_stay_exact(kind, step_bits):
   fulls, merges = [], []
   for i in range(0, 60, 2):  # merges before the updates at counts 0, 25, 50
     for j in (i, i + 1):
-      weights, state = step(weights, state, _batch(j))
+      weights, state = step(weights, state, batch(j))
     message = sender.message(weights, state)
     fulls.append(message.full)
     merges.append(message.merge_step)
     assert not any(n.endswith(".codes") for n in message.arrays)
     receiver.apply(message)  # raises on any checksum mismatch
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
   assert [i for i, f in enumerate(fulls) if f] == [12]  # counts 24-26
   assert [m for m in merges if m >= 0] == [0, 25, 50]
 
@@ -431,13 +360,13 @@ def test_several_updates_per_message_stay_exact(kind, step_bits):
     ],
 )
 def test_bad_step_codes_are_refused_and_the_weights_kept(change, match):
-  weights, state, step = _learner("range", "float32", 0.0, step_bits=4)
+  weights, state, step = factored_learner("range", "float32", 0.0, step_bits=4)
   sender = sync.PolicySender(weights, state, seed=7)
   receiver = sync.PolicyReceiver(
       policy_state.synced_state(weights, state), seed=7
   )
   receiver.apply(sender.message(weights, state, full=True))
-  weights, state = step(weights, state, _batch(0))
+  weights, state = step(weights, state, batch(0))
   message = sender.message(weights, state)
   arrays = {n: np.asarray(x) for n, x in message.arrays.items()}
   change(arrays)
@@ -446,19 +375,19 @@ def test_bad_step_codes_are_refused_and_the_weights_kept(change, match):
     receiver.apply(dataclasses.replace(message, arrays=arrays))
   assert receiver.state is before and receiver.sequence == 0
   receiver.apply(message)  # the intact message still applies
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @pytest.fixture(scope="module")
 def synced():
   """A learner two steps in, its messages, and a receiver after the first."""
-  weights, state, step = _learner("range", "float32", 0.1)
+  weights, state, step = factored_learner("range", "float32", 0.1)
   sender = sync.PolicySender(weights, state, seed=7)
   template = policy_state.synced_state(weights, state)
   full = sender.message(weights, state, full=True)
   messages = []
   for i in range(2):
-    weights, state = step(weights, state, _batch(i))
+    weights, state = step(weights, state, batch(i))
     messages.append(sender.message(weights, state))
   return template, full, messages, sender, (weights, state)
 
@@ -476,7 +405,7 @@ def _refused(receiver, message, match):
   sequence = receiver.sequence
   with pytest.raises(sync.SyncError, match=match):
     receiver.apply(message)
-  assert _same_bits(receiver.state, before) and receiver.sequence == sequence
+  assert same_bits(receiver.state, before) and receiver.sequence == sequence
 
 
 def test_bad_messages_are_refused_and_the_weights_kept(synced):
@@ -511,7 +440,7 @@ def test_bad_messages_are_refused_and_the_weights_kept(synced):
       "does not fit",
   )
   receiver.apply(messages[1])  # the right message still applies
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 def test_a_full_resync_heals_a_diverged_receiver(synced):
@@ -531,7 +460,7 @@ def test_a_full_resync_heals_a_diverged_receiver(synced):
     receiver.apply(messages[1])
   resync = sender.message(weights, state, full=True)
   receiver.apply(resync)
-  assert _same_bits(receiver.state, policy_state.synced_state(weights, state))
+  assert same_bits(receiver.state, policy_state.synced_state(weights, state))
 
 
 @pytest.mark.parametrize(
@@ -564,14 +493,17 @@ def test_a_receiver_starts_from_a_full_message_of_its_own_config(synced):
   receiver.apply(full)
   receiver.apply(messages[0])
   receiver.apply(messages[1])
+  # A stale resync does not roll it back: of its sender, nor of another.
+  with pytest.raises(sync.SyncError, match="duplicate or an old message"):
+    receiver.apply(full)
   with pytest.raises(sync.SyncError, match="older"):
-    receiver.apply(full)  # a stale resync does not roll it back
+    receiver.apply(dataclasses.replace(full, sender=full.sender + 1))
 
 
 def test_weights_that_are_not_factored_are_sent_whole():
   """Another optimizer (dense Adam): every leaf is a dense leaf, sent each
   step, as a full broadcast would."""
-  params = _params()
+  params = small_params()
   tx = optax.adam(1e-2)
   state = tx.init(params)
   sender = sync.PolicySender(params, state, seed=0)
@@ -587,7 +519,7 @@ def test_weights_that_are_not_factored_are_sent_whole():
       "['w']",
   }
   receiver.apply(sync.decode(sync.encode(message)))
-  assert _same_bits(receiver.effective_weights(), params)
+  assert same_bits(receiver.effective_weights(), params)
 
 
 def test_docstring_examples_run():

@@ -28,7 +28,8 @@ same program and the same rounding bits (:func:`factored.merge`). A
   them all the same);
 * a checksum of every array the receiver must end with
   (:func:`logra_jax.checksums.leaf_checksums`, computed on the device), a
-  sequence number, the policy version and a signature of the layout.
+  sequence number, the sender's id, the policy version and a signature of
+  the layout.
 
 A full message (``full=True``, a *resync*) carries every array, bases
 included. :class:`PolicyReceiver` verifies a message, applies it to a new
