@@ -727,13 +727,13 @@ def committed_row(path: pathlib.Path, config) -> dict[str, Any]:
 
 def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   """The provenance of a ``--report-only`` report: the rows' numerics
-  fingerprints, which must name one code (:func:`same_code` as the first
-  row's; else exit, status 2: a report mixes no numerics) and the commits
+  fingerprints, which must name one code (:func:`one_code`; else exit,
+  status 2: a report mixes no numerics) and the commits
   that made them (``rows_commits``: a study spans commits that leave the
   numerics alone), with this invocation's commit (the report's code),
   command, date and machine."""
   fingerprints = sorted({r["fingerprint"] for r in rows})
-  if not all(same_code(rows[0], r) for r in rows):
+  if not one_code(rows):
     study.fail(
         "--report-only: the rows were made by several code versions "
         f"(numerics fingerprints {fingerprints}, not one package's on "
@@ -745,6 +745,29 @@ def rows_record(args, rows: list[dict]) -> dict[str, Any]:
   )
   record["rows_commits"] = " ".join(commits)
   return record
+
+
+def one_code(rows: list[dict]) -> bool:
+  """Whether ``rows`` were made by one code: each joined to the first by a
+  chain of :func:`same_code` pairs (rows of package 0d54457 under two
+  definitions of the fingerprint join through the package, rows of that
+  package with the levers backported, which name no package, through the
+  fingerprint), compared over their distinct (fingerprint, package,
+  versions)."""
+  kinds = {
+      json.dumps([r["fingerprint"], r.get("package"), r.get("versions")]): r
+      for r in rows
+  }
+  joined = {next(iter(kinds))}
+  while True:
+    more = {
+        kind
+        for kind, row in kinds.items()
+        if kind not in joined and any(same_code(kinds[j], row) for j in joined)
+    }
+    if not more:
+      return len(joined) == len(kinds)
+    joined |= more
 
 
 def same_code(made: dict[str, Any], row: dict[str, Any]) -> bool:

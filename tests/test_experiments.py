@@ -205,6 +205,29 @@ def test_a_later_config_field_at_its_default_keeps_the_rows_hashes(
   assert parity.config_hash(on) != before
 
 
+def test_rows_of_one_code_are_joined_through_a_chain(monkeypatch):
+  """Rows of one package under an older definition of the fingerprint join
+  the package's rows through the package, and rows of a changed tree (no
+  package) join them through the fingerprint: one code, though the two
+  ends share neither; a row of another code is refused."""
+  ledger = [
+      {"commit": "c", "package": "p", "backend": "cpu", "definition": 2,
+       "fingerprint": fingerprint}
+      for fingerprint in ("a", "b")
+  ]  # fmt: skip
+  monkeypatch.setattr(parity.provenance, "read_ledger", lambda: ledger)
+  versions = {"jax": "1"}
+  older = {"fingerprint": "z", "package": "p", "versions": versions}
+  packaged = {"fingerprint": "a", "package": "p", "versions": versions}
+  changed = {"fingerprint": "b", "package": "", "versions": versions}
+  assert not parity.same_code(older, changed)
+  assert not parity.same_code(changed, older)
+  assert parity.one_code([older, packaged, changed])
+  assert parity.one_code([changed, older, packaged])
+  other = {"fingerprint": "c", "package": "q", "versions": versions}
+  assert not parity.one_code([older, packaged, changed, other])
+
+
 def test_a_config_without_a_later_field_hashes_as_at_its_default(
     monkeypatch,
 ):
