@@ -53,7 +53,14 @@ def _study(name, *args, tmp_path, cache=None):
           f"--results={tmp_path / 'results'}",
           *(
               [f"--fingerprint-cache={cache or tmp_path / 'fingerprints'}"]
-              if name in ("parity", "kl_control", "ablations", "recipes")
+              if name
+              in (
+                  "parity",
+                  "kl_control",
+                  "ablations",
+                  "recipes",
+                  "start_accuracy",
+              )
               else []
           ),
           *args,
@@ -754,6 +761,26 @@ def test_async_study_quick(tmp_path):
   )
 
 
+@pytest.mark.slow
+def test_start_accuracy_quick_writes_well_formed_reports(tmp_path):
+  """``start_accuracy --quick``: a tiny random policy on two candidates'
+  8 held-out prompts; a row per candidate with its accuracy, score and
+  first completions, and the table with its provenance."""
+  done = _study("start_accuracy", tmp_path=tmp_path)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  written = json.loads((results / "start_accuracy.json").read_text())
+  rows = written["rows"]
+  assert [r["candidate"] for r in rows] == ["chain_sum-2x1", "letter_counting"]
+  for row in rows:
+    assert row["held_out"] == 8 and 0 <= row["accuracy"] <= row["score"] <= 1
+    assert len(row["examples"]) == 3
+    assert all(e["answer"] and e["prompt"] for e in row["examples"])
+  table = (results / "start_accuracy.md").read_text()
+  assert "| chain_sum-2x1 | 8 |" in table and "Command: `python " in table
+  assert written["provenance"]["fingerprint"]
+
+
 @pytest.mark.parametrize(
     "name, args, message",
     [
@@ -780,6 +807,17 @@ def test_async_study_quick(tmp_path):
         ("ablations", ["--seeds", "0"], "--seeds must be >= 1"),
         ("kl_control", ["--target-kl", "inf"], "--target-kl must be a finite"),
         ("parity", ["--target-kl", "nan"], "--target-kl must be a finite"),
+        (
+            "start_accuracy",
+            ["--candidates", "gsm9k"],
+            "unknown candidates ['gsm9k']",
+        ),
+        ("start_accuracy", ["--eval-size", "0"], "--eval-size must be >= 1"),
+        (
+            "start_accuracy",
+            ["--policy", "/nowhere"],
+            "neither smollm2 nor a folder",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_running(name, args, message, tmp_path):
