@@ -274,23 +274,20 @@ class PolicyReceiver:
         or (kind == PROJECTOR and message.merge_step >= 0 > message.window)
     }
     expected = _with_codes(expected, named, message)
-    missing = sorted(expected - set(message.arrays))
-    extra = sorted(set(message.arrays) - expected)
-    if missing or extra:
+    if set(message.arrays) != expected:
       raise SyncError(
           f"message {message.sequence} does not fit the layout: "
-          f"missing {missing[:3]}, unexpected {extra[:3]}"
+          + _differences(expected, message.arrays)
+      )
+    if set(message.checksums) != set(named):  # before any is computed
+      raise SyncError(
+          f"message {message.sequence} has checksums for other arrays than "
+          "the layout's: " + _differences(named, message.checksums)
       )
     state = _replace(self._merged(message), message.arrays)
     got = _checksums(
         {n: x for n, (_, x) in named_arrays(state, self.frozen).items()}
     )
-    if set(got) != set(message.checksums):
-      raise SyncError(
-          f"message {message.sequence} has checksums for other arrays than "
-          f"the layout's: missing {sorted(set(got) - set(message.checksums))[:3]}"
-          f", unexpected {sorted(set(message.checksums) - set(got))[:3]}"
-      )
     wrong = sorted(n for n in got if got[n] != message.checksums[n])
     if wrong:
       raise SyncError(
@@ -505,6 +502,14 @@ def _replace(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
       "weights": treedef.unflatten(weights),
       "projectors": treedef.unflatten(new_projectors),
   }
+
+
+def _differences(expected, got) -> str:
+  """The names ``expected`` lacks in ``got`` and those it does not expect
+  (at most 3 each)."""
+  missing = sorted(set(expected) - set(got))[:3]
+  unexpected = sorted(set(got) - set(expected))[:3]
+  return f"missing {missing}, unexpected {unexpected}"
 
 
 def _with_codes(
