@@ -60,6 +60,7 @@ def _study(name, *args, tmp_path, cache=None):
                   "ablations",
                   "recipes",
                   "start_accuracy",
+                  "gradient_spectrum",
               )
               else []
           ),
@@ -781,6 +782,29 @@ def test_start_accuracy_quick_writes_well_formed_reports(tmp_path):
   assert written["provenance"]["fingerprint"]
 
 
+@pytest.mark.slow
+def test_gradient_spectrum_quick_writes_well_formed_reports(
+    tmp_path, fingerprints
+):
+  """``gradient_spectrum --quick``: 3 smoke steps; per group, the steps with
+  a gradient and kept fractions in [0, 1] (fresh at least random, the most
+  a rank-r projector keeps), and the table with its provenance."""
+  done = _study("gradient_spectrum", tmp_path=tmp_path, cache=fingerprints)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  written = json.loads((results / "gradient_spectrum.json").read_text())
+  assert len(written["steps"]) == 3 and written["learning_rate"] > 0
+  assert set(written["summary"]) <= {"embedding", "attention", "mlp"}
+  for values in written["summary"].values():
+    assert 1 <= values["steps"] <= 3
+    for r in (8, 16, 32):
+      assert 0 <= values[f"random@{r}"] <= values[f"fresh@{r}"] <= 1 + 1e-9
+  table = (results / "gradient_spectrum.md").read_text()
+  assert "| group | rank | steps | fresh | stale, " in table
+  assert "Command: `python " in table
+  assert written["provenance"]["fingerprint"]
+
+
 @pytest.mark.parametrize(
     "name, args, message",
     [
@@ -817,6 +841,14 @@ def test_start_accuracy_quick_writes_well_formed_reports(tmp_path):
             "start_accuracy",
             ["--policy", "/nowhere"],
             "neither smollm2 nor a folder",
+        ),
+        ("gradient_spectrum", ["--setting", "gsm9k"], "unknown setting"),
+        ("gradient_spectrum", ["--steps", "0"], "--steps must be >= 1"),
+        ("gradient_spectrum", ["--ranks", "8", "0"], "--ranks must all be"),
+        (
+            "gradient_spectrum",
+            ["--learning-rate", "nan"],
+            "--learning-rate must be > 0",
         ),
     ],
 )
