@@ -100,13 +100,6 @@ def matrices(grads) -> dict[str, list[np.ndarray]]:
   return found
 
 
-def top_subspace(matrix: np.ndarray, rank: int) -> np.ndarray:
-  """Orthonormal basis ``[L, rank]`` of the top-``rank`` left singular
-  vectors."""
-  u, _, _ = np.linalg.svd(matrix, full_matrices=False)
-  return u[:, :rank]
-
-
 class Tally:
   """Each step's kept fractions per group: ``fresh@r``, ``random@r`` and,
   per projector window ``w``, ``stale{w}@r`` (with ``refresh{w}``: the
@@ -171,19 +164,26 @@ class Tally:
 
   def _fractions(self, group, found, energies) -> dict[str, float]:
     """One group's kept energy over its total, per kind and rank."""
-    refreshed = {}
+    refreshed = {w: group not in self.projectors[w] for w in self.windows}
+    # One SVD per matrix: its singular values, and where a window starts
+    # here, its top singular vectors.
+    if any(refreshed.values()):
+      svds = [np.linalg.svd(m, full_matrices=False)[:2] for m in found]
+      tops = [u[:, : max(self.ranks)].copy() for u, _ in svds]
+      sigmas = [sigma for _, sigma in svds]
+    else:
+      sigmas = [np.linalg.svd(m, compute_uv=False) for m in found]
     for w in self.windows:
-      refreshed[w] = group not in self.projectors[w]
       if refreshed[w]:
         self.projectors[w][group] = [
-            {r: top_subspace(m, r) for r in self.ranks} for m in found
+            {r: top[:, :r] for r in self.ranks} for top in tops
         ]
       else:
         sums = self.sums[w].setdefault(group, [0.0] * len(found))
         self.sums[w][group] = [a + m for a, m in zip(sums, found)]
     kept = {}
     for i, (matrix, energy) in enumerate(zip(found, energies)):
-      sigma2 = np.linalg.svd(matrix, compute_uv=False) ** 2
+      sigma2 = sigmas[i] ** 2
       for r in self.ranks:
         parts = {
             "fresh": float(np.sum(sigma2[:r])),
