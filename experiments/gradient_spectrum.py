@@ -90,9 +90,9 @@ def matrices(grads) -> dict[str, list[np.ndarray]]:
   found = {group: [] for group in GROUPS}
   for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
     group = group_of(path)
-    leaf = np.asarray(leaf, np.float64)
     if group is None or leaf.ndim < 2:
       continue
+    leaf = np.asarray(leaf, np.float64)
     for matrix in leaf.reshape((-1, *leaf.shape[-2:])):
       found[group].append(
           matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T
@@ -255,6 +255,8 @@ def tapped_optimizer(config, params, tally_step):
   tap = optax.GradientTransformationExtraArgs(
       lambda params: optax.EmptyState(), update
   )
+  # The train step takes only a guarded optimizer's state at the top, so the
+  # chain (whose second stage is the study's guarded optimizer) is guarded too.
   return non_finite.skip_non_finite(
       optax.chain(tap, policy_state.make_optimizer(config.optimizer, params))
   )
@@ -299,9 +301,9 @@ def windows(args, config) -> list[int]:
   return sorted(set(args.windows or [10, config.optimizer.refresh_every]))
 
 
-def report(args, tally: Tally, record: dict) -> str:
-  """The markdown table: per group and rank, the kept fraction of each
-  kind."""
+def report(args, tally: Tally, summary: dict, record: dict) -> str:
+  """The markdown table of ``summary`` (:meth:`Tally.summary`): per group
+  and rank, the kept fraction of each kind."""
   kinds = tally.kinds()
   names = {
       "fresh": "fresh",
@@ -319,7 +321,7 @@ def report(args, tally: Tally, record: dict) -> str:
       "| group | rank | steps | " + " | ".join(names[k] for k in kinds) + " |",
       "|---|---:|---:|" + "---:|" * len(kinds),
   ]
-  for group, values in tally.summary().items():
+  for group, values in summary.items():
     for r in args.ranks:
       lines.append(
           f"| {group} | {r} | {values['steps']} | "
@@ -369,21 +371,30 @@ def parse_args():
 
 
 def chosen_rate(args) -> float:
-  """``--learning-rate``, else the rate the parity study chose for tuned
-  Adam on the setting (from its committed rows), else the grid's middle."""
+  """``--learning-rate``, else the rate the parity study's sweep chose for
+  tuned Adam on the setting (its committed sweep rows, as the study
+  chooses), else the grid's middle where the sweep is not complete."""
   if args.learning_rate is not None:
     return args.learning_rate
-  setting = parity.setting_of(args, args.setting)
-  rates = parity.grid(args, "adam", setting)
-  rows = [
-      json.loads(path.read_text())
-      for path in (
-          study.RESULTS / "parity" / "rows" / args.setting / "adam"
-      ).glob("*.json")
+  rates = parity.grid(args, "adam", parity.setting_of(args, args.setting))
+  results = study.results_path(args, "parity")
+  paths = [
+      parity.row_path(
+          results,
+          {
+              "setting": args.setting,
+              "arm": "adam",
+              "rate": r,
+              "seed": seed,
+              "kl": False,
+          },
+      )
+      for r in rates
+      for seed in range(parity.SWEEP_SEEDS)
   ]
-  if args.quick or not rows:
+  if not all(path.exists() for path in paths):
     return rates[len(rates) // 2]
-  return parity.choose(rows, rates)
+  return parity.choose([json.loads(p.read_text()) for p in paths], rates)
 
 
 def parity_args(args) -> argparse.Namespace:
@@ -410,7 +421,7 @@ def main() -> None:
   print(f"{args.setting}: dense Adam at {rate:g}", flush=True)
   tally = follow(args, config)
   summary = tally.summary()
-  table = report(args, tally, record)
+  table = report(args, tally, summary, record)
   (results / "gradient_spectrum.json").write_text(
       json.dumps(
           {

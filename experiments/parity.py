@@ -322,6 +322,7 @@ GRIDS = {
     **{arm: DENSE_GRID for arm in (*LEVER_SETTINGS, *CANDIDATES, *FOLLOW_UPS)},
 }
 MIN_GRID = 4
+SWEEP_SEEDS = 2  # seeds per swept rate (--sweep-seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -989,7 +990,7 @@ def parse_args():
   quick = args.quick
   for flag, default, least in (
       ("seeds", None, 1),
-      ("sweep_seeds", 2, 1),
+      ("sweep_seeds", SWEEP_SEEDS, 1),
       ("kl_seeds", 5, 0),
   ):
     value = getattr(args, flag)
