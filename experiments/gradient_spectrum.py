@@ -314,9 +314,11 @@ def report(args, tally: Tally, summary: dict, record: dict) -> str:
   lines = [
       "Fraction of the RL gradient's squared norm a rank-r projector keeps "
       f"(setting {args.setting}, along tuned dense Adam's path, "
-      f"{args.steps} steps; mean over the steps with a gradient; stale: "
-      "the projector of its window's first step, on the window's later "
-      "steps).",
+      f"{args.steps} steps; mean over the steps with a gradient; fresh: "
+      "each step's own top-r subspace; stale: the projector of its "
+      "window's first step, on the window's later steps; summed: that "
+      "projector on the sum of the window's later gradients; random: a "
+      "random rank-r projector).",
       "",
       "| group | rank | steps | " + " | ".join(names[k] for k in kinds) + " |",
       "|---|---:|---:|" + "---:|" * len(kinds),

@@ -429,7 +429,8 @@ def collect(command: str, fingerprint_value: str) -> dict[str, Any]:
 def footer(record: dict[str, Any]) -> str:
   """The line under every table: command, commit, fingerprint, date,
   machine and versions (and the commits that made a report's rows, where
-  they were made earlier).
+  they were made earlier, with how many were made with uncommitted changes
+  to the package).
 
   Example:
     >>> footer(collect("python x.py", "ab12")).startswith(
@@ -440,10 +441,17 @@ def footer(record: dict[str, Any]) -> str:
   short = lambda commits: " ".join(c[:12] for c in commits.split())
   rows = record.get("rows_commits")
   rows = None if rows == record["commit"] else rows
+  uncommitted = record.get("rows_uncommitted", 0)
   return (
       f"Command: `{record['command']}`; commit {short(record['commit'])}"
       f"{' (dirty tree)' if record['dirty'] else ''}"
       + (f", rows made at commit {short(rows)}" if rows else "")
+      + (
+          f" ({uncommitted} of them with uncommitted changes to the "
+          "package, which they record as none)"
+          if uncommitted
+          else ""
+      )
       + ", numerics fingerprint "
       f"{record['fingerprint']}; {record['date']}; {m['platform']}, "
       f"{m['cpu_count']} CPUs ("

@@ -470,10 +470,11 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   assert again.returncode == 0, again.stderr[-3000:]
   assert _rows(results / "parity.csv") == rows
   assert not list((tmp_path / "nothing").rglob("*.json"))
-  # ... names every commit of rows that share the numerics, and its own ...
+  # ... names every commit of rows that share the numerics, and its own,
+  # and counts the rows made with uncommitted changes (no package) ...
   changed = row_files[0]
   row = json.loads(changed.read_text())
-  changed.write_text(json.dumps(dict(row, commit="f" * 40)))
+  changed.write_text(json.dumps(dict(row, commit="f" * 40, package="")))
   spanning = report_only()
   assert spanning.returncode == 0, spanning.stderr[-3000:]
   record = json.loads((results / "provenance.json").read_text())
@@ -481,7 +482,13 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
       {row["commit"], "f" * 40}
   )
   assert record["commit"] == provenance.commit()[0]
-  assert "rows made at commit " in (results / "parity.md").read_text()
+  uncommitted = sum(
+      not json.loads(path.read_text())["package"] for path in row_files
+  )
+  assert record["rows_uncommitted"] == uncommitted >= 1
+  table = (results / "parity.md").read_text()
+  assert "rows made at commit " in table
+  assert f"({uncommitted} of them with uncommitted changes" in table
   # ... and refuses rows of two numerics fingerprints.
   changed.write_text(
       json.dumps(dict(row, fingerprint="0" * 16, package="f" * 40))
