@@ -121,7 +121,8 @@ Phases, per setting and arm:
   3. KL-matched, once every arm's sweep and final seeds are done:
      ``--kl-seeds`` seeds (5; 0 leaves this phase out) at
      ``--kl-lr-multiplier`` (10) x the chosen
-     rate, every arm with predicted-KL step control at the one shared
+     rate, each arm of ``--kl-arms`` (every arm of ``--arms`` unless
+     given) with predicted-KL step control at the one shared
      ``--target-kl`` (5e-3).
 Statistics (:mod:`stats`): test accuracy mean and 95% CI per arm; each
 LoGRA arm against tuned Adam and tuned LoRA, and logra-small-sync against
@@ -171,7 +172,8 @@ rate, each run a dot, chosen rates marked) and ``provenance.json`` to
 ``experiments/results/parity/`` (``--results``).
 
 Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
-     [--seeds 8] [--sweep-seeds 2] [--kl-seeds 5] [--target-kl 5e-3]
+     [--seeds 8] [--sweep-seeds 2] [--kl-seeds 5] [--kl-arms ...]
+     [--target-kl 5e-3]
      [--lr-grid arm=v,v,v,v ...] [--set key=value ...] [--out runs/parity]
 """
 
@@ -970,6 +972,11 @@ def parse_args():
       "alone, no KL-matched runs)",
   )
   parser.add_argument(
+      "--kl-arms",
+      nargs="+",
+      help="the arms of --arms given KL-matched runs (default: all of them)",
+  )
+  parser.add_argument(
       "--target-kl", type=float, default=5e-3, help="the shared target KL"
   )
   parser.add_argument(
@@ -994,6 +1001,8 @@ def parse_args():
   args = parser.parse_args()
   study.check_names(parser, "settings", args.settings, SETTINGS)
   study.check_names(parser, "arms", args.arms, ARMS)
+  args.kl_arms = args.arms if args.kl_arms is None else args.kl_arms
+  study.check_names(parser, "kl-arms (of --arms)", args.kl_arms, args.arms)
   check_follow_ups(args.settings, args.arms)
   args.lr_grid = parse_grids(parser, args.lr_grid, args.quick)
   quick = args.quick
@@ -1074,6 +1083,8 @@ def run_all(ctx: Context) -> tuple[list, list, dict]:
     for seed in range(seeds(args, name)):
       rows.append(run_row(ctx, key_of(args, name, arm, rate, seed, False)))
   for (name, arm), rate in chosen.items():
+    if arm not in args.kl_arms:
+      continue
     kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
     for seed in range(args.kl_seeds):
       rows.append(run_row(ctx, key_of(args, name, arm, kl_rate, seed, True)))
@@ -1227,8 +1238,8 @@ def main() -> None:
   ]
   panels = []
   for name in args.settings:
-    for kl in ("", "+kl"):
-      arms = {a + kl: of(name, a + kl) for a in args.arms}
+    for kl, some in (("", args.arms), ("+kl", args.kl_arms)):
+      arms = {a + kl: of(name, a + kl) for a in some}
       if all(arms.values()):  # no KL-matched panel under --kl-seeds 0
         panels.append((f"{name}{kl}", arms))
   study.plot_bands(

@@ -681,7 +681,8 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
     tmp_path, monkeypatch
 ):
   """Sweeps and final seeds of every arm come first, chosen on validation;
-  then the KL-matched runs at the multiplier times each chosen rate."""
+  then the KL-matched runs at the multiplier times each chosen rate, of
+  every arm or of --kl-arms."""
   monkeypatch.setattr(sys, "argv", ["parity.py", "--quick"])
   args = parity.parse_args()
   args.arms = ["adam", "logra"]
@@ -702,6 +703,13 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
   for arm, is_kl, rate in order:
     if is_kl:
       assert rate == pytest.approx(chosen["tiny", arm] * args.kl_lr_multiplier)
+  # --kl-arms: KL-matched runs of those arms alone, after the same tuning.
+  tuned = [step for step in order if not step[1]]
+  order.clear()
+  args.kl_arms = ["logra"]
+  parity.run_all(parity.Context(args, tmp_path, None, {}))
+  assert [step for step in order if not step[1]] == tuned
+  assert {a for a, is_kl, _ in order if is_kl} == {"logra"}
 
 
 def test_hosts_of_one_model_name_are_told_apart(monkeypatch):
@@ -825,6 +833,11 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
         ("parity", ["--lr-grid", "sgd=1e-3"], "unknown arms ['sgd']"),
         ("parity", ["--set", "optimizer.rank=-1"], "optimizer.rank"),
         ("parity", ["--kl-seeds", "-1"], "--kl-seeds must be >= 0"),
+        (
+            "parity",
+            ["--arms", "adam", "logra", "--kl-arms", "lora"],
+            "unknown kl-arms (of --arms) ['lora']",
+        ),
         (
             "parity",
             ["--settings", "smollm2", "--arms", "logra-rank8-refresh10"],
