@@ -1215,6 +1215,27 @@ def plot_sweep(args, sweep, chosen, path, record) -> None:
   plt.close(fig)
 
 
+def curve_panels(args, rows) -> list[tuple[str, dict[str, list]]]:
+  """The held-out curves' panels per setting: the main arms; logra with the
+  levers and follow-ups (where any ran); the KL-matched arms (where they
+  ran). Each panel maps an arm to its seeds' curves."""
+  of = lambda name, arm: [
+      r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
+  ]
+  levers = [a for a in args.arms if a not in MAIN_ARMS]
+  groups = [("", [a for a in args.arms if a in MAIN_ARMS])]
+  if levers:
+    groups.append((": levers", ["logra"] * ("logra" in args.arms) + levers))
+  groups.append(("+kl", [a + "+kl" for a in args.kl_arms]))
+  panels = []
+  for name in args.settings:
+    for title, arms in groups:
+      curves = {a: of(name, a) for a in arms}
+      if curves and all(curves.values()):  # none under --kl-seeds 0
+        panels.append((f"{name}{title}", curves))
+  return panels
+
+
 def main() -> None:
   args = parse_args()
   plan(args)  # every config checked before anything is written
@@ -1233,21 +1254,13 @@ def main() -> None:
   study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)
   text = report(args, rows, chosen, record)
   (results / "parity.md").write_text(text)
-  of = lambda name, arm: [
-      r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
-  ]
-  panels = []
-  for name in args.settings:
-    for kl, some in (("", args.arms), ("+kl", args.kl_arms)):
-      arms = {a + kl: of(name, a + kl) for a in some}
-      if all(arms.values()):  # no KL-matched panel under --kl-seeds 0
-        panels.append((f"{name}{kl}", arms))
+  panels = curve_panels(args, rows)
   study.plot_bands(
       panels,
       "held-out accuracy (validation + test)",
       results / "parity.png",
       record,
-      columns=min(2, len(panels)),
+      columns=min(3, len(panels)),
   )
   plot_sweep(args, sweep, chosen, results / "sweep.png", record)
   study.write_provenance(record, results)

@@ -712,6 +712,32 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
   assert {a for a, is_kl, _ in order if is_kl} == {"logra"}
 
 
+def test_parity_curves_are_drawn_as_main_arms_levers_and_kl_matched():
+  """One panel of the main arms, one of logra with the levers and
+  follow-ups, one of the KL-matched arms; a panel with an arm not run is
+  left out."""
+  args = argparse.Namespace(
+      settings=["tiny"],
+      arms=["adam", "logra", "logra-rank8", "logra-rank8-refresh10"],
+      kl_arms=["adam", "logra"],
+  )
+  rows = [
+      {"setting": "tiny", "arm": arm, "curve": [(0, 0.4), (10, 0.5)]}
+      for arm in args.arms + ["adam+kl", "logra+kl"]
+  ]
+  panels = parity.curve_panels(args, rows)
+  assert [(title, list(arms)) for title, arms in panels] == [
+      ("tiny", ["adam", "logra"]),
+      ("tiny: levers", ["logra", "logra-rank8", "logra-rank8-refresh10"]),
+      ("tiny+kl", ["adam+kl", "logra+kl"]),
+  ]
+  without_kl = [r for r in rows if not r["arm"].endswith("+kl")]
+  assert [t for t, _ in parity.curve_panels(args, without_kl)] == [
+      "tiny",
+      "tiny: levers",
+  ]
+
+
 def test_hosts_of_one_model_name_are_told_apart(monkeypatch):
   """Two CPUs with the same model name but other model numbers or feature
   flags (whose kernels may differ) are other hosts, and so other
