@@ -426,9 +426,9 @@ def plot_bands(
 ) -> None:
   """One panel per ``(title, {arm: [[(step, value), ...] per seed]})``:
   the mean over seeds with its 95% confidence band (Student t), a legend
-  on every panel, each arm in one colour in every panel (of 20 where there
-  are more than 10 arms), on a ``yscale`` axis; ``decorate(ax)`` adds reference
-  lines. With ``geometric``, the mean and band are those of the values'
+  on every panel, each arm in one colour and line style in every panel
+  (past ten arms the colours repeat, dashed), on a ``yscale`` axis;
+  ``decorate(ax)`` adds reference lines. With ``geometric``, the mean and band are those of the values'
   logarithms (the geometric mean; values <= 0 left out), drawn on a log
   axis. ``columns`` panels a row (all in one row by default). The PNG
   carries the provenance ``record``."""
@@ -445,8 +445,10 @@ def plot_bands(
   for ax in axes.flat[len(panels) :]:
     ax.set_visible(False)
   names = list(dict.fromkeys(a for _, arms in panels for a in arms))
-  palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
-  colour = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+  palette = plt.get_cmap("tab10").colors
+  style = {  # past ten arms the colours repeat, dashed
+      n: (palette[i % 10], "-" if i < 10 else "--") for i, n in enumerate(names)
+  }
   for ax, (title, arms) in zip(axes.flat, panels):
     for arm, series in arms.items():
       length = min(len(s) for s in series)
@@ -458,8 +460,10 @@ def plot_bands(
       low, high = mean - half, mean + half
       if geometric:
         mean, low, high = np.exp(mean), np.exp(low), np.exp(high)
-      ax.plot(steps, mean, color=colour[arm], label=f"{arm} (n={len(series)})")
-      ax.fill_between(steps, low, high, color=colour[arm], alpha=0.2)
+      colour, dashes = style[arm]
+      label = f"{arm} (n={len(series)})"
+      ax.plot(steps, mean, color=colour, linestyle=dashes, label=label)
+      ax.fill_between(steps, low, high, color=colour, alpha=0.2)
     if decorate is not None:
       decorate(ax)
     ax.set_title(title)
