@@ -428,10 +428,10 @@ def plot_bands(
   the mean over seeds with its 95% confidence band (Student t), a legend
   on every panel, each arm in one colour and line style in every panel
   (past ten arms the colours repeat, dashed), on a ``yscale`` axis;
-  ``decorate(ax)`` adds reference lines. With ``geometric``, the mean and band are those of the values'
-  logarithms (the geometric mean; values <= 0 left out), drawn on a log
-  axis. ``columns`` panels a row (all in one row by default). The PNG
-  carries the provenance ``record``."""
+  ``decorate(ax)`` adds reference lines. With ``geometric``, the mean and
+  band are those of the values' logarithms (the geometric mean; values <= 0
+  left out), drawn on a log axis. ``columns`` panels a row (all in one row
+  by default). The PNG carries the provenance ``record``."""
   import matplotlib
 
   matplotlib.use("Agg")
