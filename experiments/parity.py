@@ -763,7 +763,7 @@ def rows_record(args, rows: list[dict]) -> dict[str, Any]:
       {
           (r["setting"], r["arm"], r["learning_rate"], r["seed"])
           for r in rows
-          if not r.get("package")
+          if r.get("package") == ""  # rows before the field name none
       }
   )
   return record
@@ -1001,8 +1001,14 @@ def parse_args():
   args = parser.parse_args()
   study.check_names(parser, "settings", args.settings, SETTINGS)
   study.check_names(parser, "arms", args.arms, ARMS)
-  args.kl_arms = args.arms if args.kl_arms is None else args.kl_arms
-  study.check_names(parser, "kl-arms (of --arms)", args.kl_arms, args.arms)
+  if args.kl_arms is not None:
+    study.check_names(parser, "kl-arms (of --arms)", args.kl_arms, args.arms)
+    # Recorded in --arms' order, and as the default (None) where it is all
+    # of them, so that one study is one record.
+    given = set(args.kl_arms)
+    args.kl_arms = (
+        None if given == set(args.arms) else sorted(given, key=args.arms.index)
+    )
   check_follow_ups(args.settings, args.arms)
   args.lr_grid = parse_grids(parser, args.lr_grid, args.quick)
   quick = args.quick
@@ -1017,6 +1023,8 @@ def parse_args():
     if value is not None and value < least:
       study.fail(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     setattr(args, flag, value)
+  if args.kl_arms is not None and not args.kl_seeds:
+    study.fail("--kl-arms needs KL-matched runs: --kl-seeds is 0")
   for name, value in (
       ("target-kl", args.target_kl),
       ("kl-lr-multiplier", args.kl_lr_multiplier),
@@ -1024,6 +1032,12 @@ def parse_args():
     if not (math.isfinite(value) and value > 0):
       study.fail(f"--{name} must be a finite number > 0, got {value}")
   return args
+
+
+def kl_arms(args) -> list[str]:
+  """The arms given KL-matched runs: ``--kl-arms`` (in ``--arms``' order),
+  or every arm of ``--arms``."""
+  return args.arms if args.kl_arms is None else args.kl_arms
 
 
 def check_follow_ups(settings: list[str], arms: list[str]) -> None:
@@ -1083,7 +1097,7 @@ def run_all(ctx: Context) -> tuple[list, list, dict]:
     for seed in range(seeds(args, name)):
       rows.append(run_row(ctx, key_of(args, name, arm, rate, seed, False)))
   for (name, arm), rate in chosen.items():
-    if arm not in args.kl_arms:
+    if arm not in kl_arms(args):
       continue
     kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
     for seed in range(args.kl_seeds):
@@ -1226,7 +1240,7 @@ def curve_panels(args, rows) -> list[tuple[str, dict[str, list]]]:
   groups = [("", [a for a in args.arms if a in MAIN_ARMS])]
   if levers:
     groups.append((": levers", ["logra"] * ("logra" in args.arms) + levers))
-  groups.append(("+kl", [a + "+kl" for a in args.kl_arms]))
+  groups.append(("+kl", [a + "+kl" for a in kl_arms(args)]))
   panels = []
   for name in args.settings:
     for title, arms in groups:

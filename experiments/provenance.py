@@ -447,8 +447,8 @@ def footer(record: dict[str, Any]) -> str:
       f"{' (dirty tree)' if record['dirty'] else ''}"
       + (f", rows made at commit {short(rows)}" if rows else "")
       + (
-          f" ({uncommitted} of them with uncommitted changes to the "
-          "package, which they record as none)"
+          f", {uncommitted} rows made with uncommitted changes to the "
+          "package (which they record as none)"
           if uncommitted
           else ""
       )

@@ -415,6 +415,28 @@ def _band(values):
   return np.array(means), np.array(halves)
 
 
+def arm_styles(arms: Sequence[str]) -> dict[str, tuple[Any, str]]:
+  """A (colour, line style) per arm: an arm and its KL-controlled twin
+  (``arm+kl``) share a colour, the twin dashed; past ten base arms the
+  colours repeat with dash-dotted and dotted lines instead.
+
+  Example:
+    >>> s = arm_styles(["adam", "logra", "adam+kl"])
+    >>> s["adam"][0] == s["adam+kl"][0], s["adam"][1], s["adam+kl"][1]
+    (True, '-', '--')
+  """
+  import matplotlib  # noqa: PLC0415
+
+  palette = matplotlib.colormaps["tab10"].colors
+  bases = list(dict.fromkeys(a.removesuffix("+kl") for a in arms))
+  styles = {}
+  for arm in dict.fromkeys(arms):
+    i = bases.index(arm.removesuffix("+kl"))
+    lines = ("--", ":") if arm.endswith("+kl") else ("-", "-.")
+    styles[arm] = (palette[i % 10], lines[min(i // 10, 1)])
+  return styles
+
+
 def plot_bands(
     panels: list[tuple[str, dict[str, list[list[tuple[float, float]]]]]],
     ylabel: str,
@@ -426,8 +448,8 @@ def plot_bands(
 ) -> None:
   """One panel per ``(title, {arm: [[(step, value), ...] per seed]})``:
   the mean over seeds with its 95% confidence band (Student t), a legend
-  on every panel, each arm in one colour and line style in every panel
-  (past ten arms the colours repeat, dashed), on a ``yscale`` axis;
+  on every panel, each arm in the same colour and line style in every
+  panel (:func:`arm_styles`), on a ``yscale`` axis;
   ``decorate(ax)`` adds reference lines. With ``geometric``, the mean and
   band are those of the values' logarithms (the geometric mean; values <= 0
   left out), drawn on a log axis. ``columns`` panels a row (all in one row
@@ -444,11 +466,7 @@ def plot_bands(
   )
   for ax in axes.flat[len(panels) :]:
     ax.set_visible(False)
-  names = list(dict.fromkeys(a for _, arms in panels for a in arms))
-  palette = plt.get_cmap("tab10").colors
-  style = {  # past ten arms the colours repeat, dashed
-      n: (palette[i % 10], "-" if i < 10 else "--") for i, n in enumerate(names)
-  }
+  style = arm_styles([a for _, arms in panels for a in arms])
   for ax, (title, arms) in zip(axes.flat, panels):
     for arm, series in arms.items():
       length = min(len(s) for s in series)

@@ -483,12 +483,12 @@ def test_quick_parity_sweeps_chooses_and_tests(tmp_path, fingerprints):
   )
   assert record["commit"] == provenance.commit()[0]
   uncommitted = sum(
-      not json.loads(path.read_text())["package"] for path in row_files
+      json.loads(path.read_text())["package"] == "" for path in row_files
   )
   assert record["rows_uncommitted"] == uncommitted >= 1
   table = (results / "parity.md").read_text()
   assert "rows made at commit " in table
-  assert f"({uncommitted} of them with uncommitted changes" in table
+  assert f", {uncommitted} rows made with uncommitted changes" in table
   # ... and refuses rows of two numerics fingerprints.
   changed.write_text(
       json.dumps(dict(row, fingerprint="0" * 16, package="f" * 40))
@@ -712,6 +712,28 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
   assert {a for a, is_kl, _ in order if is_kl} == {"logra"}
 
 
+@pytest.mark.parametrize(
+    "given, recorded",
+    [
+        (None, None),
+        (["lora", "adam"], ["adam", "lora"]),
+        (["lora", "logra", "adam"], None),
+    ],
+)
+def test_parity_kl_arms_are_recorded_in_arms_order_or_as_the_default(
+    given, recorded, monkeypatch
+):
+  """One study, one record: --kl-arms in --arms' order, and naming every
+  arm the same as leaving it out."""
+  argv = ["parity.py", "--quick", "--arms", "adam", "logra", "lora"]
+  monkeypatch.setattr(
+      sys, "argv", argv + (["--kl-arms", *given] if given else [])
+  )
+  args = parity.parse_args()
+  assert args.kl_arms == recorded
+  assert parity.kl_arms(args) == (recorded or args.arms)
+
+
 def test_parity_curves_are_drawn_as_main_arms_levers_and_kl_matched():
   """One panel of the main arms, one of logra with the levers and
   follow-ups, one of the KL-matched arms; a panel with an arm not run is
@@ -863,6 +885,11 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
             "parity",
             ["--arms", "adam", "logra", "--kl-arms", "lora"],
             "unknown kl-arms (of --arms) ['lora']",
+        ),
+        (
+            "parity",
+            ["--kl-arms", "logra", "--kl-seeds", "0"],
+            "--kl-arms needs KL-matched runs",
         ),
         (
             "parity",
