@@ -60,6 +60,51 @@ def test_math_verify_equivalence():
     rewards.math_verify_equivalence(["q"], ["1"], answer=[""])
 
 
+def test_final_number_match_scores_the_answer_given_not_the_question_echoed(
+    tiny,
+):
+  """math-verify accepts a completion that repeats the question's
+  expression (it evaluates it); the last number written is the answer."""
+  echoes = [
+      "The final answer is 20 - 54 = 12.",
+      "The final answer is 20 - 54 =",
+  ]
+  assert rewards.math_verify_equivalence(
+      ["q"] * 2, echoes, answer=["-34"] * 2
+  ) == [1.0, 1.0]
+  assert rewards.final_number_match(["q"] * 2, echoes, answer=["-34"] * 2) == [
+      0.0,
+      0.0,
+  ]
+  right = [
+      "-34",
+      "The answer is -34.",
+      "20 - 54 = -34",
+      "-34.0",
+      "so 20-54=-34",
+  ]
+  assert (
+      rewards.final_number_match(["q"] * 5, right, answer=["-34"] * 5)
+      == [1.0] * 5
+  )
+  assert (
+      rewards.final_number_match(
+          ["q"] * 3, ["34", "-34 or 35", "no idea"], answer=["-34"] * 3
+      )
+      == [0.0] * 3
+  )
+  # The task's own answers, as sentences, score 1.
+  answers = [e["answer"] for e in tiny.examples[:8]]
+  sentences = [f"The sum is {a}." for a in answers]
+  assert (
+      rewards.final_number_match(["q"] * 8, sentences, answer=answers)
+      == [1.0] * 8
+  )
+  for bad in ("", "12 or 13", "x"):
+    with pytest.raises(ValueError, match="needs one number as the answer"):
+      rewards.final_number_match(["q"], ["1"], answer=[bad])
+
+
 def test_math_verify_off_main_thread_through_evaluator():
   report = rewards.evaluate_rewards(
       [(rewards.math_verify_equivalence, 1.0)],

@@ -7,8 +7,9 @@ A reward function maps a batch to one float per completion::
 where each keyword is a task column (``answer``, ``entry``, ...) as a list aligned with the
 prompts; functions take ``**columns`` and ignore the ones they do not use. Shipped:
 reasoning-gym verification (:func:`reasoning_gym_reward`), math-verify equivalence
-(:func:`math_verify_equivalence`), normalized exact match (:func:`exact_match`) and a regex
-format reward (:func:`format_reward`); :func:`combine_rewards` weights several into one.
+(:func:`math_verify_equivalence`), the last number's value (:func:`final_number_match`),
+normalized exact match (:func:`exact_match`) and a regex format reward (:func:`format_reward`);
+:func:`combine_rewards` weights several into one.
 Functions are called with keywords (``fn(prompts=..., completions=..., **columns)``), as TRL
 and Tunix call theirs, so their reward functions work unchanged; :func:`load_reward_function`
 imports one by ``module:function`` or ``path/to/file.py:function``, and
@@ -25,6 +26,7 @@ rate-limited console warning.
 
 from logra_jax.rl.rewards.builtin import combine_rewards
 from logra_jax.rl.rewards.builtin import exact_match
+from logra_jax.rl.rewards.builtin import final_number_match
 from logra_jax.rl.rewards.builtin import format_reward
 from logra_jax.rl.rewards.builtin import math_verify_equivalence
 from logra_jax.rl.rewards.builtin import reasoning_gym_reward
@@ -42,6 +44,7 @@ __all__ = [
     "ScoreAnswer",
     "reasoning_gym_reward",
     "math_verify_equivalence",
+    "final_number_match",
     "exact_match",
     "format_reward",
     "combine_rewards",

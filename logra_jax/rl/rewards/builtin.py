@@ -1,8 +1,9 @@
 """The shipped reward functions and their weighted sum.
 
 Reasoning-gym verification (:func:`reasoning_gym_reward`), math-verify
-equivalence (:func:`math_verify_equivalence`), normalized exact match
-(:func:`exact_match`) and a regex format reward (:func:`format_reward`);
+equivalence (:func:`math_verify_equivalence`), the last number's value
+(:func:`final_number_match`), normalized exact match (:func:`exact_match`)
+and a regex format reward (:func:`format_reward`);
 :func:`combine_rewards` weights several into one.
 """
 
@@ -129,6 +130,62 @@ def math_verify_equivalence(
             bool(pred) and math_verify.verify(gold, pred, timeout_seconds=None)
         )
     )
+  return scores
+
+
+# A decimal number as written in text: an optional minus sign joined to its
+# digits, an optional fraction ("12." is 12 before a full stop).
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_number_match(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    answer: Sequence[str] | None = None,
+    **unused: Any,
+) -> list[float]:
+  """1.0 when the last number written in the completion equals the reference.
+
+  For tasks whose answer is one number and whose question is an expression
+  (chain sums, arithmetic): :func:`math_verify_equivalence` accepts a
+  completion that repeats the question's expression ("The final answer is
+  20 - 54 = 12." for -34: math-verify evaluates ``20 - 54``), which a policy
+  learns to write instead of answering; here the last number, 12, is the
+  answer given. Numbers compare by value (``"8.0"`` matches ``"8"``); a minus
+  sign counts only where it touches the digits (``"20 - 54"`` ends in 54).
+
+  Args:
+    prompts: unused.
+    completions: model outputs.
+    answer: reference answers (the ``answer`` column), each one number.
+    **unused: other columns, ignored.
+
+  Returns:
+    1.0 or 0.0 per completion.
+
+  Raises:
+    ValueError: when a reference answer is not one number (a data problem).
+
+  Example:
+    >>> final_number_match(
+    ...     ["q"] * 3,
+    ...     ["The answer is -34.", "20 - 54 = 12.", "20 - 54 ="],
+    ...     answer=["-34"] * 3,
+    ... )
+    [1.0, 0.0, 0.0]
+  """
+  del prompts, unused
+  _check_columns("final_number_match", completions, answer=answer)
+  scores = []
+  for completion, reference in zip(completions, answer):
+    if not _NUMBER.fullmatch(str(reference).strip()):
+      raise ValueError(
+          f"final_number_match needs one number as the answer, got "
+          f"{reference!r}."
+      )
+    given = _NUMBER.findall(completion)
+    scores.append(float(bool(given) and float(given[-1]) == float(reference)))
   return scores
 
 
