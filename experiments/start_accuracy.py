@@ -34,7 +34,11 @@ prompt in its chat template; or an HF folder. Candidates (``CANDIDATES``):
                       scored by
                       math-verify's equivalence of the completion's final
                       answer to the example's instead of the task's verifier
-                      (which wants the answer alone).
+                      (which wants the answer alone). It also accepts the
+                      question's expression repeated.
+  <name>-last-number  the same six scored by the last number the
+                      completion writes (``final_number_match``), which an
+                      echoed expression does not pass.
 
 ``--quick`` evaluates a tiny random policy (char tokenizer, no chat
 template) on 8 held-out prompts of two candidates, to check the outputs are
@@ -127,8 +131,13 @@ CANDIDATES: dict[str, list[str]] = {
 MATH_VERIFY = (
     "rewards=[{function: 'logra_jax.rl.rewards:math_verify_equivalence'}]"
 )
+LAST_NUMBER = "rewards=[{function: 'logra_jax.rl.rewards:final_number_match'}]"
 CANDIDATES |= {
-    f"{name}-math-verify": CANDIDATES[name] + [MATH_VERIFY]
+    f"{name}-{scored}": CANDIDATES[name] + [reward]
+    for scored, reward in (
+        ("math-verify", MATH_VERIFY),
+        ("last-number", LAST_NUMBER),
+    )
     for name in (
         "chain_sum-3x2",
         "chain_sum-2x2",
