@@ -53,7 +53,9 @@ accuracy, to be confirmed by a short recorded pilot before the full study):
               completion writes (``final_number_match``; it answers in
               sentences, which chain_sum's own verifier scores 0.01 however
               right), 60 steps of 8 prompts x 4 completions; validation
-              100, test 500. Its pilots under math-verify's equivalence
+              100, test 500. Greedy held-out accuracy before training
+              under this reward 0.115 (experiments/start_accuracy.py,
+              2026-12-06). Its pilots under math-verify's equivalence
               (start 0.150) reached 0.998-1.000 held-out within 20-30
               steps by repeating the question's expression ("The final
               answer is 20 - 54 = 12.", which math-verify evaluates), on 2
