@@ -1240,7 +1240,8 @@ def curve_panels(args, rows) -> list[tuple[str, dict[str, list]]]:
   levers = [a for a in args.arms if a not in MAIN_ARMS]
   groups = [("", [a for a in args.arms if a in MAIN_ARMS])]
   if levers:
-    groups.append((": levers", ["logra"] * ("logra" in args.arms) + levers))
+    reference = ["logra"] if "logra" in args.arms else []
+    groups.append((": levers", reference + levers))
   groups.append(("+kl", [a + "+kl" for a in kl_arms(args)]))
   panels = []
   for name in args.settings:

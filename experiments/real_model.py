@@ -27,6 +27,7 @@ import statistics
 import time
 
 import provenance
+import study
 from logra_jax import configs
 from logra_jax.data import tasks
 from logra_jax.models import gguf_io
@@ -97,9 +98,7 @@ def main() -> None:
       help="where numerics fingerprints are kept per code version",
   )
   args = parser.parse_args()
-  record = provenance.collect(  # before the run: a failing smoke run stops it
-      provenance.this_command(), provenance.fingerprint(args.fingerprint_cache)
-  )
+  record = study.provenance_record(args)  # before the run: fails early
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   policy, data = out / "smollm2", out / "chain_sum.jsonl"

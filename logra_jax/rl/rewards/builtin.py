@@ -154,6 +154,8 @@ def final_number_match(
   learns to write instead of answering; here the last number, 12, is the
   answer given. Numbers compare by value (``"8.0"`` matches ``"8"``); a minus
   sign counts only where it touches the digits (``"20 - 54"`` ends in 54).
+  Plain decimals only: ``"1,234"`` reads as 234 and ``"1e5"`` as 5, and a
+  reference written so is refused.
 
   Args:
     prompts: unused.
