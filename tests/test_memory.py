@@ -389,7 +389,13 @@ def test_cli_json_and_errors(capsys):
       )
       == 2
   )
-  assert "project_embeddings applies to logra" in capsys.readouterr().err
+  assert "--project-embeddings applies to logra" in capsys.readouterr().err
+  # A config check's message names the planner's flags, not the fields.
+  argv = ["memory", "--model", "qwen2.5-0.5b", "--optimizer", "lora"]
+  assert cli_main(argv + ["--freeze-embeddings"]) == 2
+  error = capsys.readouterr().err
+  assert "error: --freeze-embeddings does not apply to lora" in error
+  assert "optimizer.lora_targets" in error  # no flag of its own
   assert (
       cli_main(
           [
@@ -471,7 +477,7 @@ def test_kl_control_is_planned_over_the_whole_batch(capsys):
       )
       == 2
   )
-  assert "kl_subsample=2 is not divisible by the mesh's data axes (8" in (
+  assert "--kl-subsample=2 is not divisible by the mesh's data axes (8" in (
       capsys.readouterr().err
   )
 
