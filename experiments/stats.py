@@ -17,6 +17,12 @@ sample variances ``s^2`` (denominator ``n - 1``):
   one-sided ``p = 1 - F_t(t; df)``; the difference's 95% interval is
   ``m_a - m_b ± t_{0.975, df} se``.
 
+Several tests in one table: Holm's step-down adjustment (Holm 1979, which
+holds the family-wise error rate at ``alpha`` under any dependence between
+the tests). For ``m`` p-values sorted ascending, ``p_(1) <= ... <= p_(m)``,
+the adjusted ``p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))``; a test is
+rejected in the family at ``alpha`` when ``p~ < alpha``.
+
 ``F_t`` is Student's t distribution (scipy.stats.t). Samples of one value
 have no variance estimate: their intervals and p-values are NaN and the
 verdict is "inconclusive". Two samples without any spread make the tests
@@ -179,6 +185,35 @@ def compare(
       non_inferiority_p=float(scipy_stats.t.sf((difference + margin) / se, df)),
       margin=margin,
   )
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+  """Holm's adjusted p-values, in the order given.
+
+  ``p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))`` over the ``m``
+  p-values that are not NaN, sorted ascending; a NaN (a test too few seeds
+  allowed) stays NaN and does not count in ``m``.
+
+  Args:
+    p_values: one p-value per test of the family.
+
+  Returns:
+    The adjusted p-values, one per input, in its order.
+
+  Example:
+    >>> [round(p, 3) for p in holm([0.01, 0.04, 0.03])]
+    [0.03, 0.06, 0.06]
+  """
+  order = sorted(
+      (i for i, p in enumerate(p_values) if not math.isnan(p)),
+      key=lambda i: p_values[i],
+  )
+  adjusted = [math.nan] * len(p_values)
+  running = 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (len(order) - rank) * p_values[i]))
+    adjusted[i] = running
+  return adjusted
 
 
 def verdict(comparison: Comparison, alpha: float = ALPHA) -> str:

@@ -395,6 +395,27 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
   )
   assert f"| {small_vs_default.difference:+.3f} [" in table
   assert f"| {stats.verdict(small_vs_default)} |" in table
+  # The last column: each test's non-inferiority p adjusted (Holm) over the
+  # table's three tests.
+  assert "Holm over the 3 tests |" in table
+  by_arm = {
+      arm: [r["test_after"] for r in rows if r["arm"] == arm] for arm in arms
+  }
+  margin = parity.SETTINGS["tiny"].margin
+  tests = [
+      stats.compare(by_arm[a], by_arm[b], margin).non_inferiority_p
+      for a, b in [
+          ("logra", "adam"),
+          ("logra-small-sync", "adam"),
+          ("logra-small-sync", "logra"),
+      ]
+  ]
+  last_column = [
+      line.rsplit(" | ", 1)[1].rstrip(" |")
+      for line in table.splitlines()
+      if " vs " in line
+  ]
+  assert last_column == [f"{p:.3g}" for p in stats.holm(tests)]
 
 
 @pytest.mark.slow

@@ -75,6 +75,22 @@ def test_verdict_worse_and_too_few_seeds():
     stats.compare([0.5, 0.6], [0.6, 0.7], margin=0)
 
 
+def test_holm_by_hand():
+  # Holm 1979 on p = (0.01, 0.04, 0.03, 0.005), m = 4: sorted 0.005, 0.01,
+  # 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; running maximum
+  # 0.02, 0.03, 0.06, 0.06; back in the given order:
+  adjusted = stats.holm([0.01, 0.04, 0.03, 0.005])
+  assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  # Capped at 1; a NaN stays NaN and does not count in m (here m = 2).
+  adjusted = stats.holm([0.6, math.nan, 0.02])
+  assert adjusted[0] == pytest.approx(0.6) and math.isnan(adjusted[1])
+  assert adjusted[2] == pytest.approx(0.04)
+  assert stats.holm([0.7, 0.8]) == [1.0, 1.0]
+  # Ties: both of two equal p-values get 2 p.
+  assert stats.holm([0.02, 0.02]) == pytest.approx([0.04, 0.04])
+  assert stats.holm([]) == []
+
+
 def test_docstring_examples_run():
   result = doctest.testmod(stats)
   assert result.failed == 0 and result.attempted > 0
