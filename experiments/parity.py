@@ -1173,11 +1173,17 @@ def report(args, rows, chosen, record) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _tested(compared: list[tuple[str, stats.Comparison]]) -> int:
+  """How many of the comparisons have a p-value (a test of one seed has
+  none): the number Holm's adjustment counts."""
+  return sum(not math.isnan(c.non_inferiority_p) for _, c in compared)
+
+
 def comparison_table(rows, name: str, margin: float) -> list[str]:
   """The markdown rows of ``name``'s tests (:data:`COMPARISONS`, tuned then
   KL-matched, among the arms run): each difference with its 95% CI, the
   verdict of its own test, and its non-inferiority p-value adjusted (Holm)
-  over every test of the table."""
+  over every test of the table that has one."""
   compared = []
   for kl in ("", "+kl"):
     for arm, base in COMPARISONS:
@@ -1189,7 +1195,7 @@ def comparison_table(rows, name: str, margin: float) -> list[str]:
   adjusted = stats.holm([c.non_inferiority_p for _, c in compared])
   lines = [
       "| comparison | difference [95% CI] | verdict | non-inferiority p, "
-      f"Holm over the {len(compared)} tests |",
+      f"Holm over the {_tested(compared)} tests with a p-value |",
       "|---|---:|---|---:|",
   ] + [
       f"| {label} | {c.difference:+.3f} [{c.low:+.3f}, {c.high:+.3f}] "
@@ -1206,7 +1212,8 @@ def comparison_table(rows, name: str, margin: float) -> list[str]:
     lines += [
         "",
         f"The primary tests (each of {', '.join(LOGRA_ARMS)} against each "
-        f"tuned baseline of {', '.join(BASELINES)}; {len(primary)} run), "
+        f"tuned baseline of {', '.join(BASELINES)}; {_tested(primary)} with "
+        "a p-value), "
         "non-inferiority p adjusted (Holm) over them alone: "
         + "; ".join(
             f"{label} {p:.3g}" for (label, _), p in zip(primary, holm_p)

@@ -7,7 +7,6 @@ import argparse
 import errno
 import json
 import math
-import re
 import signal
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any, Callable
 from logra_jax import checkpoint
 from logra_jax import configs
 from logra_jax import memory
+from logra_jax.memory import arguments
 from logra_jax import parallel
 from logra_jax import reduction
 from logra_jax.models import config as models_config
@@ -153,42 +153,11 @@ def _eval(args: argparse.Namespace) -> int:
   return 0
 
 
-# The optimizer config fields ``logra memory`` takes as flags of their own
-# name (``optimizer.name`` is ``--optimizer``).
-_MEMORY_OPTIMIZER_FLAGS = (
-    "rank",
-    "gradient_mode",
-    "project_embeddings",
-    "freeze_embeddings",
-    "base_dtype",
-    "coords_dtype",
-    "step_bits",
-    "target_kl",
-    "kl_subsample",
-)
-
-
-def _as_memory_flags(message: str) -> str:
-  """``message`` with each optimizer config field that ``logra memory``
-  takes as a flag named as that flag: ``optimizer.freeze_embeddings`` ->
-  ``--freeze-embeddings``; other fields keep their config names."""
-
-  def flag(match: re.Match) -> str:
-    field = match.group(1)
-    if field == "name":
-      return "--optimizer"
-    if field in _MEMORY_OPTIMIZER_FLAGS:
-      return "--" + field.replace("_", "-")
-    return match.group(0)
-
-  return re.sub(r"\boptimizer\.(\w+)", flag, message)
-
-
 def _memory(args: argparse.Namespace) -> int:
   try:
     report = _plan_memory(args)
   except ValueError as error:
-    raise ValueError(_as_memory_flags(str(error))) from error
+    raise ValueError(arguments.as_flags(str(error))) from error
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 

@@ -397,7 +397,7 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
   assert f"| {stats.verdict(small_vs_default)} |" in table
   # The last column: each test's non-inferiority p adjusted (Holm) over the
   # table's three tests.
-  assert "Holm over the 3 tests |" in table
+  assert "Holm over the 3 tests with a p-value |" in table
   by_arm = {
       arm: [r["test_after"] for r in rows if r["arm"] == arm] for arm in arms
   }
@@ -421,6 +421,57 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
   assert (
       "over them alone: logra vs adam "
       f"{primary[0]:.3g}; logra-small-sync vs adam {primary[1]:.3g}." in table
+  )
+
+
+def test_holm_counts_only_the_tests_with_a_p_value():
+  """A pair with an arm of one seed has no test: the adjustment and the
+  counts shown leave it out; the primary tests are adjusted over
+  themselves, KL-matched ones never among them."""
+  seeds = {"adam": 5, "lora": 5, "logra": 5, "logra-small-sync": 1}
+  spread = [0.0, 0.01, -0.01, 0.02, -0.02]
+  accuracy = {"adam": 0.50, "lora": 0.58, "logra": 0.58}
+  rows = [
+      dict(setting="tiny", arm=arm, test_after=accuracy.get(arm, 0.5) + d)
+      for arm, n in seeds.items()
+      for d in spread[:n]
+  ] + [
+      dict(setting="tiny", arm=arm + "+kl", test_after=0.6 + d)
+      for arm in ("logra", "adam")
+      for d in spread
+  ]
+  table = parity.comparison_table(rows, "tiny", 0.03)
+  values = {
+      arm: [r["test_after"] for r in rows if r["arm"] == arm]
+      for arm in ("adam", "lora", "logra", "logra+kl", "adam+kl")
+  }
+  raw = [
+      stats.compare(values[a], values[b], 0.03).non_inferiority_p
+      for a, b in [
+          ("logra", "adam"),
+          ("logra", "lora"),
+          ("logra+kl", "adam+kl"),
+      ]
+  ]
+  assert "Holm over the 3 tests with a p-value |" in table[0]
+  cells = {
+      line.split(" | ")[0][2:]: line.rsplit(" | ", 1)[1].rstrip(" |")
+      for line in table
+      if line.startswith("| ") and " vs " in line
+  }
+  # Holm, not Bonferroni: the second smallest p is multiplied by 2, not 3.
+  assert [cells["logra vs adam"], cells["logra vs lora"]] == [
+      f"{p:.3g}" for p in stats.holm(raw)[:2]
+  ]
+  assert cells["logra+kl vs adam+kl"] == f"{stats.holm(raw)[2]:.3g}"
+  assert cells["logra-small-sync vs adam"] == "nan"
+  primary = stats.holm(raw[:2])
+  assert table[-1] == (
+      "The primary tests (each of logra, logra-small-sync against each "
+      "tuned baseline of adam, lora; 2 with a p-value), non-inferiority p "
+      f"adjusted (Holm) over them alone: logra vs adam {primary[0]:.3g}; "
+      f"logra vs lora {primary[1]:.3g}; logra-small-sync vs adam nan; "
+      "logra-small-sync vs lora nan."
   )
 
 

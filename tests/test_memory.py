@@ -396,6 +396,15 @@ def test_cli_json_and_errors(capsys):
   error = capsys.readouterr().err
   assert "error: --freeze-embeddings does not apply to lora" in error
   assert "optimizer.lora_targets" in error  # no flag of its own
+  argv[-1] = "adam"
+  assert cli_main(argv + ["--step-bits", "4"]) == 2
+  assert "got --optimizer='adam'" in capsys.readouterr().err
+  kl = ["--target-kl", "0.1", "--kl-subsample", "16", "--micro-batch", "2"]
+  assert cli_main(argv + kl + ["--mesh", "fsdp=1"]) == 2
+  assert (
+      "error: --kl-subsample=16 exceeds the planned batch of 2 sequences "
+      "(--micro-batch x --micro-batches x the mesh's dp x fsdp)"
+  ) in capsys.readouterr().err
   assert (
       cli_main(
           [
@@ -452,7 +461,7 @@ def test_kl_control_is_planned_over_the_whole_batch(capsys):
   assert "KL control (target 0.01)" in report.description
   assert "micro-batch 2/device x 4 micro-batches" in report.description
   for kwargs, problem in (
-      ({"kl_subsample": 9}, "kl_subsample=9 exceeds the rollout batch of 8"),
+      ({"kl_subsample": 9}, "kl_subsample=9 exceeds the planned batch of 8"),
       ({"kl_subsample": 1, "target_kl": None}, "kl_subsample needs target_kl"),
   ):
     with pytest.raises(ValueError, match=problem):

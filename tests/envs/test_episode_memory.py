@@ -37,4 +37,4 @@ def test_a_turn_as_long_as_the_rollout_is_refused(capsys):
       + ["--rollout-tokens", "64", "--rollout-turn-tokens", "64"]
   )
   assert status == 2
-  assert "rollout_turn_tokens must be below" in capsys.readouterr().err
+  assert "--rollout-turn-tokens must be below" in capsys.readouterr().err
