@@ -1173,50 +1173,51 @@ def report(args, rows, chosen, record) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _tested(compared: list[tuple[str, stats.Comparison]]) -> int:
-  """How many of the comparisons have a p-value (a test of one seed has
-  none): the number Holm's adjustment counts."""
-  return sum(not math.isnan(c.non_inferiority_p) for _, c in compared)
+def _tested(comparisons: list[stats.Comparison]) -> int:
+  """How many comparisons have a p-value (a test of one seed has none): the
+  number Holm's adjustment counts."""
+  return sum(not math.isnan(c.non_inferiority_p) for c in comparisons)
 
 
 def comparison_table(rows, name: str, margin: float) -> list[str]:
   """The markdown rows of ``name``'s tests (:data:`COMPARISONS`, tuned then
   KL-matched, among the arms run): each difference with its 95% CI, the
   verdict of its own test, and its non-inferiority p-value adjusted (Holm)
-  over every test of the table that has one."""
-  compared = []
+  over every test of the table that has one; then the :data:`PRIMARY`
+  tests adjusted over themselves."""
+  pairs, compared = [], []
   for kl in ("", "+kl"):
     for arm, base in COMPARISONS:
       values = _values(rows, name, arm + kl), _values(rows, name, base + kl)
       if all(values):  # both arms run
-        compared.append(
-            (f"{arm}{kl} vs {base}{kl}", stats.compare(*values, margin))
-        )
-  adjusted = stats.holm([c.non_inferiority_p for _, c in compared])
+        pairs.append((arm, base, kl))
+        compared.append(stats.compare(*values, margin))
+  label = lambda arm, base, kl: f"{arm}{kl} vs {base}{kl}"
+  adjusted = stats.holm([c.non_inferiority_p for c in compared])
   lines = [
       "| comparison | difference [95% CI] | verdict | non-inferiority p, "
       f"Holm over the {_tested(compared)} tests with a p-value |",
       "|---|---:|---|---:|",
   ] + [
-      f"| {label} | {c.difference:+.3f} [{c.low:+.3f}, {c.high:+.3f}] "
+      f"| {label(*pair)} | {c.difference:+.3f} [{c.low:+.3f}, {c.high:+.3f}] "
       f"| {stats.verdict(c)} | {holm_p:.3g} |"
-      for (label, c), holm_p in zip(compared, adjusted)
+      for pair, c, holm_p in zip(pairs, compared, adjusted)
   ]
   primary = [
-      (label, c)
-      for label, c in compared
-      if tuple(label.split(" vs ")) in PRIMARY
+      (pair, c)
+      for pair, c in zip(pairs, compared)
+      if not pair[2] and pair[:2] in PRIMARY
   ]
   if primary:
     holm_p = stats.holm([c.non_inferiority_p for _, c in primary])
     lines += [
         "",
         f"The primary tests (each of {', '.join(LOGRA_ARMS)} against each "
-        f"tuned baseline of {', '.join(BASELINES)}; {_tested(primary)} with "
-        "a p-value), "
+        f"tuned baseline of {', '.join(BASELINES)}; "
+        f"{_tested([c for _, c in primary])} with a p-value), "
         "non-inferiority p adjusted (Holm) over them alone: "
         + "; ".join(
-            f"{label} {p:.3g}" for (label, _), p in zip(primary, holm_p)
+            f"{label(*pair)} {p:.3g}" for (pair, _), p in zip(primary, holm_p)
         )
         + ".",
     ]

@@ -157,7 +157,7 @@ def _memory(args: argparse.Namespace) -> int:
   try:
     report = _plan_memory(args)
   except ValueError as error:
-    raise ValueError(arguments.as_flags(str(error))) from error
+    raise ValueError(arguments.as_flags(str(error), args.flags)) from error
   print(json.dumps(report.to_dict()) if args.json else report.summary())
   return 0
 
@@ -439,7 +439,10 @@ def _add_memory(commands: Any) -> None:
   )
   _add_memory_setup(plan)
   _add_memory_workload(plan)
-  plan.set_defaults(run=_memory)
+  # Each flag by its dest: a check's message names the flags, not the fields.
+  flags = {a.dest: a.option_strings[0] for a in plan._actions}
+  del flags["help"]
+  plan.set_defaults(run=_memory, flags=flags)
 
 
 def _add_export(commands: Any) -> None:

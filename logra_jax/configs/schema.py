@@ -35,13 +35,16 @@ _MAX_SEED = 2**63 - 1
 
 
 def check_kl_subsample(
-    optimizer: OptimizerConfig, rows: int, data_axes: int = 1
+    optimizer: OptimizerConfig,
+    rows: int,
+    data_axes: int = 1,
+    batch: str = "the rollout batch of {rows} completions",
 ) -> None:
   """Raises a ValueError unless ``optimizer.kl_subsample`` sequences fit in
-  a rollout batch of ``rows`` and, under KL control
-  (``optimizer.target_kl``), split evenly over ``data_axes`` devices (the
-  mesh's ``dp x fsdp``): the KL predictor's sequences are sharded like the
-  batch.
+  a batch of ``rows`` (named in the message by ``batch``, formatted with
+  ``rows``) and, under KL control (``optimizer.target_kl``), split evenly
+  over ``data_axes`` devices (the mesh's ``dp x fsdp``): the KL predictor's
+  sequences are sharded like the batch.
 
   Example:
     >>> kl_control = OptimizerConfig(target_kl=0.01, kl_subsample=4)
@@ -52,8 +55,7 @@ def check_kl_subsample(
   subsample = optimizer.kl_subsample
   if (subsample or 0) > rows:
     raise ValueError(
-        f"optimizer.kl_subsample={subsample} exceeds the rollout batch of "
-        f"{rows} completions"
+        f"optimizer.kl_subsample={subsample} exceeds " + batch.format(rows=rows)
     )
   if optimizer.target_kl is not None and subsample and subsample % data_axes:
     raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Mapping, Optional
 
 from logra_jax import configs
 from logra_jax import models
@@ -25,13 +25,13 @@ def run_config(
   ``rows`` sequences, whose KL predictor's subsample is checked here."""
   if opt_config.kl_subsample is not None and opt_config.target_kl is None:
     raise ValueError("kl_subsample needs target_kl (KL control)")
-  if (opt_config.kl_subsample or 0) > rows:
-    raise ValueError(
-        f"kl_subsample={opt_config.kl_subsample} exceeds the planned batch of "
-        f"{rows} sequences (micro_batch x micro_batches x the mesh's dp x "
-        "fsdp)"
-    )
-  configs.check_kl_subsample(opt_config, rows, mesh.dp * mesh.fsdp)
+  configs.check_kl_subsample(
+      opt_config,
+      rows,
+      mesh.dp * mesh.fsdp,
+      batch="the planned batch of {rows} sequences (micro_batch x "
+      "micro_batches x the mesh's dp x fsdp)",
+  )
   return dataclasses.replace(
       configs.TrainConfig(), optimizer=opt_config, micro_batches=micro_batches
   )
@@ -75,52 +75,33 @@ def check(
     )
 
 
-# ``logra memory``'s flags by the names the checks' messages use: the
-# planner's arguments and the optimizer config fields (``optimizer.name`` is
-# ``--optimizer``).
-_MEMORY_FLAGS = {
-    "name": "--optimizer",
-    "rank": "--rank",
-    "gradient_mode": "--gradient-mode",
-    "project_embeddings": "--project-embeddings",
-    "freeze_embeddings": "--freeze-embeddings",
-    "base_dtype": "--base-dtype",
-    "coords_dtype": "--coords-dtype",
-    "step_bits": "--step-bits",
-    "target_kl": "--target-kl",
-    "kl_subsample": "--kl-subsample",
-    "reference_dtype": "--reference-dtype",
-    "seq_len": "--seq",
-    "micro_batch": "--micro-batch",
-    "micro_batches": "--micro-batches",
-    "rollout_seqs": "--rollout-seqs",
-    "rollout_tokens": "--rollout-tokens",
-    "rollout_turn_tokens": "--rollout-turn-tokens",
-    "device_memory_gib": "--device-memory-gib",
-    "compile_for": "--compile-for",
-}
+# The planner's argument names that ``logra memory``'s flags do not spell.
+FLAG_ALIASES = {"seq_len": "seq", "name": "optimizer"}
 # A name in a message: ``optimizer.field``, a bare identifier, and ``=``
 # when a value follows.
 _MESSAGE_NAME = re.compile(r"(?<![\w.-])(optimizer\.)?([a-z][a-z_]*)(=?)")
 
 
-def as_flags(message: str) -> str:
-  """``message`` with each name of :data:`_MEMORY_FLAGS` written as the flag:
-  ``optimizer.freeze_embeddings`` -> ``--freeze-embeddings``, ``seq_len=8``
-  -> ``--seq=8``, ``name='adam'`` -> ``--optimizer='adam'``. A bare word is
-  taken for a name only when it has an underscore or a value (``rank 8`` in
-  prose stays); names that are not flags keep their config names.
+def as_flags(message: str, flags: Mapping[str, str]) -> str:
+  """``message`` with each name that ``flags`` maps (a flag's dest, or an
+  alias of :data:`FLAG_ALIASES`) written as its flag, prefixed by
+  ``optimizer.`` or not: ``optimizer.freeze_embeddings`` ->
+  ``--freeze-embeddings``, ``seq_len=8`` -> ``--seq=8``, ``name='adam'`` ->
+  ``--optimizer='adam'``. A bare word is taken for a name only when it has
+  an underscore or a value (``rank 8`` in prose stays); other names keep
+  their config names.
 
   Example:
-    >>> as_flags("kl_subsample needs optimizer.target_kl; rank 8")
+    >>> flags = {"kl_subsample": "--kl-subsample", "target_kl": "--target-kl"}
+    >>> as_flags("kl_subsample needs optimizer.target_kl; rank 8", flags)
     '--kl-subsample needs --target-kl; rank 8'
   """
 
   def flag(match: re.Match) -> str:
     prefixed, name, value = match.groups()
-    named = prefixed or "_" in name or value
-    if named and name in _MEMORY_FLAGS:
-      return _MEMORY_FLAGS[name] + value
+    dest = FLAG_ALIASES.get(name, name)
+    if (prefixed or "_" in name or value) and dest in flags:
+      return flags[dest] + value
     return match.group(0)
 
   return _MESSAGE_NAME.sub(flag, message)
