@@ -64,10 +64,11 @@ def _array_checksum(x: jax.Array) -> jax.Array:
   ``rows`` indices of the first axis ``k`` whose trailing axes fit in a
   block, at every index of the axes before it (a stack of layers, whose
   leading axis is never sharded). The temporaries are a block's words, not
-  the array's (30.8 GB for Qwen2.5-7B's float32 weights summed whole, 4.4 GB
-  a layer at a time). On CPU, XLA widens a bfloat16 stack to float32 before
-  the loop (as it does for the planner's weights; ``memory.plan_memory``
-  compiles without that motion), which an accelerator does not."""
+  the array's or a layer's (the figures at Qwen2.5-7B and 27B shapes:
+  ``experiments/results/sync_bytes/sync_bytes.md``). On CPU, XLA widens a
+  bfloat16 stack to float32 before the loop (as it does for the planner's
+  weights; ``memory.plan_memory`` compiles without that motion), which an
+  accelerator does not."""
   words = 2 if x.dtype.itemsize == 8 else 1
   if x.ndim == 0 or x.size * words <= CHUNK_WORDS:
     return _mixed_sum(_bits(x))

@@ -71,17 +71,16 @@ def skip_non_finite(
   looks at the loss, the predicted KL and the result, and reports why.
 
   Memory: the inputs are checked before the update, so no select between the
-  new and the old state keeps a second copy of it (+15 GiB per device for
-  Adam at 27B). The result can only be checked after it is computed, so the
-  old values stay alive until all of it is known to be finite; the state is
-  not restored for the same reason (if it went non-finite itself, the next
+  new and the old state keeps a second copy of it (Adam's state is two
+  copies of the params). The result can only be checked after it is
+  computed, so the old values stay alive until all of it is known to be
+  finite: at most about one copy of the params in temporaries, and under
+  LoGRA less than ``optax.apply_if_finite`` (XLA's memory analysis of a
+  donated step, ``tests/optim/test_non_finite.py``). The state is not
+  restored for the same reason (if it went non-finite itself, the next
   updates are skipped too, for "update", until the trainer's limit of
-  consecutive skips stops the run). Measured with :mod:`logra_jax.memory`
-  on a 45M-parameter model (4 layers, D=512, V=32000, float32 weights), the
-  check costs +65 MB of temporaries under LoGRA (about its largest leaf, the
-  embedding table) and +82 MB under dense Adam, against params of 181 MB;
-  checking the update before applying it instead cost LoGRA +146 MB, since
-  every leaf's ``P N`` was then held at once.
+  consecutive skips stops the run). Checking the update before applying it
+  instead would hold every leaf's ``P N`` at once.
 
   The keyword argument ``apply_fn`` (taken here, not passed on) is applied to
   the update inside the guard, and ``update`` then returns its result in
@@ -165,7 +164,7 @@ def skip_non_finite(
 
     # Decided from the inputs, before the update, with lax.cond: the state is
     # updated in place (a select between the new and the old state keeps a
-    # second copy of the state alive: +15 GiB per device for Adam at 27B).
+    # second copy of the state alive).
     out, new_inner, kl_ok, update_ok = jax.lax.cond(inputs_ok, run, skip)
     checks = (loss_ok, grads_ok, kl_ok, update_ok)
     reason = sum(
