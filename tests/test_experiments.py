@@ -29,6 +29,8 @@ from logra_jax.rl import guards
 EXPERIMENTS = pathlib.Path(__file__).parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 import parity  # noqa: E402
+import parity_design  # noqa: E402
+import parity_report  # noqa: E402
 import provenance  # noqa: E402
 import stats  # noqa: E402
 import study  # noqa: E402
@@ -259,21 +261,21 @@ def test_parity_code_levers_are_the_default_with_their_settings():
   """``logra-4bit`` and ``logra-frozen`` are the default logra with 4-bit
   steps and with frozen embeddings, each tested against it on the levers'
   grid, and resolve to them on tiny."""
-  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
-  for arm, more in parity.CODE_LEVERS.items():
+  settings = lambda arm: dict(o.split("=") for o in parity_design.ARMS[arm])
+  for arm, more in parity_design.CODE_LEVERS.items():
     new = {
         k: v for k, v in settings(arm).items() if settings("logra").get(k) != v
     }
     assert new == {f"optimizer.{k}": v for k, v in more.items()}
-    assert (arm, "logra") in parity.COMPARISONS
-    assert parity.GRIDS[arm] == parity.GRIDS["logra-rank8"]
-    tiny = parity.SETTINGS["tiny"]
+    assert (arm, "logra") in parity_design.COMPARISONS
+    assert parity_design.GRIDS[arm] == parity_design.GRIDS["logra-rank8"]
+    tiny = parity_design.SETTINGS["tiny"]
     resolved = configs.load_config(
-        tiny.preset, overrides=[*tiny.overrides, *parity.ARMS[arm]]
+        tiny.preset, overrides=[*tiny.overrides, *parity_design.ARMS[arm]]
     ).optimizer
     for name, value in more.items():
       assert str(getattr(resolved, name)).lower() == value
-  assert set(parity.CODE_LEVERS) == {"logra-4bit", "logra-frozen"}
+  assert set(parity_design.CODE_LEVERS) == {"logra-4bit", "logra-frozen"}
 
 
 def test_parity_candidates_pull_levers_together_and_meet_every_baseline():
@@ -281,18 +283,18 @@ def test_parity_candidates_pull_levers_together_and_meet_every_baseline():
   tested against the tuned baselines and the default on the levers' grid;
   logra-10mb (rank 16, 4-bit steps and projected embeddings) sends at most
   10 MB a step at Qwen2.5-7B shapes, its projectors' refreshes included."""
-  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
-  for arm, more in parity.CANDIDATES.items():
+  settings = lambda arm: dict(o.split("=") for o in parity_design.ARMS[arm])
+  for arm, more in parity_design.CANDIDATES.items():
     new = {
         k: v for k, v in settings(arm).items() if settings("logra").get(k) != v
     }
     assert new == {f"optimizer.{k}": v for k, v in more.items()}
     assert {(arm, base) for base in ("adam", "lora", "logra")} <= set(
-        parity.COMPARISONS
+        parity_design.COMPARISONS
     )
-    assert parity.GRIDS[arm] == parity.GRIDS["logra"]
-    assert arm not in parity.MAIN_ARMS
-  candidate = parity.CANDIDATE_SETTINGS["logra-10mb"]
+    assert parity_design.GRIDS[arm] == parity_design.GRIDS["logra"]
+    assert arm not in parity_design.MAIN_ARMS
+  candidate = parity_design.CANDIDATE_SETTINGS["logra-10mb"]
   message = sync_bytes.message_bytes(
       "qwen2.5-7b",
       int(candidate["rank"]),
@@ -308,18 +310,18 @@ def test_parity_levers_split_the_small_sync_configuration():
   """Each lever arm is the default logra with one of logra-small-sync's
   settings, the levers together change every setting the two differ in,
   and they run only when asked for."""
-  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
+  settings = lambda arm: dict(o.split("=") for o in parity_design.ARMS[arm])
   default, small = settings("logra"), settings("logra-small-sync")
   changed = set()
-  for lever in parity.LEVERS:
+  for lever in parity_design.LEVERS:
     differs = {k for k, v in settings(lever).items() if v != default[k]}
     assert differs and all(settings(lever)[k] == small[k] for k in differs)
     assert not differs & changed
     changed |= differs
   assert changed == {k for k in default if default[k] != small[k]}
-  assert not set(parity.LEVERS) & set(parity.MAIN_ARMS)
-  assert {(lever, "logra") for lever in parity.LEVERS} <= set(
-      parity.COMPARISONS
+  assert not set(parity_design.LEVERS) & set(parity_design.MAIN_ARMS)
+  assert {(lever, "logra") for lever in parity_design.LEVERS} <= set(
+      parity_design.COMPARISONS
   )
 
 
@@ -328,19 +330,19 @@ def test_parity_follow_ups_add_one_setting_to_their_lever():
   against the lever (a gain?) and the default (a recovery?), on the levers'
   grid, and runs only when asked for. Resolved on a setting that keeps the
   library's default of that setting, it changes it."""
-  settings = lambda arm: dict(o.split("=") for o in parity.ARMS[arm])
-  for arm, (lever, changes) in parity.FOLLOW_UPS.items():
-    assert lever in parity.LEVERS and arm not in parity.MAIN_ARMS
+  settings = lambda arm: dict(o.split("=") for o in parity_design.ARMS[arm])
+  for arm, (lever, changes) in parity_design.FOLLOW_UPS.items():
+    assert lever in parity_design.LEVERS and arm not in parity_design.MAIN_ARMS
     new = {
         k: v for k, v in settings(arm).items() if settings(lever).get(k) != v
     }
     assert new == {f"optimizer.{k}": v for k, v in changes.items()}
-    assert {(arm, lever), (arm, "logra")} <= set(parity.COMPARISONS)
-    assert parity.GRIDS[arm] == parity.GRIDS[lever]
-    tiny = parity.SETTINGS["tiny"]
+    assert {(arm, lever), (arm, "logra")} <= set(parity_design.COMPARISONS)
+    assert parity_design.GRIDS[arm] == parity_design.GRIDS[lever]
+    tiny = parity_design.SETTINGS["tiny"]
     resolved = {
         name: configs.load_config(
-            tiny.preset, overrides=[*tiny.overrides, *parity.ARMS[name]]
+            tiny.preset, overrides=[*tiny.overrides, *parity_design.ARMS[name]]
         ).optimizer
         for name in (arm, lever)
     }
@@ -377,7 +379,7 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
       settings=["tiny"], arms=arms, quick=False, kl_seeds=0, target_kl=5e-3
   )
   record = provenance.collect("python experiments/parity.py", "ab12")
-  table = parity.report(args, rows, {("tiny", "adam"): 1e-4}, record)
+  table = parity_report.report(args, rows, {("tiny", "adam"): 1e-4}, record)
   compared = [
       line.split(" | ")[0][2:]
       for line in table.splitlines()
@@ -391,7 +393,7 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
   small_vs_default = stats.compare(
       [r["test_after"] for r in rows if r["arm"] == "logra-small-sync"],
       [r["test_after"] for r in rows if r["arm"] == "logra"],
-      parity.SETTINGS["tiny"].margin,
+      parity_design.SETTINGS["tiny"].margin,
   )
   assert f"| {small_vs_default.difference:+.3f} [" in table
   assert f"| {stats.verdict(small_vs_default)} |" in table
@@ -401,7 +403,7 @@ def test_parity_report_tests_the_small_sync_arm_against_the_default():
   by_arm = {
       arm: [r["test_after"] for r in rows if r["arm"] == arm] for arm in arms
   }
-  margin = parity.SETTINGS["tiny"].margin
+  margin = parity_design.SETTINGS["tiny"].margin
   tests = [
       stats.compare(by_arm[a], by_arm[b], margin).non_inferiority_p
       for a, b in [
@@ -440,7 +442,7 @@ def test_holm_counts_only_the_tests_with_a_p_value():
       for arm in ("logra", "adam")
       for d in spread
   ]
-  table = parity.comparison_table(rows, "tiny", 0.03)
+  table = parity_report.comparison_table(rows, "tiny", 0.03)
   values = {
       arm: [r["test_after"] for r in rows if r["arm"] == arm]
       for arm in ("adam", "lora", "logra", "logra+kl", "adam+kl")
@@ -769,7 +771,7 @@ def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
   def run_row(ctx, key):
     order.append((key["arm"], key["kl"], key["rate"]))
     best = key["rate"] == max(
-        parity.grid(args, key["arm"], parity.SETTINGS["tiny"])
+        parity_design.grid(args, key["arm"], parity_design.SETTINGS["tiny"])
     )
     return {"learning_rate": key["rate"], "validation_after": float(best)}
 
@@ -809,7 +811,7 @@ def test_parity_kl_arms_are_recorded_in_arms_order_or_as_the_default(
   )
   args = parity.parse_args()
   assert args.kl_arms == recorded
-  assert parity.kl_arms(args) == (recorded or args.arms)
+  assert parity_design.kl_arms(args) == (recorded or args.arms)
 
 
 def test_parity_curves_are_drawn_as_main_arms_levers_and_kl_matched():
@@ -825,14 +827,14 @@ def test_parity_curves_are_drawn_as_main_arms_levers_and_kl_matched():
       {"setting": "tiny", "arm": arm, "curve": [(0, 0.4), (10, 0.5)]}
       for arm in args.arms + ["adam+kl", "logra+kl"]
   ]
-  panels = parity.curve_panels(args, rows)
+  panels = parity_report.curve_panels(args, rows)
   assert [(title, list(arms)) for title, arms in panels] == [
       ("tiny", ["adam", "logra"]),
       ("tiny: levers", ["logra", "logra-rank8", "logra-rank8-refresh10"]),
       ("tiny+kl", ["adam+kl", "logra+kl"]),
   ]
   without_kl = [r for r in rows if not r["arm"].endswith("+kl")]
-  assert [t for t, _ in parity.curve_panels(args, without_kl)] == [
+  assert [t for t, _ in parity_report.curve_panels(args, without_kl)] == [
       "tiny",
       "tiny: levers",
   ]
