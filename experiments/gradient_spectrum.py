@@ -50,9 +50,7 @@ Run: python experiments/gradient_spectrum.py [--setting tiny] [--steps 100]
 
 from __future__ import annotations
 
-import argparse
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -375,46 +373,24 @@ def parse_args():
 
 def chosen_rate(args) -> float:
   """``--learning-rate``, else the rate the parity study's sweep chose for
-  tuned Adam on the setting (its committed sweep rows, as the study
-  chooses), else the grid's middle where the sweep is not complete."""
+  tuned Adam on the setting (:func:`parity.tuned_rate`), else the grid's
+  middle where the sweep is not complete."""
   if args.learning_rate is not None:
     return args.learning_rate
+  tuned = parity.tuned_rate(args, args.setting, "adam")
+  if tuned is not None:
+    return tuned
   rates = parity_design.grid(
       args, "adam", parity_design.setting_of(args, args.setting)
   )
-  results = study.results_path(args, "parity")
-  paths = [
-      parity.row_path(
-          results,
-          {
-              "setting": args.setting,
-              "arm": "adam",
-              "rate": r,
-              "seed": seed,
-              "kl": False,
-          },
-      )
-      for r in rates
-      for seed in range(parity_design.SWEEP_SEEDS)
-  ]
-  if not all(path.exists() for path in paths):
-    return rates[len(rates) // 2]
-  return parity.choose([json.loads(p.read_text()) for p in paths], rates)
-
-
-def parity_args(args) -> argparse.Namespace:
-  """The flags the parity study's helpers read: its own results folder
-  (where the settings' starting policies are kept; with ``--quick``, a
-  folder under ``--out``) and no grid overrides."""
-  kept = str(pathlib.Path(args.out) / "parity-quick") if args.quick else None
-  return argparse.Namespace(**{**vars(args), "results": kept, "lr_grid": {}})
+  return rates[len(rates) // 2]
 
 
 def main() -> None:
   args = parse_args()
   results = study.results_folder(args, f"gradient_spectrum/{args.setting}")
   record = study.provenance_record(args)
-  shared = parity_args(args)
+  shared = parity.helper_args(args)
   parity.prepare(shared, [args.setting], record)
   rate = chosen_rate(shared)
   config = study.run_config(

@@ -92,6 +92,7 @@ Run: python experiments/parity.py [--quick] [--settings ...] [--arms ...]
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import hashlib
@@ -521,6 +522,34 @@ def choose(rows: list[dict], rates: list[float]) -> float:
       x["validation_after"] for x in rows if x["learning_rate"] == r
   )
   return max(sorted(rates), key=mean)
+
+
+def helper_args(args) -> argparse.Namespace:
+  """Another study's flags as this study's helpers read them: the parity
+  study's own results folder (where the settings' starting policies are
+  kept; with ``--quick``, a folder under ``--out``) and no grid
+  overrides."""
+  kept = str(pathlib.Path(args.out) / "parity-quick") if args.quick else None
+  return argparse.Namespace(**{**vars(args), "results": kept, "lr_grid": {}})
+
+
+def tuned_rate(args, name: str, arm: str) -> float | None:
+  """The rate the study chose for ``arm`` on setting ``name`` from its
+  committed sweep rows (under ``--results``), as :func:`run_all` chooses;
+  None until every sweep run of the arm's grid has its row."""
+  rates = parity_design.grid(args, arm, parity_design.setting_of(args, name))
+  results = study.results_path(args, "parity")
+  paths = [
+      row_path(
+          results,
+          {"setting": name, "arm": arm, "rate": r, "seed": seed, "kl": False},
+      )
+      for r in rates
+      for seed in range(parity_design.SWEEP_SEEDS)
+  ]
+  if not all(path.exists() for path in paths):
+    return None
+  return choose([json.loads(p.read_text()) for p in paths], rates)
 
 
 def parse_grids(

@@ -165,7 +165,7 @@ def per_step(
   return step, projector, step + projector / refresh_every
 
 
-def _embeddings(config: configs.OptimizerConfig) -> str:
+def embeddings_of(config: configs.OptimizerConfig) -> str:
   """The :data:`EMBEDDINGS` entry of ``config``."""
   if config.freeze_embeddings:
     return "frozen"
@@ -221,7 +221,7 @@ def is_default(
   return row == (
       default.name,
       default.rank,
-      _embeddings(default),
+      embeddings_of(default),
       default.refresh_every,
       default.coords_dtype,
       default.step_bits,
@@ -335,12 +335,12 @@ def learner_side(model: str) -> dict:
   configuration's policy state, and the snapshot a sparse delta needs."""
   default = configs.OptimizerConfig()
   state, _, _, count = model_policy_state(
-      model, default.rank, _embeddings(default)
+      model, default.rank, embeddings_of(default)
   )
   return {
       "model": model,
       "rank": default.rank,
-      "embeddings": _embeddings(default),
+      "embeddings": embeddings_of(default),
       "checksum_temp_bytes": checksum_temp_bytes(state),
       "snapshot_bf16_bytes": 2 * count,
   }

@@ -35,6 +35,7 @@ import provenance  # noqa: E402
 import stats  # noqa: E402
 import study  # noqa: E402
 import sync_bytes  # noqa: E402
+import sync_compression  # noqa: E402
 
 PROVENANCE = ("commit", "dirty", "fingerprint", "date", "machine")
 
@@ -63,6 +64,7 @@ def _study(name, *args, tmp_path, cache=None):
                   "recipes",
                   "start_accuracy",
                   "gradient_spectrum",
+                  "sync_compression",
               )
               else []
           ),
@@ -948,6 +950,38 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
   assert written["provenance"]["fingerprint"]
 
 
+@pytest.mark.slow
+def test_sync_compression_quick_writes_well_formed_reports(
+    tmp_path, fingerprints
+):
+  """``sync_compression --quick``: 3 smoke steps of two arms; every scheme
+  restored every array bit for bit (the script checks), ratios positive,
+  the 7B projection's raw bytes those of sync_bytes' model."""
+  done = _study(
+      "sync_compression",
+      "--arms",
+      "logra",
+      "logra-10mb",
+      tmp_path=tmp_path,
+      cache=fingerprints,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = tmp_path / "results"
+  written = json.loads((results / "sync_compression.json").read_text())
+  assert set(written["arms"]) == {"logra", "logra-10mb"}
+  assert "codes" in written["arms"]["logra-10mb"]["summary"]
+  assert "codes" not in written["arms"]["logra"]["summary"]
+  for arm in written["arms"].values():
+    for kind in arm["summary"].values():
+      assert kind["raw_bytes_per_step"] > 0
+      assert all(kind[s]["ratio"] > 0 for s in sync_compression.SCHEMES)
+    raw_7b = {raw for raw, _ in arm["qwen2.5-7b"].values()}
+    assert len(raw_7b) == 1 and raw_7b.pop() > 0
+  table = (results / "sync_compression.md").read_text()
+  assert "| arm | kind | raw KB/step |" in table
+  assert "Command: `python " in table
+
+
 @pytest.mark.parametrize(
     "name, args, message",
     [
@@ -995,6 +1029,8 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
             ["--policy", "/nowhere"],
             "neither smollm2 nor a folder",
         ),
+        ("sync_compression", ["--arms", "adam"], "unknown arms ['adam']"),
+        ("sync_compression", ["--steps", "1"], "--steps must be >= 2"),
         ("gradient_spectrum", ["--setting", "gsm9k"], "unknown setting"),
         ("gradient_spectrum", ["--steps", "0"], "--steps must be >= 1"),
         ("gradient_spectrum", ["--ranks", "8", "0"], "--ranks must all be"),
