@@ -217,8 +217,9 @@ def follow(args, config) -> Tally:
       seed=config.seed,
       frozen=policy_state.frozen_keys(config.optimizer),
   )
-  sender.message(weights, opt_state, full=True)
-  tally, previous = Tally(), {}
+  full = sender.message(weights, opt_state, full=True)
+  tally = Tally()
+  previous = {n: np.asarray(x) for n, x in full.arrays.items()}
   rng = np.random.default_rng(config.seed)
   for step in range(args.steps):
     examples = [
