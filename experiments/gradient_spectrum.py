@@ -366,8 +366,7 @@ def parse_args():
     values = getattr(args, flag) or [1]
     if min(values) < 1:
       study.fail(f"--{flag} must all be >= 1, got {values}")
-  if args.learning_rate is not None and not args.learning_rate > 0:
-    study.fail(f"--learning-rate must be > 0, got {args.learning_rate}")
+  study.check_positive("learning-rate", args.learning_rate)
   return args
 
 
@@ -388,11 +387,11 @@ def chosen_rate(args) -> float:
 
 def main() -> None:
   args = parse_args()
+  shared = parity.helper_args(args)
+  rate = chosen_rate(shared)
   results = study.results_folder(args, f"gradient_spectrum/{args.setting}")
   record = study.provenance_record(args)
-  shared = parity.helper_args(args)
   parity.prepare(shared, [args.setting], record)
-  rate = chosen_rate(shared)
   config = study.run_config(
       args,
       parity.run_overrides(shared, args.setting, "adam", rate, 0, kl=False)

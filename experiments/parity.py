@@ -527,29 +527,44 @@ def choose(rows: list[dict], rates: list[float]) -> float:
 def helper_args(args) -> argparse.Namespace:
   """Another study's flags as this study's helpers read them: the parity
   study's own results folder (where the settings' starting policies are
-  kept; with ``--quick``, a folder under ``--out``) and no grid
-  overrides."""
+  kept; with ``--quick``, a folder under ``--out``) and the sweep seeds and
+  grids its ``study.json`` records (the defaults where it has none)."""
   kept = str(pathlib.Path(args.out) / "parity-quick") if args.quick else None
-  return argparse.Namespace(**{**vars(args), "results": kept, "lr_grid": {}})
+  shared = argparse.Namespace(**{**vars(args), "results": kept})
+  recorded = study.results_path(shared, "parity") / "study.json"
+  made = json.loads(recorded.read_text()) if recorded.exists() else {}
+  shared.lr_grid = made.get("lr_grid", {})
+  shared.sweep_seeds = made.get("sweep_seeds") or parity_design.SWEEP_SEEDS
+  return shared
 
 
 def tuned_rate(args, name: str, arm: str) -> float | None:
   """The rate the study chose for ``arm`` on setting ``name`` from its
-  committed sweep rows (under ``--results``), as :func:`run_all` chooses;
-  None until every sweep run of the arm's grid has its row."""
+  committed sweep rows (under ``--results``; ``args`` as
+  :func:`helper_args` makes them), as :func:`run_all` chooses; None until
+  every sweep run of the arm's grid has its row. A row of another config
+  (another starting policy or setting) exits (status 2), naming it."""
   rates = parity_design.grid(args, arm, parity_design.setting_of(args, name))
   results = study.results_path(args, "parity")
-  paths = [
-      row_path(
-          results,
-          {"setting": name, "arm": arm, "rate": r, "seed": seed, "kl": False},
-      )
+  keys = [
+      {"setting": name, "arm": arm, "rate": r, "seed": seed, "kl": False}
       for r in rates
-      for seed in range(parity_design.SWEEP_SEEDS)
+      for seed in range(args.sweep_seeds)
   ]
-  if not all(path.exists() for path in paths):
+  if not all(row_path(results, key).exists() for key in keys):
     return None
-  return choose([json.loads(p.read_text()) for p in paths], rates)
+  rows = []
+  for key in keys:
+    path = row_path(results, key)
+    row = json.loads(path.read_text())
+    config = key_of(args, name, arm, key["rate"], key["seed"], False)
+    if row["config_hash"] != config_hash(config["config"]):
+      study.fail(
+          f"{path} was made by another config than {arm}'s on {name} now "
+          "(another starting policy or setting): its tuned rate is unknown"
+      )
+    rows.append(row)
+  return choose(rows, rates)
 
 
 def parse_grids(
@@ -662,12 +677,8 @@ def parse_args():
     setattr(args, flag, value)
   if args.kl_arms is not None and not args.kl_seeds:
     study.fail("--kl-arms needs KL-matched runs: --kl-seeds is 0")
-  for name, value in (
-      ("target-kl", args.target_kl),
-      ("kl-lr-multiplier", args.kl_lr_multiplier),
-  ):
-    if not (math.isfinite(value) and value > 0):
-      study.fail(f"--{name} must be a finite number > 0, got {value}")
+  study.check_positive("target-kl", args.target_kl)
+  study.check_positive("kl-lr-multiplier", args.kl_lr_multiplier)
   return args
 
 

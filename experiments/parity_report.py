@@ -19,9 +19,9 @@ def _values(rows, name, arm, column="test_after") -> list[float]:
 
 def report(args, rows, chosen, record) -> str:
   """The markdown: per setting, the arms' test accuracy with CIs and the
-  tests of :data:`COMPARISONS` (each LoGRA arm against the tuned
-  baselines, logra-small-sync and its levers against logra, each follow-up
-  against its lever and logra) among the arms run."""
+  tests of :data:`parity_design.COMPARISONS` (each LoGRA arm against the
+  tuned baselines, logra-small-sync and its levers against logra, each
+  follow-up against its lever and logra) among the arms run."""
   lines = [
       "Test accuracy after training: mean [95% CI] over seeds (Student t). "
       "Verdicts: one-sided non-inferiority test at the setting's margin "
@@ -82,11 +82,12 @@ def _tested(comparisons: list[stats.Comparison]) -> int:
 
 
 def comparison_table(rows, name: str, margin: float) -> list[str]:
-  """The markdown rows of ``name``'s tests (:data:`COMPARISONS`, tuned then
-  KL-matched, among the arms run): each difference with its 95% CI, the
-  verdict of its own test, and its non-inferiority p-value adjusted (Holm)
-  over every test of the table that has one; then the :data:`PRIMARY`
-  tests adjusted over themselves."""
+  """The markdown rows of ``name``'s tests
+  (:data:`parity_design.COMPARISONS`, tuned then KL-matched, among the arms
+  run): each difference with its 95% CI, the verdict of its own test, and
+  its non-inferiority p-value adjusted (Holm) over every test of the table
+  that has one; then the :data:`parity_design.PRIMARY` tests adjusted over
+  themselves."""
   pairs, compared = [], []
   for kl in ("", "+kl"):
     for arm, base in parity_design.COMPARISONS:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import pathlib
 import signal
 import sys
@@ -155,6 +156,13 @@ def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
   if args.seeds < 1:
     fail(f"--seeds must be >= 1, got {args.seeds}")
   return args
+
+
+def check_positive(flag: str, value: float | None) -> None:
+  """Exits (status 2, one line) unless ``value`` (``--flag``'s; None: not
+  given) is a finite number > 0."""
+  if value is not None and not (math.isfinite(value) and value > 0):
+    fail(f"--{flag} must be a finite number > 0, got {value}")
 
 
 def check_names(

@@ -1,13 +1,16 @@
 """Does lossless compression of sync messages pay? Measured on the messages
 of real RL steps.
 
-Follows a parity setting's LoGRA arms for ``--steps`` steps each, as the
-study trains them (its starting policy, task, batch and the rate its sweep
-chose for the arm; ``--learning-rate`` otherwise), and builds the message
-each step sends (:class:`logra_jax.sync.PolicySender`, as the trainer's
-process engine receives it). Each array of each step message (after the
-first, full one) is compressed by every scheme, the arrays of one kind as
-one stream, then decompressed and compared bit for bit:
+Follows a parity setting's LoGRA arms through their learning-rate warm-up
+and then ``--steps`` steps each, as the study trains them (its starting
+policy, task, batch and the rate its sweep chose for the arm;
+``--learning-rate`` otherwise), and builds the message each step sends
+(:class:`logra_jax.sync.PolicySender`, as the trainer's process engine
+receives it). The warm-up's messages are sent but not measured: their steps
+are scaled down (the first is zero), so they would flatter the XOR scheme.
+Each array of each measured step message is compressed by every scheme, the
+arrays of one kind as one stream, then decompressed and compared bit for
+bit:
 
   zlib            ``zlib.compress`` at level 6 of the arrays' bytes;
   shuffle+zlib    the bytes regrouped by their position in a value (all
@@ -15,21 +18,27 @@ one stream, then decompressed and compared bit for bit:
                   high mantissa bits together), then zlib;
   xor+shuffle+zlib
                   the bitwise XOR with the same array in the previous step's
-                  message (exact: the receiver XORs it back onto the array
-                  it holds), shuffled, then zlib: values that changed little
+                  message, shuffled, then zlib: values that changed little
                   share their sign, exponent and high mantissa bits, so the
-                  XOR is mostly zero bytes;
+                  XOR is mostly zero bytes. Exact, at a cost: the receiver
+                  must keep the last message to XOR it back (a message's
+                  bytes more of memory; about 4.4 GB at Qwen2.5-7B in the
+                  default configuration), since the arrays it holds are not
+                  the message's (coordinates change at merges, 4-bit codes
+                  are deltas);
   lzma            ``lzma.compress`` at preset 1 of the shuffled XOR.
 
 Reported per arm and kind of array (coordinates ``A``, scales ``c``, dense
 leaves, 4-bit step codes): raw bytes per step, each scheme's ratio (raw /
 compressed) and its compression and decompression throughput on this CPU
-(one thread). From those: the bytes of a step at Qwen2.5-7B shapes
+(one thread), and the spread of a whole step message's ratio over the
+measured steps. From those: the bytes of a step at Qwen2.5-7B shapes
 (:func:`sync_bytes.message_bytes`) compressed at the tiny run's ratio per
 kind (an assumption: at 7B the input embedding's unseen rows never change,
 so its XOR would compress further; the LM head changes every row every
-step), and the link bandwidth below which compressing pays: the scheme's
-saved bytes over its compression and decompression seconds.
+step), and the link bandwidth below which compressing pays, for the tiny
+message and for the 7B one (whose mix of kinds differs): the scheme's saved
+bytes over its compression and decompression seconds.
 
 ``--quick``: the smoke policy for 3 steps (outputs well formed only).
 
@@ -133,47 +142,62 @@ def from_bytes(form: str, data: bytes, like: np.ndarray, old: np.ndarray):
   if form == "raw":
     return np.frombuffer(data, like.dtype).reshape(like.shape)
   if form == _XOR:
-    return (unshuffled(data, _bits(like)) ^ _bits(old)).view(like.dtype)
+    restored = unshuffled(data, _bits(like)) ^ _bits(old)
+    return restored.view(like.dtype).reshape(like.shape)
   return unshuffled(data, like)
 
 
 class Tally:
   """Raw and compressed bytes and seconds per (kind, scheme), over the step
-  messages measured."""
+  messages measured, and each message's raw and compressed bytes per scheme
+  (the refresh's projectors aside)."""
 
   def __init__(self):
     self.raw = collections.Counter()
     self.packed = collections.Counter()
     self.seconds = collections.Counter()  # compression
     self.back_seconds = collections.Counter()  # decompression
-    self.messages = 0
+    self.steps: list[dict[str, tuple[int, int]]] = []
 
   def add(self, arrays: dict[str, np.ndarray], previous: dict) -> None:
     """One step message's arrays (``previous``: the last message's), each
     kind's arrays compressed as one stream by every scheme and restored."""
-    self.messages += 1
     by_kind = collections.defaultdict(list)
     for name, x in arrays.items():
       old = previous.get(name)
       if old is None or old.shape != x.shape or old.dtype != x.dtype:
         old = np.zeros_like(x)  # XOR with nothing: the array itself
       by_kind[kind_of(name)].append((name, x, old))
+    step = collections.Counter()
     for kind, items in by_kind.items():
-      self.raw[kind] += sum(x.nbytes for _, x, _ in items)
+      raw = sum(x.nbytes for _, x, _ in items)
+      self.raw[kind] += raw
       for scheme, (form, codec) in SCHEME_PARTS.items():
-        compress, decompress = CODECS[codec]
-        start = time.perf_counter()
-        data = compress(b"".join(to_bytes(form, x, o) for _, x, o in items))
-        middle = time.perf_counter()
-        stream, at = decompress(data), 0
-        for name, x, old in items:
-          back = from_bytes(form, stream[at : at + x.nbytes], x, old)
-          at += x.nbytes
-          if not np.array_equal(_bits(back), _bits(x)):
-            raise AssertionError(f"{scheme} did not restore {name} exactly")
-        self.back_seconds[kind, scheme] += time.perf_counter() - middle
-        self.seconds[kind, scheme] += middle - start
-        self.packed[kind, scheme] += len(data)
+        packed = self._compress(kind, scheme, form, codec, items)
+        if kind != "projector":
+          step[scheme, "raw"] += raw
+          step[scheme, "packed"] += packed
+    self.steps.append({s: (step[s, "raw"], step[s, "packed"]) for s in SCHEMES})
+
+  def _compress(self, kind, scheme, form, codec, items) -> int:
+    """One kind's arrays as one stream of ``scheme``: compressed, restored
+    (timed apart), then checked bit for bit; the compressed bytes."""
+    compress, decompress = CODECS[codec]
+    start = time.perf_counter()
+    data = compress(b"".join(to_bytes(form, x, o) for _, x, o in items))
+    middle = time.perf_counter()
+    stream, at, backs = decompress(data), 0, []
+    for _, x, old in items:
+      backs.append(from_bytes(form, stream[at : at + x.nbytes], x, old))
+      at += x.nbytes
+    self.back_seconds[kind, scheme] += time.perf_counter() - middle
+    self.seconds[kind, scheme] += middle - start
+    self.packed[kind, scheme] += len(data)
+    for (name, x, _), back in zip(items, backs):
+      same = back.shape == x.shape and back.dtype == x.dtype
+      if not (same and np.array_equal(_bits(back), _bits(x))):
+        raise AssertionError(f"{scheme} did not restore {name} exactly")
+    return len(data)
 
   def summary(self) -> dict[str, dict]:
     """Per kind present: raw bytes per message and, per scheme, the ratio
@@ -183,7 +207,7 @@ class Tally:
       raw = self.raw[kind]
       if not raw:
         continue
-      out[kind] = {"raw_bytes_per_step": raw / self.messages}
+      out[kind] = {"raw_bytes_per_step": raw / len(self.steps)}
       for scheme in SCHEMES:
         packed = self.packed[kind, scheme]
         there, back = (
@@ -197,9 +221,25 @@ class Tally:
         }
     return out
 
+  def spread(self) -> dict[str, list[float]]:
+    """Per scheme: the smallest, median and largest ratio of a whole step
+    message (raw / compressed) over the measured steps."""
+    return {
+        s: [
+            float(q)
+            for q in np.quantile(
+                [raw / packed for raw, packed in (m[s] for m in self.steps)],
+                [0.0, 0.5, 1.0],
+            )
+        ]
+        for s in SCHEMES
+    }
+
 
 def follow(args, config) -> Tally:
-  """The arm's run for ``--steps`` steps, each step message tallied."""
+  """The arm's run through its warm-up (``optimizer.warmup_steps``) and
+  ``--steps`` steps more, the step messages after the warm-up tallied (the
+  first against the warm-up's last)."""
   task = setup.load_task(config)
   train, _ = task.split(config.task.eval_size, seed=config.task.seed)
   rewards = setup.run_rewards(config, task)
@@ -221,7 +261,8 @@ def follow(args, config) -> Tally:
   tally = Tally()
   previous = {n: np.asarray(x) for n, x in full.arrays.items()}
   rng = np.random.default_rng(config.seed)
-  for step in range(args.steps):
+  warmup = config.optimizer.warmup_steps
+  for step in range(warmup + args.steps):
     examples = [
         train[i]
         for i in rng.integers(len(train), size=config.rollout.prompts_per_step)
@@ -233,7 +274,7 @@ def follow(args, config) -> Tally:
     weights, opt_state, _ = train_step(weights, opt_state, batch)
     message = sender.message(weights, opt_state)
     arrays = {n: np.asarray(x) for n, x in message.arrays.items()}
-    if not message.full:
+    if step >= warmup and not message.full:
       tally.add(arrays, previous)
     previous = arrays
     print(
@@ -249,14 +290,19 @@ def totals(summary: dict[str, dict], scheme: str) -> dict[str, float]:
   raw and compressed bytes per step, seconds per step to compress and
   decompress, and the link bandwidth (bytes/s) below which compressing
   pays (0: it never does)."""
-  summary = {k: v for k, v in summary.items() if k != "projector"}
-  raw = sum(k["raw_bytes_per_step"] for k in summary.values())
-  packed = sum(
-      k["raw_bytes_per_step"] / k[scheme]["ratio"] for k in summary.values()
-  )
+  kinds = {k: v["raw_bytes_per_step"] for k, v in summary.items()}
+  return _totals(summary, scheme, kinds)
+
+
+def _totals(summary, scheme: str, kind_bytes: dict[str, float]) -> dict:
+  """:func:`totals` of a message of ``kind_bytes`` (raw bytes per kind),
+  each kind at the ratio and throughputs ``summary`` measured for it."""
+  kind_bytes = {k: b for k, b in kind_bytes.items() if k != "projector" and b}
+  raw = sum(kind_bytes.values())
+  packed = sum(b / summary[k][scheme]["ratio"] for k, b in kind_bytes.items())
   seconds = sum(
-      k["raw_bytes_per_step"] / 1e6 / k[scheme][rate]
-      for k in summary.values()
+      b / 1e6 / summary[k][scheme][rate]
+      for k, b in kind_bytes.items()
       for rate in ("compress_mb_s", "decompress_mb_s")
   )
   return {
@@ -267,10 +313,10 @@ def totals(summary: dict[str, dict], scheme: str) -> dict[str, float]:
   }
 
 
-def at_7b(config, summary: dict[str, dict], scheme: str) -> tuple[int, float]:
-  """Bytes of a step message at Qwen2.5-7B shapes in the arm's settings
-  (the refresh's projectors aside), raw and compressed at the measured
-  ratio of each kind."""
+def at_7b(config, summary: dict[str, dict], scheme: str) -> dict[str, float]:
+  """:func:`totals` of a step message at Qwen2.5-7B shapes in the arm's
+  settings (the refresh's projectors aside), each kind at the ratio and
+  throughputs measured here."""
   opt = config.optimizer
   parts = sync_bytes.message_bytes(
       "qwen2.5-7b",
@@ -282,13 +328,7 @@ def at_7b(config, summary: dict[str, dict], scheme: str) -> tuple[int, float]:
   )
   coords = "codes" if opt.step_bits else "coords"
   kinds = {sync.COORDS: coords, sync.SCALE: "scale", sync.DENSE: "dense"}
-  raw = sum(parts[k] for k in kinds)
-  packed = sum(
-      parts[k] / summary[ours][scheme]["ratio"]
-      for k, ours in kinds.items()
-      if parts[k]
-  )
-  return raw, packed
+  return _totals(summary, scheme, {ours: parts[k] for k, ours in kinds.items()})
 
 
 def _bandwidth(bytes_s: float) -> str:
@@ -301,8 +341,9 @@ def report(args, results: dict, record: dict) -> str:
   """The markdown tables: per arm and kind, and per arm in total with its
   Qwen2.5-7B projection."""
   lines = [
-      f"Step messages of {args.steps} steps per arm on `{args.setting}` (the "
-      "first, full message left out); ratio = raw / compressed, every "
+      f"Step messages of {args.steps} steps per arm on `{args.setting}`, "
+      "after its learning-rate warm-up (whose scaled-down steps, the first "
+      "of them zero, would flatter the XOR); ratio = raw / compressed, every "
       "scheme restoring each array bit for bit; throughputs in MB/s of raw "
       "bytes, one thread of this CPU.",
       "",
@@ -325,24 +366,32 @@ def report(args, results: dict, record: dict) -> str:
       )
   lines += [
       "",
-      "Per step in total, and at Qwen2.5-7B shapes (each kind's bytes at the "
-      "ratio measured here; the refresh's projectors aside): compressing "
-      "pays on a link slower than the break-even bandwidth (saved bytes over "
-      "the seconds to compress and decompress).",
+      "Per step in total (ratio of the measured steps' bytes; the smallest, "
+      "median and largest ratio of one step's message), and at Qwen2.5-7B "
+      "shapes (each kind's bytes at the ratio and throughputs measured "
+      "here, so the ratio of the 7B step follows its own mix of kinds; the "
+      "refresh's projectors aside): compressing pays on a link slower than "
+      "the break-even bandwidth (saved bytes over the seconds to compress "
+      "and decompress).",
       "",
-      "| arm | learning rate | scheme | ratio | break-even link, MB/s | "
-      "7B step raw, MB | 7B step compressed, MB |",
-      "|---|---:|---|---:|---:|---:|---:|",
+      "| arm | learning rate | scheme | ratio | per step (min, median, max) "
+      "| break-even link, MB/s | 7B step raw, MB | 7B step compressed, MB "
+      "| 7B ratio | 7B break-even link, MB/s | 7B seconds to compress and "
+      "decompress |",
+      "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
   ]
   for arm, result in results.items():
     for scheme in SCHEMES:
-      total = result["totals"][scheme]
-      raw, packed = result["qwen2.5-7b"][scheme]
+      total, big = result["totals"][scheme], result["qwen2.5-7b"][scheme]
+      low, median, high = result["spread"][scheme]
       lines.append(
           f"| {arm} | {result['learning_rate']:.3g} | {scheme} | "
           f"{total['raw'] / total['packed']:.2f} | "
-          f"{_bandwidth(total['break_even_bytes_s'])} | {raw / 1e6:,.1f} | "
-          f"{packed / 1e6:,.1f} |"
+          f"{low:.2f}, {median:.2f}, {high:.2f} | "
+          f"{_bandwidth(total['break_even_bytes_s'])} | "
+          f"{big['raw'] / 1e6:,.1f} | {big['packed'] / 1e6:,.1f} | "
+          f"{big['raw'] / big['packed']:.2f} | "
+          f"{_bandwidth(big['break_even_bytes_s'])} | {big['seconds']:,.1f} |"
       )
   return "\n".join(lines + ["", provenance.footer(record)]) + "\n"
 
@@ -377,46 +426,67 @@ def parse_args():
     args.steps = 3 if args.quick else 20
   if args.steps < 2:
     study.fail(
-        f"--steps must be >= 2 (a step message follows another), got "
-        f"{args.steps}"
+        f"--steps must be >= 2 (the spread of a step's ratio needs two), "
+        f"got {args.steps}"
     )
-  if args.learning_rate is not None and not args.learning_rate > 0:
-    study.fail(f"--learning-rate must be > 0, got {args.learning_rate}")
+  study.check_positive("learning-rate", args.learning_rate)
   return args
+
+
+def arm_rate(args, shared, arm: str) -> float:
+  """``--learning-rate``, else the rate the parity study chose for ``arm``
+  (with ``--quick``, where no study ran, its grid's smallest); a sweep
+  still incomplete exits (status 2)."""
+  rate = args.learning_rate or parity.tuned_rate(shared, args.setting, arm)
+  if rate is None and args.quick:
+    rate = parity_design.grid(
+        shared, arm, parity_design.setting_of(args, args.setting)
+    )[0]
+  if rate is None:
+    study.fail(
+        f"--arms {arm}: the parity study's sweep of {arm} on "
+        f"{args.setting} is not complete; give --learning-rate"
+    )
+  return rate
+
+
+def arm_config(args, shared, arm: str, rate: float):
+  """The arm's run config, as the study runs it, for its warm-up and
+  ``--steps`` steps more (a bad ``--set`` exits, status 2)."""
+  preset = parity_design.setting_of(args, args.setting).preset
+  overrides = parity.run_overrides(shared, args.setting, arm, rate, 0, False)
+  warmup = study.run_config(args, overrides, preset).optimizer.warmup_steps
+  return study.run_config(
+      args, overrides + [f"steps={warmup + args.steps}"], preset
+  )
+
+
+def measure(args, arm: str, rate: float, config) -> dict:
+  """One arm followed and summed up: its kinds, totals per scheme, the
+  spread over steps and the Qwen2.5-7B projection."""
+  print(f"{arm} at {rate:g}", flush=True)
+  tally = follow(args, config)
+  summary = tally.summary()
+  return {
+      "learning_rate": rate,
+      "summary": summary,
+      "totals": {s: totals(summary, s) for s in SCHEMES},
+      "spread": tally.spread(),
+      "qwen2.5-7b": {s: at_7b(config, summary, s) for s in SCHEMES},
+  }
 
 
 def main() -> None:
   args = parse_args()
+  shared = parity.helper_args(args)
+  planned = {}
+  for arm in args.arms:
+    rate = arm_rate(args, shared, arm)
+    planned[arm] = rate, arm_config(args, shared, arm, rate)
   results_dir = study.results_folder(args, "sync_compression")
   record = study.provenance_record(args)
-  shared = parity.helper_args(args)
   parity.prepare(shared, [args.setting], record)
-  results = {}
-  for arm in args.arms:
-    rate = args.learning_rate or parity.tuned_rate(shared, args.setting, arm)
-    if rate is None and args.quick:
-      rate = parity_design.grid(
-          shared, arm, parity_design.setting_of(args, args.setting)
-      )[0]
-    if rate is None:
-      study.fail(
-          f"--arms {arm}: the parity study's sweep of {arm} on "
-          f"{args.setting} is not complete; give --learning-rate"
-      )
-    config = study.run_config(
-        args,
-        parity.run_overrides(shared, args.setting, arm, rate, 0, kl=False)
-        + [f"steps={args.steps}"],
-        parity_design.setting_of(args, args.setting).preset,
-    )
-    print(f"{arm} at {rate:g}", flush=True)
-    summary = follow(args, config).summary()
-    results[arm] = {
-        "learning_rate": rate,
-        "summary": summary,
-        "totals": {s: totals(summary, s) for s in SCHEMES},
-        "qwen2.5-7b": {s: at_7b(config, summary, s) for s in SCHEMES},
-    }
+  results = {arm: measure(args, arm, *planned[arm]) for arm in args.arms}
   table = report(args, results, record)
   (results_dir / "sync_compression.json").write_text(
       json.dumps({"provenance": record, "arms": results}, indent=1) + "\n"

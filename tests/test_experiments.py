@@ -759,6 +759,32 @@ def test_a_parity_row_is_reused_only_with_its_config_and_fingerprint(
   assert parity.config_hash(elsewhere) != row["config_hash"]
 
 
+def test_tuned_rates_are_those_the_committed_study_chose(tmp_path, monkeypatch):
+  """:func:`parity.tuned_rate` reads the committed sweep rows with the
+  seeds and grids the study recorded: each arm's rate is the one its final
+  rows ran at; an arm without its sweep has none; a row of another config
+  exits (status 2)."""
+  monkeypatch.setattr(sys, "argv", ["parity.py", f"--out={tmp_path}"])
+  args = parity.helper_args(parity.parse_args())
+  finals = {
+      (r["setting"], r["arm"]): float(r["learning_rate"])
+      for r in _rows(study.RESULTS / "parity" / "parity.csv")
+      if r["target_kl"] == "nan"
+  }
+  assert finals
+  for (name, arm), rate in finals.items():
+    assert parity.tuned_rate(args, name, arm) == rate
+  assert parity.tuned_rate(args, "smollm2", "logra") is None
+  elsewhere = tmp_path / "results"
+  shutil.copytree(study.RESULTS / "parity" / "rows", elsewhere / "rows")
+  shutil.copytree(study.RESULTS / "parity" / "policies", elsewhere / "policies")
+  (elsewhere / "policies" / "tiny" / "model.safetensors").write_bytes(b"x")
+  args.results = str(elsewhere)
+  with pytest.raises(SystemExit) as exit_:
+    parity.tuned_rate(args, "tiny", "adam")
+  assert exit_.value.code == 2
+
+
 def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
     tmp_path, monkeypatch
 ):
@@ -952,11 +978,12 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
 
 @pytest.mark.slow
 def test_sync_compression_quick_writes_well_formed_reports(
-    tmp_path, fingerprints
+    tmp_path, fingerprints, monkeypatch
 ):
-  """``sync_compression --quick``: 3 smoke steps of two arms; every scheme
-  restored every array bit for bit (the script checks), ratios positive,
-  the 7B projection's raw bytes those of sync_bytes' model."""
+  """``sync_compression --quick``: 3 smoke steps of two arms after their
+  warm-up; every scheme restored every array bit for bit (the script
+  checks), ratios positive and ordered per step, the 7B projection's raw
+  bytes those of sync_bytes' model of the arm's config."""
   done = _study(
       "sync_compression",
       "--arms",
@@ -975,8 +1002,28 @@ def test_sync_compression_quick_writes_well_formed_reports(
     for kind in arm["summary"].values():
       assert kind["raw_bytes_per_step"] > 0
       assert all(kind[s]["ratio"] > 0 for s in sync_compression.SCHEMES)
-    raw_7b = {raw for raw, _ in arm["qwen2.5-7b"].values()}
-    assert len(raw_7b) == 1 and raw_7b.pop() > 0
+    for low, median, high in arm["spread"].values():
+      assert 0 < low <= median <= high
+  # The 7B projection's raw bytes are sync_bytes' model of the arm's step.
+  argv = ["sync_compression.py", "--quick", f"--out={tmp_path / 'runs'}"]
+  monkeypatch.setattr(sys, "argv", argv)
+  args = sync_compression.parse_args()
+  shared = parity.helper_args(args)
+  rate = sync_compression.arm_rate(args, shared, "logra-10mb")
+  opt = sync_compression.arm_config(args, shared, "logra-10mb", rate).optimizer
+  parts = sync_bytes.message_bytes(
+      "qwen2.5-7b",
+      opt.rank,
+      sync_bytes.embeddings_of(opt),
+      coords_dtype=opt.coords_dtype,
+      kind=opt.kind,
+      step_bits=opt.step_bits,
+  )
+  expected = sum(parts[k] for k in (sync.COORDS, sync.SCALE, sync.DENSE))
+  for scheme in sync_compression.SCHEMES:
+    assert (
+        written["arms"]["logra-10mb"]["qwen2.5-7b"][scheme]["raw"] == expected
+    )
   table = (results / "sync_compression.md").read_text()
   assert "| arm | kind | raw KB/step |" in table
   assert "Command: `python " in table
@@ -1031,13 +1078,23 @@ def test_sync_compression_quick_writes_well_formed_reports(
         ),
         ("sync_compression", ["--arms", "adam"], "unknown arms ['adam']"),
         ("sync_compression", ["--steps", "1"], "--steps must be >= 2"),
+        (
+            "sync_compression",
+            ["--learning-rate", "inf"],
+            "--learning-rate must be a finite number > 0",
+        ),
+        (
+            "sync_compression",
+            ["--set", "optimizer.rank=0"],
+            "optimizer.rank must be",
+        ),
         ("gradient_spectrum", ["--setting", "gsm9k"], "unknown setting"),
         ("gradient_spectrum", ["--steps", "0"], "--steps must be >= 1"),
         ("gradient_spectrum", ["--ranks", "8", "0"], "--ranks must all be"),
         (
             "gradient_spectrum",
             ["--learning-rate", "nan"],
-            "--learning-rate must be > 0",
+            "--learning-rate must be a finite number > 0",
         ),
     ],
 )

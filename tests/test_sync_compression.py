@@ -3,6 +3,7 @@ against sizes worked out by hand."""
 
 import pathlib
 import sys
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -12,11 +13,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "experiments"))
 import sync_compression  # noqa: E402
 
 # Values a float array may hold whose bits an arithmetic delta would lose:
-# signed zeros, infinities, a NaN with a payload, subnormals.
+# signed zeros, infinities, a NaN with a payload, subnormals (float32).
 SPECIAL = np.array(
     [0.0, -0.0, np.inf, -np.inf, 1e-45, -3e-39, 1.0, -2.5], np.float32
 )
 NAN_PAYLOAD = np.array([0x7FC00123], np.uint32).view(np.float32)
+
+
+# The same for bfloat16, from its bits (a float32 cast would drop the NaN's
+# payload and flush the subnormal): +0, -0, +inf, -inf, the smallest
+# subnormal, a negative subnormal, a NaN with a payload, 1, -2.5.
+SPECIAL_BF16 = np.array(
+    [0x0000, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x8070, 0x7FC1, 0x3F80, 0xC020],
+    np.uint16,
+).view(ml_dtypes.bfloat16)
 
 
 def _arrays():
@@ -24,9 +34,10 @@ def _arrays():
   floats = np.concatenate([SPECIAL, NAN_PAYLOAD, rng.normal(size=23)])
   return [
       floats.astype(np.float32).reshape(4, 8),
-      floats.astype(ml_dtypes.bfloat16),
+      np.concatenate([SPECIAL_BF16, rng.normal(size=7).astype("bfloat16")]),
       rng.integers(0, 256, size=(3, 5), dtype=np.uint8),
       rng.integers(-8, 8, size=7).astype(np.int8),
+      np.array(-0.0, np.float32),  # a scalar
   ]
 
 
@@ -35,7 +46,7 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("form", ["raw", "shuffle", "xor"])
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_each_form_is_undone_bit_for_bit(form, index):
   x = _arrays()[index]
   old = np.roll(x.reshape(-1), 1).reshape(x.shape)  # another value, same type
@@ -60,10 +71,11 @@ def test_an_unchanged_array_xors_to_zero_bytes():
   assert sync_compression.to_bytes("xor", x, x.copy()) == bytes(x.nbytes)
 
 
-def test_the_tally_counts_raw_bytes_per_kind_and_message():
+def test_the_tally_counts_bytes_per_kind_and_message_as_worked_out():
   x = np.linspace(-1, 1, 256, dtype=np.float32)
-  first = {"['layers']['q'].coords": x, "['norm']": x[:64]}
-  second = {"['layers']['q'].coords": x * 1.001, "['norm']": x[:64]}
+  norm = x[:64]
+  first = {"['layers']['q'].coords": x, "['norm']": norm}
+  second = {"['layers']['q'].coords": x * 1.001, "['norm']": norm}
   tally = sync_compression.Tally()
   tally.add(first, {})
   tally.add(second, first)
@@ -71,10 +83,44 @@ def test_the_tally_counts_raw_bytes_per_kind_and_message():
   assert set(summary) == {"coords", "dense"}
   assert summary["coords"]["raw_bytes_per_step"] == 256 * 4
   assert summary["dense"]["raw_bytes_per_step"] == 64 * 4
-  # The dense leaf repeats: in the second message its XOR is all zeros, so
-  # the XOR scheme compresses it better than the array itself.
-  dense = summary["dense"]
-  assert dense["xor+shuffle+zlib"]["ratio"] > dense["zlib"]["ratio"]
+  # Per message, zlib of each kind's bytes as they are:
+  zlib_of = lambda a: len(zlib.compress(a.tobytes(), 6))
+  assert tally.steps[0]["zlib"] == (1280, zlib_of(x) + zlib_of(norm))
+  assert tally.steps[1]["zlib"] == (1280, zlib_of(x * 1.001) + zlib_of(norm))
+  # The dense leaf repeats: the first message XORs it with nothing (its
+  # shuffled bytes), the second with itself (256 zero bytes).
+  packed = lambda s: tally.packed["dense", s]
+  shuffled = len(zlib.compress(sync_compression.shuffled(norm), 6))
+  assert packed("shuffle+zlib") == 2 * shuffled
+  assert packed("xor+shuffle+zlib") == shuffled + len(
+      zlib.compress(bytes(256), 6)
+  )
+  for low, median, high in tally.spread().values():
+    assert low <= median <= high
+
+
+def test_totals_over_kinds_as_worked_out():
+  """1000 bytes of coordinates at ratio 2 and 500 of dense leaves at ratio
+  1, compressed at 1 and 2 MB/s and restored at 2 and 4: 1500 bytes
+  become 1000, in 1e-3 / 1 + 1e-3 / 2 + 5e-4 / 2 + 5e-4 / 4 = 1.875e-3 s;
+  compressing pays below 500 / 1.875e-3 bytes/s. The projectors of a
+  refresh are left out."""
+  rates = lambda ratio, there, back: {
+      "ratio": ratio,
+      "compress_mb_s": there,
+      "decompress_mb_s": back,
+  }
+  summary = {
+      "coords": {"raw_bytes_per_step": 1000.0, "zlib": rates(2.0, 1.0, 2.0)},
+      "dense": {"raw_bytes_per_step": 500.0, "zlib": rates(1.0, 2.0, 4.0)},
+      "projector": {"raw_bytes_per_step": 9e9, "zlib": rates(1.0, 1.0, 1.0)},
+  }
+  total = sync_compression.totals(summary, "zlib")
+  assert total["raw"] == 1500 and total["packed"] == 1000
+  assert total["seconds"] == pytest.approx(1.875e-3)
+  assert total["break_even_bytes_s"] == pytest.approx(500 / 1.875e-3)
+  summary["coords"]["zlib"]["ratio"] = 0.5  # compressing grows it: never
+  assert sync_compression.totals(summary, "zlib")["break_even_bytes_s"] == 0
 
 
 @pytest.mark.parametrize(

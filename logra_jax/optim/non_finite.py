@@ -74,9 +74,10 @@ def skip_non_finite(
   new and the old state keeps a second copy of it (Adam's state is two
   copies of the params). The result can only be checked after it is
   computed, so the old values stay alive until all of it is known to be
-  finite: at most about one copy of the params in temporaries, and under
-  LoGRA less than ``optax.apply_if_finite`` (XLA's memory analysis of a
-  donated step, ``tests/optim/test_non_finite.py``). The state is not
+  finite: one copy of the params and a byte per element (the result's
+  finiteness) in temporaries, and under LoGRA less than
+  ``optax.apply_if_finite`` (XLA's memory analysis of a donated step,
+  float32 and bfloat16, ``tests/optim/test_non_finite.py``). The state is not
   restored for the same reason (if it went non-finite itself, the next
   updates are skipped too, for "update", until the trainer's limit of
   consecutive skips stops the run). Checking the update before applying it
