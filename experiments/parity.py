@@ -527,13 +527,15 @@ def choose(rows: list[dict], rates: list[float]) -> float:
 def helper_args(args) -> argparse.Namespace:
   """Another study's flags as this study's helpers read them: the parity
   study's own results folder (where the settings' starting policies are
-  kept; with ``--quick``, a folder under ``--out``) and the sweep seeds and
-  grids its ``study.json`` records (the defaults where it has none)."""
+  kept; with ``--quick``, a folder under ``--out``) and the sweep seeds,
+  grids and ``--set`` its ``study.json`` records (the defaults where it has
+  none), so that its rows' configs are found as it made them."""
   kept = str(pathlib.Path(args.out) / "parity-quick") if args.quick else None
   shared = argparse.Namespace(**{**vars(args), "results": kept})
   recorded = study.results_path(shared, "parity") / "study.json"
   made = json.loads(recorded.read_text()) if recorded.exists() else {}
   shared.lr_grid = made.get("lr_grid", {})
+  shared.set = made.get("set", [])
   shared.sweep_seeds = made.get("sweep_seeds") or parity_design.SWEEP_SEEDS
   return shared
 
@@ -553,6 +555,13 @@ def tuned_rate(args, name: str, arm: str) -> float | None:
   ]
   if not all(row_path(results, key).exists() for key in keys):
     return None
+  policy = start_policy(args, name)
+  if not (policy / "model.safetensors").exists():
+    study.fail(
+        f"the sweep rows of {arm} on {name} name their starting policy by "
+        f"its weights, which are missing ({policy}): run parity.py on "
+        f"{name} to make it"
+    )
   rows = []
   for key in keys:
     path = row_path(results, key)

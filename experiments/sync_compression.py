@@ -20,25 +20,28 @@ bit:
                   the bitwise XOR with the same array in the previous step's
                   message, shuffled, then zlib: values that changed little
                   share their sign, exponent and high mantissa bits, so the
-                  XOR is mostly zero bytes. Exact, at a cost: the receiver
-                  must keep the last message to XOR it back (a message's
-                  bytes more of memory; about 4.4 GB at Qwen2.5-7B in the
-                  default configuration), since the arrays it holds are not
-                  the message's (coordinates change at merges, 4-bit codes
-                  are deltas);
+                  XOR is mostly zero bytes. Exact: the receiver XORs it
+                  back onto the array it holds, before it applies a window
+                  merge, where that is the last message's (coordinates,
+                  scales and dense leaves, unless it merges ahead); 4-bit
+                  step codes are deltas, so their last message is kept
+                  (small);
   lzma            ``lzma.compress`` at preset 1 of the shuffled XOR.
 
 Reported per arm and kind of array (coordinates ``A``, scales ``c``, dense
 leaves, 4-bit step codes): raw bytes per step, each scheme's ratio (raw /
 compressed) and its compression and decompression throughput on this CPU
-(one thread), and the spread of a whole step message's ratio over the
-measured steps. From those: the bytes of a step at Qwen2.5-7B shapes
-(:func:`sync_bytes.message_bytes`) compressed at the tiny run's ratio per
-kind (an assumption: at 7B the input embedding's unseen rows never change,
-so its XOR would compress further; the LM head changes every row every
-step), and the link bandwidth below which compressing pays, for the tiny
-message and for the 7B one (whose mix of kinds differs): the scheme's saved
-bytes over its compression and decompression seconds.
+(one thread, the fastest of :data:`TIMINGS` repetitions), and the spread of
+a whole step message's ratio over the measured steps. The measured steps
+hold a window merge only where the arm refreshes within them (every 10
+steps in logra-small-sync; every 50 elsewhere, so none). From those: the
+bytes of a step at Qwen2.5-7B shapes (:func:`sync_bytes.message_bytes`)
+compressed at the tiny run's ratio per kind (an assumption: at 7B the
+input embedding's unseen rows never change, so its XOR would compress
+further; the LM head changes every row every step), and the link
+bandwidth below which compressing pays, for the tiny message and for the
+7B one (whose mix of kinds differs): the scheme's saved bytes over its
+compression and decompression seconds.
 
 ``--quick``: the smoke policy for 3 steps (outputs well formed only).
 
@@ -54,6 +57,7 @@ from __future__ import annotations
 import collections
 import json
 import lzma
+import math
 import time
 import zlib
 
@@ -73,6 +77,9 @@ from logra_jax.rl import scoring
 from logra_jax.rl import setup
 
 KINDS = ("coords", "scale", "dense", "codes", "projector")
+# Each compression and decompression is timed this many times and the
+# fastest kept: the least disturbed by other work on the machine.
+TIMINGS = 3
 DEFAULT_ARMS = ["logra", "logra-projected", "logra-small-sync", "logra-10mb"]
 
 
@@ -183,15 +190,19 @@ class Tally:
     """One kind's arrays as one stream of ``scheme``: compressed, restored
     (timed apart), then checked bit for bit; the compressed bytes."""
     compress, decompress = CODECS[codec]
-    start = time.perf_counter()
-    data = compress(b"".join(to_bytes(form, x, o) for _, x, o in items))
-    middle = time.perf_counter()
-    stream, at, backs = decompress(data), 0, []
-    for _, x, old in items:
-      backs.append(from_bytes(form, stream[at : at + x.nbytes], x, old))
-      at += x.nbytes
-    self.back_seconds[kind, scheme] += time.perf_counter() - middle
-    self.seconds[kind, scheme] += middle - start
+    there, back = math.inf, math.inf
+    for _ in range(TIMINGS):
+      start = time.perf_counter()
+      data = compress(b"".join(to_bytes(form, x, o) for _, x, o in items))
+      middle = time.perf_counter()
+      stream, at, backs = decompress(data), 0, []
+      for _, x, old in items:
+        backs.append(from_bytes(form, stream[at : at + x.nbytes], x, old))
+        at += x.nbytes
+      there = min(there, middle - start)
+      back = min(back, time.perf_counter() - middle)
+    self.seconds[kind, scheme] += there
+    self.back_seconds[kind, scheme] += back
     self.packed[kind, scheme] += len(data)
     for (name, x, _), back in zip(items, backs):
       same = back.shape == x.shape and back.dtype == x.dtype
@@ -334,7 +345,7 @@ def at_7b(config, summary: dict[str, dict], scheme: str) -> dict[str, float]:
 def _bandwidth(bytes_s: float) -> str:
   """A break-even bandwidth in MB/s ("never" where compressing never
   pays)."""
-  return f"{bytes_s / 1e6:,.0f}" if bytes_s > 0 else "never"
+  return f"{bytes_s / 1e6:,.1f}" if bytes_s > 0 else "never"
 
 
 def report(args, results: dict, record: dict) -> str:
@@ -469,6 +480,7 @@ def measure(args, arm: str, rate: float, config) -> dict:
   summary = tally.summary()
   return {
       "learning_rate": rate,
+      "messages": len(tally.steps),
       "summary": summary,
       "totals": {s: totals(summary, s) for s in SCHEMES},
       "spread": tally.spread(),

@@ -785,6 +785,38 @@ def test_tuned_rates_are_those_the_committed_study_chose(tmp_path, monkeypatch):
   assert exit_.value.code == 2
 
 
+def test_tuned_rates_follow_the_seeds_grids_and_set_the_study_recorded(
+    tmp_path, monkeypatch
+):
+  """A study run with one sweep seed, its own grid and a ``--set``: its
+  rows are found and chosen from as it made them."""
+  monkeypatch.setattr(
+      sys, "argv", ["parity.py", "--quick", f"--out={tmp_path}"]
+  )
+  args = parity.helper_args(parity.parse_args())
+  results = study.results_path(args, "parity")
+  grid = [1e-4, 2e-4, 4e-4, 8e-4]
+  recorded = {"sweep_seeds": 1, "lr_grid": {"logra": grid}, "set": ["seed=3"]}
+  results.mkdir(parents=True)
+  (results / "study.json").write_text(json.dumps(recorded))
+  policy = parity.start_policy(args, "tiny")
+  policy.mkdir(parents=True)
+  (policy / "model.safetensors").write_bytes(b"weights")
+  args = parity.helper_args(args)
+  assert args.set == ["seed=3"]
+  for rate, accuracy in zip(grid, [0.1, 0.4, 0.3, 0.2]):
+    key = parity.key_of(args, "tiny", "logra", rate, 0, False)
+    path = parity.row_path(results, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {
+        "config_hash": parity.config_hash(key["config"]),
+        "learning_rate": rate,
+        "validation_after": accuracy,
+    }
+    path.write_text(json.dumps(row))
+  assert parity.tuned_rate(args, "tiny", "logra") == 2e-4
+
+
 def test_parity_runs_every_tuned_arm_before_any_kl_matched_run(
     tmp_path, monkeypatch
 ):
@@ -989,6 +1021,8 @@ def test_sync_compression_quick_writes_well_formed_reports(
       "--arms",
       "logra",
       "logra-10mb",
+      "--set",
+      "optimizer.warmup_steps=2",
       tmp_path=tmp_path,
       cache=fingerprints,
   )
@@ -999,6 +1033,7 @@ def test_sync_compression_quick_writes_well_formed_reports(
   assert "codes" in written["arms"]["logra-10mb"]["summary"]
   assert "codes" not in written["arms"]["logra"]["summary"]
   for arm in written["arms"].values():
+    assert arm["messages"] == 3  # the steps after the warm-up's 2
     for kind in arm["summary"].values():
       assert kind["raw_bytes_per_step"] > 0
       assert all(kind[s]["ratio"] > 0 for s in sync_compression.SCHEMES)
@@ -1006,6 +1041,7 @@ def test_sync_compression_quick_writes_well_formed_reports(
       assert 0 < low <= median <= high
   # The 7B projection's raw bytes are sync_bytes' model of the arm's step.
   argv = ["sync_compression.py", "--quick", f"--out={tmp_path / 'runs'}"]
+  argv += ["--set", "optimizer.warmup_steps=2"]
   monkeypatch.setattr(sys, "argv", argv)
   args = sync_compression.parse_args()
   shared = parity.helper_args(args)

@@ -95,8 +95,16 @@ def test_the_tally_counts_bytes_per_kind_and_message_as_worked_out():
   assert packed("xor+shuffle+zlib") == shuffled + len(
       zlib.compress(bytes(256), 6)
   )
-  for low, median, high in tally.spread().values():
-    assert low <= median <= high
+  ratios = [raw / packed for raw, packed in (m["zlib"] for m in tally.steps)]
+  assert tally.spread()["zlib"] == [min(ratios), np.median(ratios), max(ratios)]
+
+
+def test_a_refresh_projector_is_tallied_apart_from_the_step():
+  x = np.linspace(-1, 1, 64, dtype=np.float32)
+  tally = sync_compression.Tally()
+  tally.add({"['norm']": x, "projector:['layers']['q']": np.ones(512)}, {})
+  assert tally.summary()["projector"]["raw_bytes_per_step"] == 512 * 8
+  assert tally.steps[0]["zlib"][0] == 64 * 4  # the step's bytes alone
 
 
 def test_totals_over_kinds_as_worked_out():
