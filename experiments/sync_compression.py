@@ -2,9 +2,10 @@
 of real RL steps.
 
 Follows a parity setting's LoGRA arms through their learning-rate warm-up
-and then ``--steps`` steps each, as the study trains them (its starting
-policy, task, batch and the rate its sweep chose for the arm;
-``--learning-rate`` otherwise), and builds the message each step sends
+and then ``--steps`` steps each, in the study's configuration (its
+starting policy, task, batch and the rate its sweep chose for the arm;
+``--learning-rate`` otherwise; the prompts drawn at random per step, not in
+the trainer's order), and builds the message each step sends
 (:class:`logra_jax.sync.PolicySender`, as the trainer's process engine
 receives it). The warm-up's messages are sent but not measured: their steps
 are scaled down (the first is zero), so they would flatter the XOR scheme.
