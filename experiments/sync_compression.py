@@ -463,13 +463,12 @@ def arm_rate(args, shared, arm: str) -> float:
 
 
 def arm_config(args, shared, arm: str, rate: float):
-  """The arm's run config, as the study runs it, for its warm-up and
-  ``--steps`` steps more (a bad ``--set`` exits, status 2)."""
-  preset = parity_design.setting_of(args, args.setting).preset
-  overrides = parity.run_overrides(shared, args.setting, arm, rate, 0, False)
-  warmup = study.run_config(args, overrides, preset).optimizer.warmup_steps
+  """The arm's run config, as the study runs it (a bad ``--set`` exits,
+  status 2); :func:`follow` counts the steps itself."""
   return study.run_config(
-      args, overrides + [f"steps={warmup + args.steps}"], preset
+      args,
+      parity.run_overrides(shared, args.setting, arm, rate, 0, False),
+      parity_design.setting_of(args, args.setting).preset,
   )
 
 
