@@ -63,8 +63,6 @@ import study
 from logra_jax import policy_state
 from logra_jax.optim import non_finite
 from logra_jax.rl import learner
-from logra_jax.rl import scoring
-from logra_jax.rl import setup
 
 GROUPS = {
     "embedding": ("embed", "lm_head"),
@@ -264,12 +262,7 @@ def tapped_optimizer(config, params, tally_step):
 def follow(args, config) -> Tally:
   """Tuned Adam's run of the setting for ``--steps`` steps, every step's
   gradients tallied."""
-  task = setup.load_task(config)
-  train, _ = task.split(config.task.eval_size, seed=config.task.seed)
-  rewards = setup.run_rewards(config, task)
-  policy = setup.load_policy(
-      config, setup.policy_folder(config, train), None, print
-  )
+  policy, sample = study.sampler(config)
   tally = Tally(args.ranks, windows(args, config))
   step_now = [0]
   tx = tapped_optimizer(
@@ -279,14 +272,9 @@ def follow(args, config) -> Tally:
       config.optimizer, tx, policy.params
   )
   train_step = learner.make_train_step(policy.graphdef, tx, config)
-  prompts = config.rollout.prompts_per_step
-  rng = np.random.default_rng(config.seed)
   for step in range(args.steps):
     step_now[0] = step
-    examples = [train[i] for i in rng.integers(len(train), size=prompts)]
-    batch, metrics = scoring.rollout(
-        policy, params, examples, config, rewards, jax.random.key(step)
-    )
+    batch, metrics = sample(params, step)
     params, opt_state, _ = train_step(params, opt_state, batch)
     jax.effects_barrier()
     if step % 10 == 0 or step == args.steps - 1:
@@ -334,7 +322,9 @@ def report(args, tally: Tally, summary: dict, record: dict) -> str:
 
 def parse_args():
   """The flags, checked before anything runs (exit 2)."""
-  parser = study.parser(__doc__.splitlines()[0], "gradient_spectrum")
+  parser = study.parser(
+      __doc__.splitlines()[0], "gradient_spectrum", runs=False
+  )
   parser.add_argument(
       "--setting",
       default="tiny",

@@ -96,7 +96,9 @@ follow-up on a
 lever that does, ``logra-rank8-refresh10`` (rank 8 with a projector window
 of 10 steps instead of the default 50: does a shorter window gain on
 ``logra-rank8`` and recover ``logra``, against both of which it is tested?
-Refused on smollm2, whose window is 8).
+Refused on smollm2, whose window is 8) and ``logra-rank8-keep`` (rank 8 with
+``optimizer.moment_policy=keep``: do the moments lost in rotating them into
+a new basis at each refresh cost rank 8 its accuracy?).
 
 Tests (:data:`COMPARISONS`): each LoGRA arm and candidate against the
 tuned baselines; the candidates, the smallest-sync configuration and
@@ -165,10 +167,14 @@ CANDIDATES = {
 # setting, tested against the lever (does it gain?) and the default (does it
 # recover?): rank 8 with a projector window of 10 steps instead of the
 # default 50, so that a run's updates span more directions (at 7B, random
-# projectors would make the extra refreshes free to send). Refused on a
-# setting that sets the follow-up's setting itself (smollm2's window is 8).
+# projectors would make the extra refreshes free to send); rank 8 with its
+# moments kept as they are at a refresh instead of rotated into the new
+# basis (at rank 8 a new basis shares less with the old one, so the rotation
+# keeps less of the moments). Refused on a setting that sets the follow-up's
+# setting itself (smollm2's window is 8).
 FOLLOW_UPS = {
     "logra-rank8-refresh10": ("logra-rank8", {"refresh_every": "10"}),
+    "logra-rank8-keep": ("logra-rank8", {"moment_policy": "keep"}),
 }
 
 

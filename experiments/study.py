@@ -33,6 +33,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 import filelock
+import jax
 import numpy as np
 
 import provenance
@@ -41,6 +42,8 @@ from logra_jax import cli
 from logra_jax import configs
 from logra_jax.checkpoint import folders
 from logra_jax.rl import compilation_cache
+from logra_jax.rl import scoring
+from logra_jax.rl import setup
 from logra_jax.rl import trainer
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -84,15 +87,21 @@ def parser(
     description: str,
     study: str,
     seeds_help: str = "seeds per arm and task (3; 1 with --quick)",
+    runs: bool = True,
 ) -> argparse.ArgumentParser:
-  """The flags every study takes."""
+  """The flags every study takes; ``--seeds`` and ``--rerun`` only where it
+  trains runs of its own (``runs``)."""
   p = argparse.ArgumentParser(description=description)
   p.add_argument(
       "--quick",
       action="store_true",
       help="a few smoke-preset steps per run (checks the outputs only)",
   )
-  p.add_argument("--seeds", type=int, help=seeds_help)
+  if runs:
+    p.add_argument("--seeds", type=int, help=seeds_help)
+    p.add_argument(
+        "--rerun", action="store_true", help="redo runs already finished"
+    )
   p.add_argument("--out", default=f"runs/{study}", help="the runs' folders")
   p.add_argument(
       "--results",
@@ -104,9 +113,6 @@ def parser(
       action="append",
       default=[],
       help="a config override for every run (key=value)",
-  )
-  p.add_argument(
-      "--rerun", action="store_true", help="redo runs already finished"
   )
   p.add_argument(
       "--overwrite",
@@ -149,8 +155,10 @@ def fail(message: str) -> None:
 
 
 def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
-  """The parsed flags, ``--seeds`` defaulted and checked."""
+  """The parsed flags, ``--seeds`` (where taken) defaulted and checked."""
   args = parser.parse_args()
+  if "seeds" not in args:
+    return args
   if args.seeds is None:
     args.seeds = 1 if args.quick else 3
   if args.seeds < 1:
@@ -191,6 +199,30 @@ def run_config(args: argparse.Namespace, overrides: list[str], preset=None):
     )
   except ValueError as error:
     fail(" ".join(str(error).split()))
+
+
+def sampler(config) -> tuple[Any, Callable]:
+  """The starting policy of ``config``'s run, loaded as the run loads it,
+  and ``sample(params, step)``: the step's rollout batch and metrics, its
+  training prompts drawn from ``config.seed``'s stream (one call per step,
+  in order), sampled with ``params`` (the policy's, or a view of them)."""
+  task = setup.load_task(config)
+  train_split, _ = task.split(config.task.eval_size, seed=config.task.seed)
+  rewards = setup.run_rewards(config, task)
+  policy = setup.load_policy(
+      config, setup.policy_folder(config, train_split), None, print
+  )
+  rng = np.random.default_rng(config.seed)
+  size = config.rollout.prompts_per_step
+
+  def sample(params, step: int):
+    picked = rng.integers(len(train_split), size=size)
+    examples = [train_split[i] for i in picked]
+    return scoring.rollout(
+        policy, params, examples, config, rewards, jax.random.key(step)
+    )
+
+  return policy, sample
 
 
 def task_overrides(args: argparse.Namespace, task: str, seed: int) -> list:

@@ -62,7 +62,6 @@ import math
 import time
 import zlib
 
-import jax
 import numpy as np
 
 import parity
@@ -74,8 +73,6 @@ from logra_jax import policy_state
 from logra_jax import sync
 from logra_jax.sync import messages
 from logra_jax.rl import learner
-from logra_jax.rl import scoring
-from logra_jax.rl import setup
 
 KINDS = ("coords", "scale", "dense", "codes", "projector")
 # Each compression and decompression is timed this many times and the
@@ -252,12 +249,7 @@ def follow(args, config) -> Tally:
   """The arm's run through its warm-up (``optimizer.warmup_steps``) and
   ``--steps`` steps more, the step messages after the warm-up tallied (the
   first against the warm-up's last)."""
-  task = setup.load_task(config)
-  train, _ = task.split(config.task.eval_size, seed=config.task.seed)
-  rewards = setup.run_rewards(config, task)
-  policy = setup.load_policy(
-      config, setup.policy_folder(config, train), None, print
-  )
+  policy, sample = study.sampler(config)
   tx = policy_state.make_optimizer(config.optimizer, policy.params)
   weights, opt_state = policy_state.init_train_state(
       config.optimizer, tx, policy.params, seed=config.seed
@@ -272,17 +264,10 @@ def follow(args, config) -> Tally:
   full = sender.message(weights, opt_state, full=True)
   tally = Tally()
   previous = {n: np.asarray(x) for n, x in full.arrays.items()}
-  rng = np.random.default_rng(config.seed)
   warmup = config.optimizer.warmup_steps
   for step in range(warmup + args.steps):
-    examples = [
-        train[i]
-        for i in rng.integers(len(train), size=config.rollout.prompts_per_step)
-    ]
     view = policy_state.model_view(weights, opt_state)
-    batch, metrics = scoring.rollout(
-        policy, view, examples, config, rewards, jax.random.key(step)
-    )
+    batch, metrics = sample(view, step)
     weights, opt_state, _ = train_step(weights, opt_state, batch)
     message = sender.message(weights, opt_state)
     arrays = {n: np.asarray(x) for n, x in message.arrays.items()}
@@ -410,7 +395,7 @@ def report(args, results: dict, record: dict) -> str:
 
 def parse_args():
   """The flags, checked before anything runs (exit 2)."""
-  parser = study.parser(__doc__.splitlines()[0], "sync_compression")
+  parser = study.parser(__doc__.splitlines()[0], "sync_compression", runs=False)
   parser.add_argument(
       "--setting",
       default="tiny",

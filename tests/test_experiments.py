@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 
+import filelock
 import pytest
 
 from logra_jax import configs
@@ -40,10 +41,18 @@ import sync_compression  # noqa: E402
 PROVENANCE = ("commit", "dirty", "fingerprint", "date", "machine")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fingerprints(tmp_path_factory):
-  """One fingerprint cache for the module's studies (one smoke run)."""
-  return tmp_path_factory.mktemp("fingerprints")
+  """One fingerprint cache for the suite's studies, its workers' too: the
+  first worker to need it computes this tree's fingerprint (its smoke runs)
+  while the others wait on the lock, then read it."""
+  if "PYTEST_XDIST_WORKER" not in os.environ:  # one process
+    return tmp_path_factory.mktemp("fingerprints")
+  shared = tmp_path_factory.getbasetemp().parent  # this session's workers'
+  folder = shared / "fingerprints"
+  with filelock.FileLock(str(shared / "fingerprints.lock")):
+    provenance.fingerprint(folder)
+  return folder
 
 
 def _study(name, *args, tmp_path, cache=None):
@@ -1039,23 +1048,17 @@ def test_sync_compression_quick_writes_well_formed_reports(
       assert all(kind[s]["ratio"] > 0 for s in sync_compression.SCHEMES)
     for low, median, high in arm["spread"].values():
       assert 0 < low <= median <= high
-  # The 7B projection's raw bytes are sync_bytes' model of the arm's step.
-  argv = ["sync_compression.py", "--quick", f"--out={tmp_path / 'runs'}"]
-  argv += ["--set", "optimizer.warmup_steps=2"]
-  monkeypatch.setattr(sys, "argv", argv)
-  args = sync_compression.parse_args()
-  shared = parity.helper_args(args)
-  rate = sync_compression.arm_rate(args, shared, "logra-10mb")
-  opt = sync_compression.arm_config(args, shared, "logra-10mb", rate).optimizer
-  parts = sync_bytes.message_bytes(
-      "qwen2.5-7b",
-      opt.rank,
-      sync_bytes.embeddings_of(opt),
-      coords_dtype=opt.coords_dtype,
-      kind=opt.kind,
-      step_bits=opt.step_bits,
-  )
-  expected = sum(parts[k] for k in (sync.COORDS, sync.SCALE, sync.DENSE))
+  # The 7B projection's raw bytes, a step of logra-10mb (4-bit step codes,
+  # embeddings projected, no scales without weight decay) at rank 2 (--quick
+  # shrinks its rank 16 8x) and Qwen2.5-7B's shapes, by hand: per layer
+  # seven projected matrices of short side 3584 (q, o, gate, up, down) or
+  # 512 (k, v), each rank x short / 2 bytes of codes and rank int8 exponents,
+  # and float32 dense leaves (the q, k, v biases 3584 + 512 + 512 and two
+  # norms); the embedding table and LM head projected (short side 3584); the
+  # final norm.
+  rank = 2
+  layer = rank * (5 * 3584 + 2 * 512) // 2 + 7 * rank + 4 * (4608 + 2 * 3584)
+  expected = 28 * layer + 2 * (rank * 3584 // 2 + rank) + 4 * 3584
   for scheme in sync_compression.SCHEMES:
     assert (
         written["arms"]["logra-10mb"]["qwen2.5-7b"][scheme]["raw"] == expected
