@@ -405,12 +405,27 @@ def footer(command: str) -> str:
 
 def provenance_record(args: argparse.Namespace) -> dict[str, Any]:
   """This invocation's provenance (:func:`provenance.collect`); a full
-  (not ``--quick``) study notes its fingerprint in the ledger
-  (:func:`provenance.note_fingerprint`)."""
+  (not ``--quick``) study whose reports go under :data:`RESULTS` notes its
+  fingerprint in the ledger (:func:`provenance.note_fingerprint`) that
+  those results are read with."""
   value = fingerprint(args)
-  if not args.quick:
+  if not args.quick and writes_results(args):
     provenance.note_fingerprint(value)
   return provenance.collect(provenance.this_command(), value)
+
+
+def writes_results(args: argparse.Namespace) -> bool:
+  """Whether the reports go under :data:`RESULTS`: ``--results`` not given
+  (each study's default folder is there) or a folder inside it.
+
+  Example:
+    >>> writes_results(argparse.Namespace(results="/tmp/elsewhere"))
+    False
+  """
+  if args.results is None:
+    return True
+  folder = pathlib.Path(args.results).resolve()
+  return folder == RESULTS.resolve() or RESULTS.resolve() in folder.parents
 
 
 def write_provenance(record: dict[str, Any], folder: pathlib.Path) -> None:

@@ -930,6 +930,21 @@ def test_hosts_of_one_model_name_are_told_apart(monkeypatch):
   assert len({first, other_model, provenance.host()}) == 3
 
 
+def test_only_results_under_experiments_results_are_noted(monkeypatch):
+  """A full study writing its reports elsewhere (``--results`` outside
+  experiments/results, as the suite's do) leaves the committed ledger
+  alone; one writing there notes its fingerprint."""
+  noted = []
+  monkeypatch.setattr(study, "fingerprint", lambda args: "aaaa")
+  monkeypatch.setattr(provenance, "note_fingerprint", noted.append)
+  for results in ("/tmp/elsewhere", None, str(study.RESULTS / "parity")):
+    args = argparse.Namespace(quick=False, results=results)
+    assert study.provenance_record(args)["fingerprint"] == "aaaa"
+  assert noted == ["aaaa", "aaaa"]
+  study.provenance_record(argparse.Namespace(quick=True, results=None))
+  assert noted == ["aaaa", "aaaa"]
+
+
 def test_the_fingerprint_ledger_notes_clean_commits_once(tmp_path, monkeypatch):
   """A commit's fingerprint on this host is noted once; a tree whose
   package has uncommitted changes notes nothing (its fingerprint names no
