@@ -424,8 +424,7 @@ def writes_results(args: argparse.Namespace) -> bool:
   """
   if args.results is None:
     return True
-  folder = pathlib.Path(args.results).resolve()
-  return folder == RESULTS.resolve() or RESULTS.resolve() in folder.parents
+  return pathlib.Path(args.results).resolve().is_relative_to(RESULTS.resolve())
 
 
 def write_provenance(record: dict[str, Any], folder: pathlib.Path) -> None:

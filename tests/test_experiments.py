@@ -46,9 +46,9 @@ def fingerprints(tmp_path_factory):
   """One fingerprint cache for the suite's studies, its workers' too: the
   first worker to need it computes this tree's fingerprint (its smoke runs)
   while the others wait on the lock, then read it."""
-  if "PYTEST_XDIST_WORKER" not in os.environ:  # one process
-    return tmp_path_factory.mktemp("fingerprints")
-  shared = tmp_path_factory.getbasetemp().parent  # this session's workers'
+  shared = tmp_path_factory.getbasetemp()
+  if "PYTEST_XDIST_WORKER" in os.environ:
+    shared = shared.parent  # this session's, above each worker's
   folder = shared / "fingerprints"
   with filelock.FileLock(str(shared / "fingerprints.lock")):
     provenance.fingerprint(folder)
@@ -1034,7 +1034,7 @@ def test_gradient_spectrum_quick_writes_well_formed_reports(
 
 @pytest.mark.slow
 def test_sync_compression_quick_writes_well_formed_reports(
-    tmp_path, fingerprints, monkeypatch
+    tmp_path, fingerprints
 ):
   """``sync_compression --quick``: 3 smoke steps of two arms after their
   warm-up; every scheme restored every array bit for bit (the script
